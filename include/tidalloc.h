@@ -1,0 +1,335 @@
+/* tidalloc.h: the whole public C API of tidalloc, a caching GPU memory allocator
+ * for streaming inference. Everything a program can call is declared here, with
+ * the tide_ prefix; every other symbol of the library is internal.
+ *
+ * A tide_allocator serves one device. Memory comes back from tide_malloc in
+ * blocks carved from segments; freed blocks stay cached for reuse and are only
+ * returned to the device by tide_empty_cache, by the garbage collector or by
+ * the out-of-memory path. With expandable segments (the default) a segment is
+ * one large virtual range whose pages are mapped as blocks need them, so
+ * reserved memory follows allocated memory closely.
+ *
+ * Errors: functions return a tide_status (TIDE_OK is 0) and the allocation
+ * functions return NULL; tide_last_error() then holds a message for the
+ * calling thread, in words a user can act on. The library never aborts and
+ * never prints. */
+#ifndef TIDALLOC_H
+#define TIDALLOC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define TIDE_API
+#else
+#define TIDE_API __attribute__((visibility("default")))
+#endif
+
+#define TIDE_VERSION_MAJOR 0
+#define TIDE_VERSION_MINOR 1
+#define TIDE_VERSION_PATCH 0
+#define TIDE_VERSION_STRING "0.1.0"
+
+/* ------------------------------------------------------------------------ */
+/* Status codes and errors                                                  */
+/* ------------------------------------------------------------------------ */
+
+typedef enum tide_status {
+  TIDE_OK = 0,
+  TIDE_ERR_OOM = 1,          /* out of memory: device, memory limit or host capacity */
+  TIDE_ERR_INVALID = 2,      /* a bad argument (size, handle, stream, NULL) */
+  TIDE_ERR_BAD_POINTER = 3,  /* a pointer this allocator never handed out, or an interior one */
+  TIDE_ERR_DOUBLE_FREE = 4,  /* a pointer that was already freed */
+  TIDE_ERR_CONFIG = 5,       /* a bad configuration key or value */
+  TIDE_ERR_STATE = 6,        /* the call is not allowed now (after shutdown, config after use) */
+  TIDE_ERR_BACKEND = 7,      /* the device backend failed */
+  TIDE_ERR_UNAVAILABLE = 8,  /* the backend asked for cannot be used on this machine */
+  TIDE_ERR_NOT_READY = 9,    /* work is still pending (a query answer, not a failure) */
+} tide_status;
+
+/* The name of a status code ("TIDE_ERR_OOM"). Never NULL. */
+TIDE_API const char *tide_status_name(tide_status status);
+/* The message of the last failure on the calling thread, or "" if there was
+ * none. Valid until the next tidalloc call on this thread. */
+TIDE_API const char *tide_last_error(void);
+/* The status of the last failure on the calling thread (TIDE_OK if none). */
+TIDE_API tide_status tide_last_status(void);
+/* Forget the last failure of the calling thread. */
+TIDE_API void tide_clear_error(void);
+
+/* The library version, as TIDE_VERSION_STRING. */
+TIDE_API const char *tide_version(void);
+
+/* ------------------------------------------------------------------------ */
+/* Configuration                                                            */
+/* ------------------------------------------------------------------------ */
+
+/* A set of options. Options are written "key:value,key:value" as in
+ * PYTORCH_CUDA_ALLOC_CONF; the keys PyTorch users know keep their meaning.
+ * `tidalloc info` prints every option with its value and where it came from. */
+typedef struct tide_config tide_config;
+
+typedef enum tide_conf_source {
+  TIDE_CONF_DEFAULT = 0,     /* nobody set it */
+  TIDE_CONF_ENVIRONMENT = 1, /* from the TIDALLOC_CONF environment variable */
+  TIDE_CONF_CODE = 2,        /* from tide_config_set/parse or tide_conf_set */
+} tide_conf_source;
+
+/* One option, as tide_config_option describes it. Strings belong to the
+ * config and stay valid until it is changed or freed. */
+typedef struct tide_option_info {
+  const char *key;
+  const char *value;   /* the current value, formatted */
+  const char *default_value;
+  const char *meaning; /* one line */
+  tide_conf_source source;
+} tide_option_info;
+
+/* A new config holding every default. */
+TIDE_API tide_status tide_config_new(tide_config **out);
+TIDE_API void tide_config_free(tide_config *config);
+/* Apply the TIDALLOC_CONF environment variable (absent or empty: no change). */
+TIDE_API tide_status tide_config_load_env(tide_config *config);
+/* Apply "key:value,key:value". On error nothing is applied. */
+TIDE_API tide_status tide_config_parse(tide_config *config, const char *text);
+/* Set one option from its text form. */
+TIDE_API tide_status tide_config_set(tide_config *config, const char *key, const char *value);
+/* The current value of one option, formatted, into buf (always terminated). */
+TIDE_API tide_status tide_config_get(const tide_config *config, const char *key, char *buf,
+                                     size_t len);
+/* The number of options, and a description of the i-th (0-based). */
+TIDE_API size_t tide_config_option_count(void);
+TIDE_API tide_status tide_config_option(const tide_config *config, size_t index,
+                                        tide_option_info *out);
+
+/* The process-wide configuration used by tide_device(): defaults, then
+ * TIDALLOC_CONF, then every tide_conf_set() call made before first use. After
+ * the first tide_device() a change is refused with TIDE_ERR_STATE (and the
+ * message says which keys would have changed), never silently ignored. */
+TIDE_API tide_status tide_conf_set(const char *text);
+/* A copy of the process-wide configuration, to read it. Free with tide_config_free. */
+TIDE_API tide_status tide_conf_get(tide_config **out);
+
+/* ------------------------------------------------------------------------ */
+/* Allocators                                                               */
+/* ------------------------------------------------------------------------ */
+
+typedef struct tide_allocator tide_allocator;
+
+/* A stream of work on the device. On the CUDA backend it is a CUstream
+ * (cudaStream_t); NULL is the default stream. On the host backend, streams are
+ * emulated and come from tide_stream_create. */
+typedef struct tide_stream_st *tide_stream;
+
+/* An allocator for one device, configured by `config` (NULL: defaults, then
+ * TIDALLOC_CONF). The config is copied. */
+TIDE_API tide_status tide_create(int device, const tide_config *config, tide_allocator **out);
+/* Destroy an allocator and return all of its memory to the device. Blocks not
+ * freed are released too; the call reports them with TIDE_ERR_STATE after
+ * doing so (the allocator is gone either way). */
+TIDE_API tide_status tide_destroy(tide_allocator *alloc);
+
+/* The process-wide allocator of a device, created on first use from the
+ * process-wide configuration. NULL (with a message) if it cannot be created
+ * or after tide_shutdown. */
+TIDE_API tide_allocator *tide_device(int device);
+/* Destroy every process-wide allocator. Later tide_device calls fail with
+ * TIDE_ERR_STATE. */
+TIDE_API tide_status tide_shutdown(void);
+
+/* ------------------------------------------------------------------------ */
+/* Allocation                                                               */
+/* ------------------------------------------------------------------------ */
+
+/* At least `size` bytes of device memory, aligned to 512 bytes, for use on
+ * `stream`. NULL on failure: size 0 or too large (TIDE_ERR_INVALID), or out
+ * of memory after freeing cached memory and retrying (TIDE_ERR_OOM, with a
+ * message naming the request, allocated, reserved, the device's free memory,
+ * the largest free block and what to try). */
+TIDE_API void *tide_malloc(tide_allocator *alloc, size_t size, tide_stream stream);
+
+/* Free a block. `stream` is the stream whose queued work last uses it:
+ * normally the stream it was allocated on, in which case the block is reused
+ * at once by later work on that stream. If `stream` is another stream, the
+ * block is reused only after the work queued on `stream` up to now is done.
+ * A NULL ptr is a no-op. */
+TIDE_API tide_status tide_free(tide_allocator *alloc, void *ptr, tide_stream stream);
+/* As tide_free, checking that `size` is the size that was asked for. A wrong
+ * size frees nothing and returns TIDE_ERR_INVALID. */
+TIDE_API tide_status tide_free_sized(tide_allocator *alloc, void *ptr, size_t size,
+                                     tide_stream stream);
+/* Mark a block as used on another stream: when freed, it is reused only after
+ * the work queued on `stream` up to the free is done. */
+TIDE_API tide_status tide_record_stream(tide_allocator *alloc, void *ptr, tide_stream stream);
+
+/* The block containing `ptr`: its start, its usable size and its stream. */
+TIDE_API tide_status tide_block_info(tide_allocator *alloc, const void *ptr, void **base,
+                                     size_t *size, tide_stream *stream);
+
+/* Return every cached free page and segment to the device. Blocks waiting on
+ * other streams are waited for first. */
+TIDE_API tide_status tide_empty_cache(tide_allocator *alloc);
+
+/* Limit reserved memory to a fraction (0, 1] of the device's total memory, or
+ * to a number of bytes (0: no limit). The smaller of the two applies. */
+TIDE_API tide_status tide_set_memory_fraction(tide_allocator *alloc, double fraction);
+TIDE_API tide_status tide_set_memory_limit(tide_allocator *alloc, size_t bytes);
+
+/* ------------------------------------------------------------------------ */
+/* Streams                                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* Create, synchronize and destroy streams through the allocator's backend
+ * (on CUDA a plain CUstream; on the host backend an emulated stream). */
+TIDE_API tide_status tide_stream_create(tide_allocator *alloc, tide_stream *out);
+TIDE_API tide_status tide_stream_destroy(tide_allocator *alloc, tide_stream stream);
+TIDE_API tide_status tide_stream_synchronize(tide_allocator *alloc, tide_stream stream);
+
+/* ------------------------------------------------------------------------ */
+/* Statistics, snapshots and the trace                                      */
+/* ------------------------------------------------------------------------ */
+
+typedef struct tide_stat {
+  int64_t current;
+  int64_t peak;
+} tide_stat;
+
+enum { TIDE_POOL_ALL = 0, TIDE_POOL_SMALL = 1, TIDE_POOL_LARGE = 2, TIDE_POOL_KINDS = 3 };
+
+/* Byte and count statistics, each for all pools, the small pool (requests up
+ * to 1 MiB) and the large pool. Peaks are exact: they are the highest value
+ * the current figure reached since creation or tide_reset_peak_stats.
+ * - allocated: bytes in blocks handed out (rounded sizes);
+ * - requested: bytes asked for;
+ * - active: allocated plus freed blocks still waiting on another stream;
+ * - inactive_split: free bytes in blocks split from larger ones;
+ * - reserved: bytes of device memory held (mapped pages, fixed segments). */
+typedef struct tide_stats {
+  tide_stat allocated_bytes[TIDE_POOL_KINDS];
+  tide_stat requested_bytes[TIDE_POOL_KINDS];
+  tide_stat active_bytes[TIDE_POOL_KINDS];
+  tide_stat inactive_split_bytes[TIDE_POOL_KINDS];
+  tide_stat reserved_bytes[TIDE_POOL_KINDS];
+  tide_stat allocations[TIDE_POOL_KINDS];    /* live allocations */
+  tide_stat active_blocks[TIDE_POOL_KINDS];  /* allocations plus blocks waiting on streams */
+  tide_stat inactive_split[TIDE_POOL_KINDS]; /* free split blocks */
+  tide_stat segments[TIDE_POOL_KINDS];       /* fixed and expandable segments */
+  uint64_t num_allocs;          /* successful tide_malloc calls */
+  uint64_t num_frees;           /* successful frees */
+  uint64_t pages_mapped;        /* pages mapped into expandable segments */
+  uint64_t pages_unmapped;      /* pages unmapped from them */
+  uint64_t segments_created;
+  uint64_t segments_released;
+  uint64_t num_alloc_retries;   /* allocations that freed cached memory and retried */
+  uint64_t num_ooms;            /* allocations that failed for lack of memory */
+  uint64_t num_sync_all_streams;/* times the allocator waited for pending streams */
+  uint64_t num_device_alloc;    /* backend calls that created physical memory */
+  uint64_t num_device_free;     /* backend calls that released it */
+  uint64_t oversize_allocations;/* live allocations of at least max_split_size */
+  uint64_t memory_limit;        /* bytes reserved memory may reach (0: the device's) */
+  uint64_t reserved_u64[8];     /* for future use; zero */
+} tide_stats;
+
+TIDE_API tide_status tide_get_stats(tide_allocator *alloc, tide_stats *out);
+/* Set every peak to its current value. */
+TIDE_API tide_status tide_reset_peak_stats(tide_allocator *alloc);
+
+/* A JSON document of every segment and block: address, size, state, stream,
+ * requested size, mapped or not. Free the text with tide_string_free. */
+TIDE_API tide_status tide_snapshot_json(tide_allocator *alloc, char **out, size_t *len);
+TIDE_API void tide_string_free(char *text);
+
+typedef enum tide_trace_kind {
+  TIDE_TRACE_ALLOC = 0,
+  TIDE_TRACE_FREE = 1,     /* the user freed a block (it may still wait on streams) */
+  TIDE_TRACE_MAP = 2,      /* pages mapped into a segment, or a fixed segment created */
+  TIDE_TRACE_UNMAP = 3,    /* pages unmapped, or a fixed segment released */
+  TIDE_TRACE_OOM = 4,      /* an allocation failed for lack of memory */
+  TIDE_TRACE_EMPTY_CACHE = 5,
+} tide_trace_kind;
+
+typedef struct tide_trace_event {
+  uint64_t seq;     /* 0, 1, 2, ... in the order events happened */
+  uint64_t time_ns; /* monotonic clock */
+  uint32_t kind;    /* tide_trace_kind */
+  uint32_t pool;    /* TIDE_POOL_SMALL or TIDE_POOL_LARGE (0 if none) */
+  uint64_t addr;
+  uint64_t size;
+  tide_stream stream;
+} tide_trace_event;
+
+/* Copy up to `cap` of the newest trace events into `out`, oldest first; `n`
+ * gets how many were copied and `dropped` (if not NULL) how many older events
+ * the ring overwrote. The ring holds the `trace` configuration key's count of
+ * events (0: tracing off). */
+TIDE_API tide_status tide_trace_read(tide_allocator *alloc, tide_trace_event *out, size_t cap,
+                                     size_t *n, uint64_t *dropped);
+
+/* ------------------------------------------------------------------------ */
+/* Devices and the backend                                                  */
+/* ------------------------------------------------------------------------ */
+
+typedef struct tide_info {
+  const char *version;
+  const char *backend;     /* "host" or "cuda" */
+  const char *device_name; /* "emulated device" or the GPU's name */
+  int device;
+  int device_count;
+  uint64_t total_memory;
+  uint64_t free_memory;
+  uint64_t granularity;    /* the backend's mapping granularity */
+  uint64_t page_size;      /* the page size expandable segments map */
+} tide_info;
+
+TIDE_API tide_status tide_get_info(tide_allocator *alloc, tide_info *out);
+
+/* ------------------------------------------------------------------------ */
+/* Host backend controls (an emulated device, for tests without a GPU)      */
+/* ------------------------------------------------------------------------ */
+
+/* The backend operations, for counting calls and injecting failures. */
+typedef enum tide_backend_op {
+  TIDE_OP_ANY = 0,
+  TIDE_OP_RESERVE,
+  TIDE_OP_UNRESERVE,
+  TIDE_OP_CREATE,
+  TIDE_OP_RELEASE,
+  TIDE_OP_MAP,
+  TIDE_OP_SET_ACCESS,
+  TIDE_OP_UNMAP,
+  TIDE_OP_STREAM_CREATE,
+  TIDE_OP_STREAM_DESTROY,
+  TIDE_OP_STREAM_SYNCHRONIZE,
+  TIDE_OP_EVENT_CREATE,
+  TIDE_OP_EVENT_DESTROY,
+  TIDE_OP_EVENT_RECORD,
+  TIDE_OP_EVENT_QUERY,
+  TIDE_OP_EVENT_SYNCHRONIZE,
+  TIDE_OP_MEM_INFO,
+  TIDE_OP_COUNT
+} tide_backend_op;
+
+/* The name of an operation ("map"). */
+TIDE_API const char *tide_backend_op_name(tide_backend_op op);
+
+/* Hold a stream of the host backend: events recorded on it stay pending (as
+ * if a long kernel ran) until tide_host_stream_release completes them. */
+TIDE_API tide_status tide_host_stream_hold(tide_allocator *alloc, tide_stream stream);
+TIDE_API tide_status tide_host_stream_release(tide_allocator *alloc, tide_stream stream);
+/* Make the n-th call (n >= 1, counted from now) of `op` fail; TIDE_OP_ANY
+ * counts calls of every operation. n = 0 disarms. One arming per op. */
+TIDE_API tide_status tide_host_fail_call(tide_allocator *alloc, tide_backend_op op, uint64_t n);
+/* How many times `op` was called on this allocator's host backend. */
+TIDE_API uint64_t tide_host_call_count(tide_allocator *alloc, tide_backend_op op);
+/* Bytes of emulated device memory created and not yet released. */
+TIDE_API uint64_t tide_host_bytes_in_use(tide_allocator *alloc);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TIDALLOC_H */

@@ -1,0 +1,85 @@
+/* backend.h: the contract between the allocator and a device.
+ *
+ * A backend is a table of operations over one device plus a context pointer.
+ * Every operation returns TIDE_OK (0) on success, or a tide_status and a
+ * message set with _tide_error_set (so the caller can pass it on). Failing
+ * calls change nothing: a failed map leaves the range unmapped, a failed
+ * create holds no memory. Operations may be called from several threads at
+ * once; the backend serializes what it must.
+ *
+ * Preconditions the allocator keeps (the host backend checks them and fails
+ * with TIDE_ERR_BACKEND where the CUDA driver would fail too):
+ * - reserve: size and align are multiples of the granularity. The range is
+ *   inaccessible until pages are mapped into it and made accessible.
+ * - unreserve: a whole range from reserve, with nothing mapped in it.
+ * - create: size is a multiple of the granularity. TIDE_ERR_OOM when the
+ *   device has not that much memory left. Handles are never 0.
+ * - release: a handle from create. Memory a handle holds stays alive until
+ *   it is released and unmapped everywhere.
+ * - map: addr is inside a reserved range, aligned to the granularity, and
+ *   [addr, addr+size) is unmapped; size is the handle's whole size. The same
+ *   handle may be mapped at several addresses (ring buffers use this).
+ * - set_access: [addr, addr+size) is fully mapped; after it the device (and on
+ *   the host backend, the CPU) may read and write the range.
+ * - unmap: exactly one earlier mapping (its address and size).
+ * - streams: NULL is the default stream. Events recorded on a stream complete
+ *   once the work queued on it before the record is done; event_query answers
+ *   TIDE_OK (done) or TIDE_ERR_NOT_READY. */
+#ifndef TIDE_BACKEND_H
+#define TIDE_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tidalloc.h"
+
+typedef uint64_t _tide_handle; /* physical memory: never 0 */
+typedef void *_tide_event;
+
+typedef struct _tide_backend_ops {
+  const char *name;
+  void (*destroy)(void *ctx);
+
+  int (*device_count)(void *ctx, int *count);
+  int (*device_name)(void *ctx, char *buf, size_t len);
+  int (*mem_info)(void *ctx, size_t *free_bytes, size_t *total_bytes);
+  int (*granularity)(void *ctx, size_t *bytes);
+
+  int (*reserve)(void *ctx, size_t size, size_t align, uintptr_t *addr);
+  int (*unreserve)(void *ctx, uintptr_t addr, size_t size);
+  int (*create)(void *ctx, size_t size, _tide_handle *out);
+  int (*release)(void *ctx, _tide_handle handle);
+  int (*map)(void *ctx, uintptr_t addr, size_t size, _tide_handle handle);
+  int (*set_access)(void *ctx, uintptr_t addr, size_t size);
+  int (*unmap)(void *ctx, uintptr_t addr, size_t size);
+
+  int (*stream_create)(void *ctx, tide_stream *out);
+  int (*stream_destroy)(void *ctx, tide_stream stream);
+  int (*stream_synchronize)(void *ctx, tide_stream stream);
+  int (*event_create)(void *ctx, _tide_event *out);
+  int (*event_destroy)(void *ctx, _tide_event event);
+  int (*event_record)(void *ctx, _tide_event event, tide_stream stream);
+  int (*event_query)(void *ctx, _tide_event event);
+  int (*event_synchronize)(void *ctx, _tide_event event);
+} _tide_backend_ops;
+
+typedef struct _tide_backend {
+  const _tide_backend_ops *ops;
+  void *ctx;
+  int is_host; /* the host backend's controls (hold, faults) apply */
+} _tide_backend;
+
+struct _tide_conf_values;
+
+/* Open the host backend for one emulated device. Each instance is its own
+ * device: its own capacity (conf->host_capacity), mappings and streams. */
+int _tide_host_open(const struct _tide_conf_values *conf, int device, _tide_backend *out);
+
+/* Host backend controls behind the tide_host_* functions. */
+int _tide_host_stream_hold(_tide_backend *b, tide_stream stream);
+int _tide_host_stream_release(_tide_backend *b, tide_stream stream);
+int _tide_host_fail_call(_tide_backend *b, tide_backend_op op, uint64_t n);
+uint64_t _tide_host_call_count(_tide_backend *b, tide_backend_op op);
+uint64_t _tide_host_bytes_in_use(_tide_backend *b);
+
+#endif /* TIDE_BACKEND_H */

@@ -1,0 +1,113 @@
+/* internal.h: the glossary and what the library's files share.
+ *
+ * Words (see docs/design.md for the picture):
+ * - device:    one GPU, or one emulated device of the host backend.
+ * - page:      the unit of physical memory an expandable segment maps
+ *              (page_size, a multiple of the backend's granularity).
+ * - segment:   a range of device addresses blocks are carved from. A fixed
+ *              segment is backed whole at creation; an expandable segment
+ *              reserves a large virtual range and maps pages on demand.
+ * - block:     a piece of a segment: allocated, free (mapped, in a bin),
+ *              pending (freed, waiting on events of other streams) or
+ *              unmapped (virtual space of an expandable segment, no pages).
+ * - pool:      the small (requests up to 1 MiB) or large blocks of an arena.
+ * - arena:     the pools, segments and live blocks of one stream, behind
+ *              one lock: streams never contend with each other.
+ * - reserved:  physical bytes held; allocated: bytes handed to users.
+ *
+ * Names: public functions are tide_*, functions shared between files are
+ * _tide_*, everything else is static. */
+#ifndef TIDE_INTERNAL_H
+#define TIDE_INTERNAL_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tidalloc.h"
+
+#define TIDE_KiB ((size_t)1 << 10)
+#define TIDE_MiB ((size_t)1 << 20)
+#define TIDE_GiB ((size_t)1 << 30)
+
+/* PyTorch's constants, which our users' intuitions are built on. */
+#define TIDE_MIN_BLOCK ((size_t)512)          /* every size is rounded to this */
+#define TIDE_SMALL_SIZE ((size_t)1 << 20)     /* requests up to this use the small pool */
+#define TIDE_SMALL_BUFFER ((size_t)2 << 20)   /* fixed segment size of the small pool */
+#define TIDE_LARGE_BUFFER ((size_t)20 << 20)  /* fixed segment size for requests below */
+#define TIDE_MIN_LARGE_ALLOC ((size_t)10 << 20)
+#define TIDE_ROUND_LARGE ((size_t)2 << 20)    /* fixed segments above round to this */
+/* Sizes above this are refused outright: no device has this much memory and
+ * rounding arithmetic stays far from overflow. */
+#define TIDE_MAX_ALLOC ((size_t)1 << 52)
+
+#if defined(__GNUC__)
+#define TIDE_LIKELY(x) __builtin_expect(!!(x), 1)
+#define TIDE_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define TIDE_PRINTF(f, a) __attribute__((format(printf, f, a)))
+#else
+#define TIDE_LIKELY(x) (x)
+#define TIDE_UNLIKELY(x) (x)
+#define TIDE_PRINTF(f, a)
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* Errors (error.c)                                                          */
+/* ------------------------------------------------------------------------ */
+
+/* Record a failure for the calling thread and return `status`, so that
+ * `return _tide_error_set(TIDE_ERR_INVALID, "...")` reads naturally. */
+int _tide_error_set(tide_status status, const char *fmt, ...) TIDE_PRINTF(2, 3);
+/* Prefix the current message with more context ("growing segment: ..."). */
+void _tide_error_prefix(const char *fmt, ...) TIDE_PRINTF(1, 2);
+/* Format a byte count for messages: "1.50 GiB", "512 B". buf >= 32 bytes. */
+const char *_tide_format_bytes(uint64_t bytes, char *buf, size_t len);
+
+/* ------------------------------------------------------------------------ */
+/* Configuration (conf.c)                                                    */
+/* ------------------------------------------------------------------------ */
+
+enum { TIDE_BACKEND_AUTO = 0, TIDE_BACKEND_HOST = 1, TIDE_BACKEND_CUDA = 2 };
+
+/* PyTorch's roundup_power2_divisions intervals: 1 MiB, 2 MiB, ... 64 GiB. */
+#define TIDE_ROUNDUP_INTERVALS 17
+
+/* The resolved value of every option (tide_config holds these plus where
+ * each came from). */
+typedef struct _tide_conf_values {
+  int backend;                       /* TIDE_BACKEND_* */
+  bool expandable_segments;          /* default true */
+  size_t page_size;                  /* bytes an expandable segment maps at once */
+  size_t max_split_size;             /* SIZE_MAX: no limit */
+  unsigned roundup_divisions[TIDE_ROUNDUP_INTERVALS]; /* 0 or 1: plain 512 B rounding */
+  double gc_threshold;               /* garbage_collection_threshold, 0: off */
+  double memory_fraction;            /* 0: no limit by fraction */
+  size_t memory_limit;               /* bytes, 0: no limit */
+  bool release_holes;                /* recycle free pages inside segments when growing */
+  size_t trace_capacity;             /* trace ring events, 0: off */
+  size_t host_capacity;              /* bytes of the emulated device */
+  size_t host_granularity;           /* the emulated device's mapping granularity */
+  int host_devices;                  /* emulated devices */
+} _tide_conf_values;
+
+/* The values of a config (tide_config is opaque outside conf.c). */
+const _tide_conf_values *_tide_config_values(const tide_config *config);
+/* Copy of a config, or NULL without memory. */
+tide_config *_tide_config_clone(const tide_config *config);
+
+/* ------------------------------------------------------------------------ */
+/* Locks (lock.h has the inline fast path)                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef struct _tide_lock {
+  atomic_int held;
+} _tide_lock;
+
+/* ------------------------------------------------------------------------ */
+/* Clock                                                                     */
+/* ------------------------------------------------------------------------ */
+
+uint64_t _tide_now_ns(void);
+
+#endif /* TIDE_INTERNAL_H */
