@@ -95,6 +95,9 @@ typedef struct _tide_conf_values {
 const _tide_conf_values *_tide_config_values(const tide_config *config);
 /* Copy of a config, or NULL without memory. */
 tide_config *_tide_config_clone(const tide_config *config);
+/* Write into buf the keys whose values differ between a and b, as
+ * "key: old -> new; ..." (empty when equal). Returns how many differ. */
+size_t _tide_config_diff(const tide_config *a, const tide_config *b, char *buf, size_t len);
 
 /* ------------------------------------------------------------------------ */
 /* Locks (lock.h has the inline fast path)                                   */
