@@ -82,7 +82,7 @@ typedef struct _tide_conf_values {
   size_t max_split_size;             /* SIZE_MAX: no limit */
   unsigned roundup_divisions[TIDE_ROUNDUP_INTERVALS]; /* 0 or 1: plain 512 B rounding */
   double gc_threshold;               /* garbage_collection_threshold, 0: off */
-  double memory_fraction;            /* 0: no limit by fraction */
+  double memory_fraction;            /* (0, 1]; 1.0 (default): the whole device; treat 0 alike */
   size_t memory_limit;               /* bytes, 0: no limit */
   bool release_holes;                /* recycle free pages inside segments when growing */
   size_t trace_capacity;             /* trace ring events, 0: off */

@@ -1,0 +1,810 @@
+/* conf.c: the option table and tide_config, a set of option values with the
+ * source of each. Text is written "key:value,key:value" as in
+ * PYTORCH_CUDA_ALLOC_CONF; parsing is strict (trailing garbage, negatives,
+ * overflow, NaN and infinities are errors) and atomic (on any error nothing is
+ * applied). Each option's default is its text in the table, parsed like any
+ * other value, so the table is the one place defaults live.
+ *
+ * Numbers are parsed and formatted here rather than with strtod, so that a
+ * program's LC_NUMERIC (a decimal comma) cannot change what a config means.
+ * The process-wide configuration (tide_conf_set/get) lives elsewhere. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define TIDE_CONF_ENV "TIDALLOC_CONF"
+#define VALUE_TEXT_LEN 256  /* the longest formatted value (a full list) fits */
+#define ITEM_VALUE_MAX 1024 /* longer values are refused, not truncated */
+#define KEY_MAX 64
+#define SHOWN_MAX 80        /* bytes of a bad key or value quoted in a message */
+
+typedef bool (*parse_fn)(const char *text, _tide_conf_values *v, char *why, size_t why_len);
+typedef void (*format_fn)(const _tide_conf_values *v, char *buf, size_t len);
+
+typedef struct option {
+  const char *key;
+  const char *default_text; /* canonical: formatting the default gives it back */
+  const char *meaning;
+  const char *accepts;      /* what a message says is accepted */
+  parse_fn parse;
+  format_fn format;
+} option;
+
+/* ------------------------------------------------------------------------ */
+/* Characters and numbers                                                   */
+/* ------------------------------------------------------------------------ */
+
+static bool is_space(unsigned char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }
+static bool is_digit(unsigned char c) { return c >= '0' && c <= '9'; }
+static unsigned char lower(unsigned char c) { return c >= 'A' && c <= 'Z' ? c + 32 : c; }
+
+static bool equals_nocase(const char *a, const char *b) {
+  for (; *a && *b; a++, b++)
+    if (lower((unsigned char)*a) != lower((unsigned char)*b)) return false;
+  return *a == *b;
+}
+
+static bool is_pow2(uint64_t x) { return x != 0 && (x & (x - 1)) == 0; }
+
+static unsigned log2_u64(uint64_t x) {
+  unsigned n = 0;
+  while (x >>= 1) n++;
+  return n;
+}
+
+/* [begin, end) without surrounding whitespace. */
+static void trim(const char **begin, const char **end) {
+  while (*begin < *end && is_space((unsigned char)**begin)) (*begin)++;
+  while (*end > *begin && is_space((unsigned char)(*end)[-1])) (*end)--;
+}
+
+/* Copy [begin, end) into buf as a string; false if it does not fit. */
+static bool copy_range(const char *begin, const char *end, char *buf, size_t len) {
+  size_t n = (size_t)(end - begin);
+  if (n >= len) return false;
+  memcpy(buf, begin, n);
+  buf[n] = '\0';
+  return true;
+}
+
+/* A printable, bounded copy of user text for messages: random bytes in a
+ * message would make it unreadable (or not valid UTF-8). */
+static const char *shown(const char *begin, const char *end, char *buf, size_t len) {
+  size_t n = 0;
+  for (const char *p = begin; p < end && n + 4 < len && n < SHOWN_MAX; p++) {
+    unsigned char c = (unsigned char)*p;
+    buf[n++] = (c >= 0x20 && c < 0x7f && c != '"') ? (char)c : '?';
+  }
+  if ((size_t)(end - begin) > n) {
+    memcpy(buf + n, "...", 3);
+    n += 3;
+  }
+  buf[n] = '\0';
+  return buf;
+}
+
+static void set_why(char *why, size_t why_len, const char *text) {
+  snprintf(why, why_len, "%s", text);
+}
+
+/* A whole decimal number without sign, at most max. */
+static bool parse_uint(const char *s, uint64_t max, uint64_t *out, char *why, size_t why_len) {
+  if (*s == '-') return set_why(why, why_len, "negative"), false;
+  if (!is_digit((unsigned char)*s)) return set_why(why, why_len, "not a whole number"), false;
+  uint64_t value = 0;
+  for (; is_digit((unsigned char)*s); s++) {
+    uint64_t digit = (uint64_t)(*s - '0');
+    if (value > (UINT64_MAX - digit) / 10) return set_why(why, why_len, "too large"), false;
+    value = value * 10 + digit;
+  }
+  if (*s != '\0') return set_why(why, why_len, "not a whole number"), false;
+  if (value > max) return set_why(why, why_len, "too large"), false;
+  *out = value;
+  return true;
+}
+
+/* Powers of ten that doubles hold exactly: one multiplication or division by
+ * them rounds correctly (Clinger's fast path). */
+static const double exact_pow10[] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,
+                                     1e8,  1e9,  1e10, 1e11, 1e12, 1e13, 1e14, 1e15,
+                                     1e16, 1e17, 1e18, 1e19, 1e20, 1e21, 1e22};
+
+static double scale_pow10(uint64_t mantissa, long exp10) {
+  if (mantissa <= ((uint64_t)1 << 53) && exp10 >= -22 && exp10 <= 22)
+    return exp10 >= 0 ? (double)mantissa * exact_pow10[exp10]
+                      : (double)mantissa / exact_pow10[-exp10];
+  /* Beyond the fast path the result may be off by an ulp; fine for options. */
+  double value = (double)mantissa;
+  if (exp10 > 400) return value * 1e300 * 1e300;
+  if (exp10 < -400) return 0.0;
+  for (; exp10 > 0; exp10--) value *= 10.0;
+  for (; exp10 < 0; exp10++) value /= 10.0;
+  return value;
+}
+
+/* A decimal number without sign: digits, an optional fraction, an optional
+ * exponent ("0.5", ".25", "1e-3"). No NaN, no infinity, no hex. */
+static bool parse_decimal(const char *s, double *out, char *why, size_t why_len) {
+  uint64_t mantissa = 0;
+  long exp10 = 0, exponent = 0;
+  int significant = 0, digits = 0;
+  if (*s == '-') return set_why(why, why_len, "negative"), false;
+  for (; is_digit((unsigned char)*s); s++, digits++) {
+    if (mantissa == 0 && *s == '0') continue;
+    if (significant < 19) mantissa = mantissa * 10 + (uint64_t)(*s - '0'), significant++;
+    else exp10++;
+  }
+  if (*s == '.') {
+    for (s++; is_digit((unsigned char)*s); s++, digits++) {
+      if (mantissa == 0 && *s == '0') { exp10--; continue; }
+      if (significant < 19) mantissa = mantissa * 10 + (uint64_t)(*s - '0'), significant++, exp10--;
+    }
+  }
+  if (digits == 0) return set_why(why, why_len, "not a number"), false;
+  if (*s == 'e' || *s == 'E') {
+    bool negative = false;
+    s++;
+    if (*s == '+' || *s == '-') negative = (*s++ == '-');
+    if (!is_digit((unsigned char)*s)) return set_why(why, why_len, "not a number"), false;
+    for (; is_digit((unsigned char)*s); s++)
+      if (exponent < 100000) exponent = exponent * 10 + (*s - '0');
+    exp10 += negative ? -exponent : exponent;
+  }
+  if (*s != '\0') return set_why(why, why_len, "not a number"), false;
+  double value = mantissa == 0 ? 0.0 : scale_pow10(mantissa, exp10);
+  if (value > 1.7976931348623157e308) return set_why(why, why_len, "too large"), false;
+  if (mantissa != 0 && value == 0.0) return set_why(why, why_len, "too small"), false;
+  *out = value;
+  return true;
+}
+
+/* The shortest text that parses back to `value`; the decimal point is
+ * always '.', whatever the locale printf uses. */
+static void format_decimal(double value, char *buf, size_t len) {
+  char why[8];
+  for (int precision = 1; precision <= 17; precision++) {
+    snprintf(buf, len, "%.*g", precision, value);
+    char *w = buf;
+    for (const char *r = buf; *r; r++) {
+      unsigned char c = (unsigned char)*r;
+      if (is_digit(c) || c == 'e' || c == '+' || c == '-') *w++ = (char)c;
+      else if (w == buf || w[-1] != '.') *w++ = '.';
+    }
+    *w = '\0';
+    double back;
+    if (parse_decimal(buf, &back, why, sizeof why) && back == value) break;
+  }
+  if (!strchr(buf, '.') && !strchr(buf, 'e') && strlen(buf) + 2 < len) strcat(buf, ".0");
+}
+
+/* Bytes with an optional binary unit: B, K/KB/KiB, M/MB/MiB, G/GB/GiB,
+ * T/TB/TiB (any case; KB means KiB, as PyTorch's _mb options mean MiB). */
+static bool parse_bytes(const char *s, uint64_t max, uint64_t *out, char *why, size_t why_len) {
+  static const char *const units[] = {"b", "k", "m", "g", "t"};
+  if (*s == '-') return set_why(why, why_len, "negative"), false;
+  const char *p = s;
+  while (is_digit((unsigned char)*p)) p++;
+  char number[32];
+  if (!copy_range(s, p, number, sizeof number)) return set_why(why, why_len, "too large"), false;
+  const char *unit = p;
+  while (is_space((unsigned char)*unit)) unit++;
+  unsigned shift = 0;
+  bool known = *unit == '\0';
+  for (unsigned i = 0; i < 5 && !known; i++) {
+    char with_b[4] = {units[i][0], 'b', 0, 0}, with_ib[4] = {units[i][0], 'i', 'b', 0};
+    if (equals_nocase(unit, units[i]) || (i > 0 && (equals_nocase(unit, with_b) ||
+                                                    equals_nocase(unit, with_ib)))) {
+      known = true;
+      shift = 10 * i;
+    }
+  }
+  uint64_t value;
+  if (*number == '\0' || *p == '.')
+    return set_why(why, why_len, "not a whole number of bytes"), false;
+  if (!parse_uint(number, UINT64_MAX, &value, why, why_len)) return false;
+  if (!known) return set_why(why, why_len, "unknown unit"), false;
+  if (value > (max >> shift)) return set_why(why, why_len, "too large"), false;
+  *out = value << shift;
+  return true;
+}
+
+/* "24GiB" when a binary unit divides the count exactly, else plain bytes. */
+static void format_bytes(uint64_t bytes, char *buf, size_t len) {
+  static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  unsigned unit = 0;
+  while (bytes != 0 && unit < 4 && (bytes & 1023) == 0) bytes >>= 10, unit++;
+  if (unit == 0) snprintf(buf, len, "%llu", (unsigned long long)bytes);
+  else snprintf(buf, len, "%llu%s", (unsigned long long)bytes, units[unit]);
+}
+
+static bool parse_bool(const char *s, bool *out, char *why, size_t why_len) {
+  if (equals_nocase(s, "true") || strcmp(s, "1") == 0) return *out = true, true;
+  if (equals_nocase(s, "false") || strcmp(s, "0") == 0) return *out = false, true;
+  set_why(why, why_len, "not a boolean");
+  return false;
+}
+
+static void format_bool(bool value, char *buf, size_t len) {
+  snprintf(buf, len, "%s", value ? "True" : "False");
+}
+
+/* ------------------------------------------------------------------------ */
+/* The options                                                              */
+/* ------------------------------------------------------------------------ */
+
+static bool parse_backend(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  if (equals_nocase(s, "auto")) return v->backend = TIDE_BACKEND_AUTO, true;
+  if (equals_nocase(s, "host")) return v->backend = TIDE_BACKEND_HOST, true;
+  if (equals_nocase(s, "cuda")) return v->backend = TIDE_BACKEND_CUDA, true;
+  if (equals_nocase(s, "native") || equals_nocase(s, "cudaMallocAsync"))
+    set_why(why, why_len, "in PyTorch this key picks native or cudaMallocAsync; in tidalloc "
+                          "it picks the device backend");
+  else
+    set_why(why, why_len, "unknown backend");
+  return false;
+}
+
+static void format_backend(const _tide_conf_values *v, char *buf, size_t len) {
+  static const char *const names[] = {"auto", "host", "cuda"};
+  snprintf(buf, len, "%s", v->backend >= 0 && v->backend <= 2 ? names[v->backend] : "?");
+}
+
+static bool parse_expandable(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  return parse_bool(s, &v->expandable_segments, why, why_len);
+}
+
+static void format_expandable(const _tide_conf_values *v, char *buf, size_t len) {
+  format_bool(v->expandable_segments, buf, len);
+}
+
+static bool parse_page_size(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  uint64_t mib;
+  if (!parse_uint(s, 1024, &mib, why, why_len)) return false;
+  if (mib == 0) return set_why(why, why_len, "zero"), false;
+  v->page_size = (size_t)mib * TIDE_MiB;
+  return true;
+}
+
+static void format_page_size(const _tide_conf_values *v, char *buf, size_t len) {
+  snprintf(buf, len, "%zu", v->page_size / TIDE_MiB);
+}
+
+/* Blocks this large stay whole; PyTorch refuses less than its 20 MiB large
+ * buffer, and above TIDE_MAX_ALLOC a limit means nothing. */
+#define SPLIT_MIN_MB (TIDE_LARGE_BUFFER / TIDE_MiB)
+#define SPLIT_MAX_MB (TIDE_MAX_ALLOC / TIDE_MiB)
+
+static bool parse_max_split(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  if (equals_nocase(s, "unlimited") || equals_nocase(s, "none"))
+    return v->max_split_size = SIZE_MAX, true;
+  uint64_t mib;
+  if (!parse_uint(s, SPLIT_MAX_MB, &mib, why, why_len)) return false;
+  if (mib < SPLIT_MIN_MB) return set_why(why, why_len, "too small"), false;
+  v->max_split_size = (size_t)mib * TIDE_MiB;
+  return true;
+}
+
+static void format_max_split(const _tide_conf_values *v, char *buf, size_t len) {
+  if (v->max_split_size == SIZE_MAX) snprintf(buf, len, "unlimited");
+  else snprintf(buf, len, "%zu", v->max_split_size / TIDE_MiB);
+}
+
+#define ROUNDUP_MAX_DIVISIONS 1024
+#define ROUNDUP_LAST (TIDE_ROUNDUP_INTERVALS - 1)
+
+static bool parse_divisions(const char *s, unsigned *out, char *why, size_t why_len) {
+  uint64_t n;
+  if (!parse_uint(s, ROUNDUP_MAX_DIVISIONS, &n, why, why_len)) return false;
+  if (n != 0 && !is_pow2(n)) return set_why(why, why_len, "divisions not a power of two"), false;
+  *out = (unsigned)n;
+  return true;
+}
+
+/* One "key:divisions" entry of the list form: the key is a power of two of
+ * MiB naming the interval [key, 2*key) MiB, or ">" for every interval after
+ * the last one named. Keys rise; ">" comes last. */
+static bool parse_roundup_entry(const char *begin, const char *end, unsigned *div, int *last,
+                                bool *saw_rest, char *why, size_t why_len) {
+  const char *colon = memchr(begin, ':', (size_t)(end - begin));
+  if (!colon) return set_why(why, why_len, "a list entry lacks ':'"), false;
+  const char *kb = begin, *ke = colon, *vb = colon + 1, *ve = end;
+  trim(&kb, &ke);
+  trim(&vb, &ve);
+  char key[32], value[32];
+  if (!copy_range(kb, ke, key, sizeof key) || !copy_range(vb, ve, value, sizeof value))
+    return set_why(why, why_len, "a list entry is too long"), false;
+  unsigned divisions;
+  char inner[64];
+  if (!parse_divisions(value, &divisions, inner, sizeof inner))
+    return snprintf(why, why_len, "list entry \"%s\": %s", key, inner), false;
+  if (*saw_rest) return set_why(why, why_len, "an entry follows \">\""), false;
+  if (strcmp(key, ">") == 0) {
+    for (int i = *last + 1; i < TIDE_ROUNDUP_INTERVALS; i++) div[i] = divisions;
+    *saw_rest = true;
+    return true;
+  }
+  uint64_t mib;
+  if (!parse_uint(key, (uint64_t)1 << ROUNDUP_LAST, &mib, inner, sizeof inner) || !is_pow2(mib))
+    return snprintf(why, why_len, "list key \"%s\" is not a power of two from 1 to %llu MiB",
+                    key, 1ULL << ROUNDUP_LAST), false;
+  int index = (int)log2_u64(mib);
+  if (index <= *last) return set_why(why, why_len, "list keys must rise"), false;
+  /* The first key also covers every smaller size, as in PyTorch. */
+  for (int i = *last < 0 ? 0 : index; i <= index; i++) div[i] = divisions;
+  *last = index;
+  return true;
+}
+
+static bool parse_roundup_list(const char *s, unsigned *div, char *why, size_t why_len) {
+  size_t n = strlen(s);
+  if (n < 2 || s[n - 1] != ']') return set_why(why, why_len, "a list lacks its ']'"), false;
+  const char *begin = s + 1, *stop = s + n - 1;
+  if (memchr(begin, '[', (size_t)(stop - begin)) || memchr(begin, ']', (size_t)(stop - begin)))
+    return set_why(why, why_len, "nested brackets"), false;
+  int last = -1;
+  bool saw_rest = false;
+  memset(div, 0, sizeof(unsigned) * TIDE_ROUNDUP_INTERVALS);
+  while (begin < stop) {
+    const char *end = memchr(begin, ',', (size_t)(stop - begin));
+    if (!end) end = stop;
+    const char *b = begin, *e = end;
+    trim(&b, &e);
+    if (b < e && !parse_roundup_entry(b, e, div, &last, &saw_rest, why, why_len)) return false;
+    begin = end + 1;
+  }
+  return true;
+}
+
+static bool parse_roundup(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  unsigned div[TIDE_ROUNDUP_INTERVALS];
+  if (*s == '[') {
+    if (!parse_roundup_list(s, div, why, why_len)) return false;
+  } else {
+    unsigned all;
+    if (!parse_divisions(s, &all, why, why_len)) return false;
+    for (int i = 0; i < TIDE_ROUNDUP_INTERVALS; i++) div[i] = all;
+  }
+  memcpy(v->roundup_divisions, div, sizeof div);
+  return true;
+}
+
+/* The shortest list that parses back to the same intervals: the first entry
+ * covers the leading run, ">" the trailing run. */
+static void format_roundup(const _tide_conf_values *v, char *buf, size_t len) {
+  const unsigned *div = v->roundup_divisions;
+  int first = 0, rest = ROUNDUP_LAST;
+  while (first < ROUNDUP_LAST && div[first + 1] == div[0]) first++;
+  if (first == ROUNDUP_LAST) {
+    snprintf(buf, len, "%u", div[0]);
+    return;
+  }
+  while (rest > first + 1 && div[rest - 1] == div[ROUNDUP_LAST]) rest--;
+  size_t used = (size_t)snprintf(buf, len, "[");
+  for (int i = first; i < rest && used < len; i++)
+    used += (size_t)snprintf(buf + used, len - used, "%s%llu:%u", i == first ? "" : ",",
+                             1ULL << i, div[i]);
+  if (used < len) used += (size_t)snprintf(buf + used, len - used, ",>:%u", div[ROUNDUP_LAST]);
+  if (used < len) snprintf(buf + used, len - used, "]");
+}
+
+static bool parse_gc(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  double value;
+  if (!parse_decimal(s, &value, why, why_len)) return false;
+  if (value >= 1.0) return set_why(why, why_len, "not below 1"), false;
+  v->gc_threshold = value;
+  return true;
+}
+
+static void format_gc(const _tide_conf_values *v, char *buf, size_t len) {
+  if (v->gc_threshold == 0.0) snprintf(buf, len, "0");
+  else format_decimal(v->gc_threshold, buf, len);
+}
+
+static bool parse_fraction(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  double value;
+  if (!parse_decimal(s, &value, why, why_len)) return false;
+  if (value == 0.0) return set_why(why, why_len, "zero"), false;
+  if (value > 1.0) return set_why(why, why_len, "above 1"), false;
+  v->memory_fraction = value;
+  return true;
+}
+
+static void format_fraction(const _tide_conf_values *v, char *buf, size_t len) {
+  format_decimal(v->memory_fraction, buf, len);
+}
+
+static bool parse_memory_limit(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  uint64_t bytes;
+  if (!parse_bytes(s, TIDE_MAX_ALLOC, &bytes, why, why_len)) return false;
+  v->memory_limit = (size_t)bytes;
+  return true;
+}
+
+static void format_memory_limit(const _tide_conf_values *v, char *buf, size_t len) {
+  format_bytes(v->memory_limit, buf, len);
+}
+
+static bool parse_release_holes(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  return parse_bool(s, &v->release_holes, why, why_len);
+}
+
+static void format_release_holes(const _tide_conf_values *v, char *buf, size_t len) {
+  format_bool(v->release_holes, buf, len);
+}
+
+#define TRACE_MAX ((uint64_t)1 << 24)
+
+static bool parse_trace(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  uint64_t events;
+  if (!parse_uint(s, TRACE_MAX, &events, why, why_len)) return false;
+  v->trace_capacity = (size_t)events;
+  return true;
+}
+
+static void format_trace(const _tide_conf_values *v, char *buf, size_t len) {
+  snprintf(buf, len, "%zu", v->trace_capacity);
+}
+
+#define HOST_MIN_BYTES ((uint64_t)4 << 10)
+#define HOST_MAX_GRANULARITY ((uint64_t)TIDE_GiB)
+
+static bool parse_host_capacity(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  uint64_t bytes;
+  if (!parse_bytes(s, TIDE_MAX_ALLOC, &bytes, why, why_len)) return false;
+  if (bytes < HOST_MIN_BYTES) return set_why(why, why_len, "too small"), false;
+  v->host_capacity = (size_t)bytes;
+  return true;
+}
+
+static void format_host_capacity(const _tide_conf_values *v, char *buf, size_t len) {
+  format_bytes(v->host_capacity, buf, len);
+}
+
+static bool parse_host_granularity(const char *s, _tide_conf_values *v, char *why,
+                                   size_t why_len) {
+  uint64_t bytes;
+  if (!parse_bytes(s, HOST_MAX_GRANULARITY, &bytes, why, why_len)) return false;
+  if (bytes < HOST_MIN_BYTES) return set_why(why, why_len, "too small"), false;
+  if (!is_pow2(bytes)) return set_why(why, why_len, "not a power of two"), false;
+  v->host_granularity = (size_t)bytes;
+  return true;
+}
+
+static void format_host_granularity(const _tide_conf_values *v, char *buf, size_t len) {
+  format_bytes(v->host_granularity, buf, len);
+}
+
+#define HOST_MAX_DEVICES 64
+
+static bool parse_host_devices(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  uint64_t n;
+  if (!parse_uint(s, HOST_MAX_DEVICES, &n, why, why_len)) return false;
+  if (n == 0) return set_why(why, why_len, "zero"), false;
+  v->host_devices = (int)n;
+  return true;
+}
+
+static void format_host_devices(const _tide_conf_values *v, char *buf, size_t len) {
+  snprintf(buf, len, "%d", v->host_devices);
+}
+
+static const option options[] = {
+    {"backend", "auto",
+     "device backend: cuda, host (an emulated device in host memory), or auto (cuda where a "
+     "GPU is usable, else host)",
+     "auto, host or cuda", parse_backend, format_backend},
+    {"expandable_segments", "True",
+     "one large virtual range per pool and stream, pages mapped on demand (False: fixed "
+     "segments as cudaMalloc gives)",
+     "True or False (also true/false/1/0)", parse_expandable, format_expandable},
+    {"page_size_mb", "2",
+     "MiB an expandable segment maps at once (rounded up to the backend's granularity)",
+     "a whole number of MiB from 1 to 1024", parse_page_size, format_page_size},
+    {"max_split_size_mb", "unlimited",
+     "blocks at least this many MiB are never split, so large free blocks stay whole",
+     "a whole number of MiB from 20 to 4294967296, or unlimited (or none)", parse_max_split,
+     format_max_split},
+    {"roundup_power2_divisions", "0",
+     "round sizes above 1 MiB up to one of N equal divisions of their power-of-two interval "
+     "(0: plain 512 B rounding)",
+     "0 or a power of two up to 1024 for every interval, or a list such as "
+     "[256:1,512:2,1024:4,>:8] keyed by rising powers of two of MiB from 1 to 65536, \">\" "
+     "for every interval after the last named",
+     parse_roundup, format_roundup},
+    {"garbage_collection_threshold", "0",
+     "when reserved memory is above this fraction of the limit, cached free memory is "
+     "returned before growing (0: off)",
+     "0 (off) or a fraction strictly between 0 and 1, such as 0.8", parse_gc, format_gc},
+    {"memory_fraction", "1.0",
+     "reserved memory may reach this fraction of the device's total memory (1.0: the whole "
+     "device)",
+     "a fraction above 0 and at most 1, such as 0.5", parse_fraction, format_fraction},
+    {"memory_limit", "0",
+     "reserved memory may reach this many bytes (0: no limit); the smaller of this and "
+     "memory_fraction applies",
+     "0 or bytes up to 4096TiB with an optional unit B, KiB, MiB, GiB, TiB (KB, MB, GB, TB "
+     "mean the same), such as 512MiB",
+     parse_memory_limit, format_memory_limit},
+    {"release_holes", "False",
+     "when a segment must grow, first move whole free pages from holes inside it instead of "
+     "taking new memory",
+     "True or False (also true/false/1/0)", parse_release_holes, format_release_holes},
+    {"trace", "0", "events kept in the trace ring, read with tide_trace_read (0: off)",
+     "a whole number from 0 to 16777216", parse_trace, format_trace},
+    {"host_capacity", "24GiB", "memory of each emulated device of the host backend",
+     "bytes from 4KiB to 4096TiB with an optional unit, such as 24GiB", parse_host_capacity,
+     format_host_capacity},
+    {"host_granularity", "2MiB", "mapping granularity of the host backend",
+     "a power of two of bytes from 4KiB to 1GiB, such as 2MiB", parse_host_granularity,
+     format_host_granularity},
+    {"host_devices", "1", "emulated devices of the host backend",
+     "a whole number from 1 to 64", parse_host_devices, format_host_devices},
+};
+
+#define OPTION_COUNT (sizeof options / sizeof options[0])
+
+/* PyTorch allocator keys without a tidalloc counterpart, with a hint where a
+ * tidalloc option does the same. */
+#define PINNED "; remove it (tidalloc does not allocate pinned host memory)"
+static const struct {
+  const char *key;
+  const char *hint;
+} pytorch_only[] = {
+    {"per_process_memory_fraction", "; write memory_fraction, which means the same"},
+    {"max_non_split_rounding_mb", "; remove it"},
+    {"release_lock_on_cudamalloc", "; remove it"},
+    {"release_lock_on_hipmalloc", "; remove it"},
+    {"pinned_use_cuda_host_register", PINNED},
+    {"pinned_use_hip_host_register", PINNED},
+    {"pinned_num_register_threads", PINNED},
+    {"pinned_use_background_threads", PINNED},
+    {"pinned_reserve_segment_size_mb", PINNED},
+    {"pinned_free_catch_all", PINNED},
+    {"graph_capture_record_stream_reuse", "; remove it"},
+    {"throw_on_cudamalloc_oom", "; remove it"},
+};
+
+/* ------------------------------------------------------------------------ */
+/* Configs                                                                  */
+/* ------------------------------------------------------------------------ */
+
+struct tide_config {
+  _tide_conf_values values;
+  tide_conf_source source[OPTION_COUNT];
+  char text[OPTION_COUNT][VALUE_TEXT_LEN]; /* formatted values, for tide_option_info */
+};
+
+/* Where text being applied came from, for sources and messages. */
+typedef struct origin {
+  tide_conf_source source;
+  const char *name; /* "TIDALLOC_CONF", "configuration text", ... */
+} origin;
+
+static void refresh_texts(tide_config *config) {
+  for (size_t i = 0; i < OPTION_COUNT; i++)
+    options[i].format(&config->values, config->text[i], VALUE_TEXT_LEN);
+}
+
+static int find_option(const char *key) {
+  for (size_t i = 0; i < OPTION_COUNT; i++)
+    if (strcmp(options[i].key, key) == 0) return (int)i;
+  return -1;
+}
+
+static int unknown_key_error(const origin *from, const char *begin, const char *end) {
+  char key_text[SHOWN_MAX + 8];
+  shown(begin, end, key_text, sizeof key_text);
+  size_t n = (size_t)(end - begin);
+  for (size_t i = 0; i < sizeof pytorch_only / sizeof pytorch_only[0]; i++)
+    if (strlen(pytorch_only[i].key) == n && memcmp(pytorch_only[i].key, begin, n) == 0)
+      return _tide_error_set(TIDE_ERR_CONFIG,
+                             "%s: \"%s\" is a PyTorch allocator option tidalloc does not "
+                             "have%s",
+                             from->name, key_text, pytorch_only[i].hint);
+  char known[512];
+  size_t used = 0;
+  for (size_t i = 0; i < OPTION_COUNT && used < sizeof known; i++)
+    used += (size_t)snprintf(known + used, sizeof known - used, "%s%s", i ? ", " : "",
+                             options[i].key);
+  if (n == 0)
+    return _tide_error_set(TIDE_ERR_CONFIG, "%s: an entry has no key before ':'; known keys: %s",
+                           from->name, known);
+  return _tide_error_set(TIDE_ERR_CONFIG, "%s: unknown key \"%s\"; known keys: %s", from->name,
+                         key_text, known);
+}
+
+static int bad_value_error(const origin *from, const option *opt, const char *begin,
+                           const char *end, const char *why) {
+  char value_text[SHOWN_MAX + 8];
+  shown(begin, end, value_text, sizeof value_text);
+  return _tide_error_set(TIDE_ERR_CONFIG,
+                         "%s: bad value \"%s\" for %s (%s); accepted: %s", from->name,
+                         value_text, opt->key, why, opt->accepts);
+}
+
+/* Apply one key and value (each a range of text) to `values`. */
+static int apply_pair(const origin *from, const char *kb, const char *ke, const char *vb,
+                      const char *ve, _tide_conf_values *values, tide_conf_source *source) {
+  trim(&kb, &ke);
+  trim(&vb, &ve);
+  char key[KEY_MAX];
+  int index = copy_range(kb, ke, key, sizeof key) ? find_option(key) : -1;
+  if (index < 0) return unknown_key_error(from, kb, ke);
+  const option *opt = &options[index];
+  char value[ITEM_VALUE_MAX];
+  char why[160];
+  if (vb == ve) return bad_value_error(from, opt, vb, ve, "empty");
+  if (!copy_range(vb, ve, value, sizeof value))
+    return bad_value_error(from, opt, vb, ve, "too long");
+  if (!opt->parse(value, values, why, sizeof why)) return bad_value_error(from, opt, vb, ve, why);
+  source[index] = from->source;
+  return TIDE_OK;
+}
+
+/* The end of the entry starting at p: the next ',' outside brackets. */
+static const char *entry_end(const char *p) {
+  int depth = 0;
+  for (; *p; p++) {
+    if (*p == '[') depth++;
+    else if (*p == ']' && depth > 0) depth--;
+    else if (*p == ',' && depth == 0) break;
+  }
+  return p;
+}
+
+/* Parse all of `text` into a scratch copy, then commit: a bad entry anywhere
+ * leaves the config as it was. */
+static int apply_text(tide_config *config, const char *text, const origin *from) {
+  _tide_conf_values values = config->values;
+  tide_conf_source source[OPTION_COUNT];
+  memcpy(source, config->source, sizeof source);
+  for (const char *p = text; *p;) {
+    const char *end = entry_end(p);
+    const char *b = p, *e = end;
+    trim(&b, &e);
+    if (b < e) {
+      const char *colon = memchr(b, ':', (size_t)(e - b));
+      if (!colon) {
+        char entry[SHOWN_MAX + 8];
+        return _tide_error_set(TIDE_ERR_CONFIG,
+                               "%s: entry \"%s\" has no ':'; write key:value, such as "
+                               "expandable_segments:True",
+                               from->name, shown(b, e, entry, sizeof entry));
+      }
+      int status = apply_pair(from, b, colon, colon + 1, e, &values, source);
+      if (status != TIDE_OK) return status;
+    }
+    p = *end ? end + 1 : end;
+  }
+  config->values = values;
+  memcpy(config->source, source, sizeof source);
+  refresh_texts(config);
+  return TIDE_OK;
+}
+
+tide_status tide_config_new(tide_config **out) {
+  if (!out) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_new: out is NULL");
+  *out = NULL;
+  tide_config *config = calloc(1, sizeof *config);
+  if (!config)
+    return _tide_error_set(TIDE_ERR_OOM, "tide_config_new: no host memory for a config");
+  for (size_t i = 0; i < OPTION_COUNT; i++) {
+    char why[160];
+    if (!options[i].parse(options[i].default_text, &config->values, why, sizeof why)) {
+      free(config);
+      return _tide_error_set(TIDE_ERR_STATE, "tide_config_new: the default of %s does not "
+                             "parse (%s); this is a bug in tidalloc", options[i].key, why);
+    }
+    config->source[i] = TIDE_CONF_DEFAULT;
+  }
+  refresh_texts(config);
+  *out = config;
+  return TIDE_OK;
+}
+
+void tide_config_free(tide_config *config) { free(config); }
+
+tide_status tide_config_load_env(tide_config *config) {
+  if (!config) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_load_env: config is NULL");
+  const char *text = getenv(TIDE_CONF_ENV);
+  if (!text || !*text) return TIDE_OK;
+  const origin from = {TIDE_CONF_ENVIRONMENT, "TIDALLOC_CONF (environment variable)"};
+  return (tide_status)apply_text(config, text, &from);
+}
+
+tide_status tide_config_parse(tide_config *config, const char *text) {
+  if (!config) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_parse: config is NULL");
+  if (!text) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_parse: text is NULL");
+  const origin from = {TIDE_CONF_CODE, "configuration text"};
+  return (tide_status)apply_text(config, text, &from);
+}
+
+tide_status tide_config_set(tide_config *config, const char *key, const char *value) {
+  if (!config) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_set: config is NULL");
+  if (!key) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_set: key is NULL");
+  if (!value) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_set: value is NULL");
+  const origin from = {TIDE_CONF_CODE, "tide_config_set"};
+  _tide_conf_values values = config->values;
+  int status = apply_pair(&from, key, key + strlen(key), value, value + strlen(value), &values,
+                          config->source);
+  if (status != TIDE_OK) return (tide_status)status;
+  config->values = values;
+  refresh_texts(config);
+  return TIDE_OK;
+}
+
+tide_status tide_config_get(const tide_config *config, const char *key, char *buf, size_t len) {
+  if (!config) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_get: config is NULL");
+  if (!key) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_get: key is NULL");
+  if (!buf || len == 0)
+    return _tide_error_set(TIDE_ERR_INVALID, "tide_config_get: no buffer to write into");
+  buf[0] = '\0';
+  const char *kb = key, *ke = key + strlen(key);
+  trim(&kb, &ke);
+  char name[KEY_MAX];
+  int index = copy_range(kb, ke, name, sizeof name) ? find_option(name) : -1;
+  if (index < 0) {
+    const origin from = {TIDE_CONF_CODE, "tide_config_get"};
+    return (tide_status)unknown_key_error(&from, kb, ke);
+  }
+  const char *text = config->text[index];
+  size_t need = strlen(text) + 1;
+  snprintf(buf, len, "%s", text);
+  if (need > len)
+    return _tide_error_set(TIDE_ERR_INVALID,
+                           "tide_config_get: the value of %s needs %zu bytes, the buffer has %zu",
+                           options[index].key, need, len);
+  return TIDE_OK;
+}
+
+size_t tide_config_option_count(void) { return OPTION_COUNT; }
+
+tide_status tide_config_option(const tide_config *config, size_t index, tide_option_info *out) {
+  if (!config) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_option: config is NULL");
+  if (!out) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_option: out is NULL");
+  if (index >= OPTION_COUNT)
+    return _tide_error_set(TIDE_ERR_INVALID,
+                           "tide_config_option: index %zu is past the last option (%zu options)",
+                           index, OPTION_COUNT);
+  out->key = options[index].key;
+  out->value = config->text[index];
+  out->default_value = options[index].default_text;
+  out->meaning = options[index].meaning;
+  out->source = config->source[index];
+  return TIDE_OK;
+}
+
+const _tide_conf_values *_tide_config_values(const tide_config *config) {
+  return config ? &config->values : NULL;
+}
+
+tide_config *_tide_config_clone(const tide_config *config) {
+  if (!config) {
+    _tide_error_set(TIDE_ERR_INVALID, "cloning a config: config is NULL");
+    return NULL;
+  }
+  tide_config *copy = malloc(sizeof *copy);
+  if (!copy) {
+    _tide_error_set(TIDE_ERR_OOM, "cloning a config: no host memory");
+    return NULL;
+  }
+  memcpy(copy, config, sizeof *copy);
+  return copy;
+}
+
+/* Formatting is canonical, so equal texts mean equal values. */
+size_t _tide_config_diff(const tide_config *a, const tide_config *b, char *buf, size_t len) {
+  size_t count = 0, used = 0;
+  if (buf && len) buf[0] = '\0';
+  if (!a || !b) return 0;
+  for (size_t i = 0; i < OPTION_COUNT; i++) {
+    if (strcmp(a->text[i], b->text[i]) == 0) continue;
+    if (buf && used < len)
+      used += (size_t)snprintf(buf + used, len - used, "%s%s: %s -> %s", count ? "; " : "",
+                               options[i].key, a->text[i], b->text[i]);
+    count++;
+  }
+  return count;
+}
