@@ -1,0 +1,130 @@
+# Makefile: the project's commands. `make run` and `make test` work on a fresh
+# Debian machine: they install what is missing first (scripts/deps.sh).
+#
+#   make build        configure and build build/ (RelWithDebInfo: -O2 -g)
+#   make run          build, then the streaming benchmark: fixed vs expandable
+#                     segments, out/stream.csv and a table (FRAMES="64 128 ...")
+#   make test         build/ tests, then every test under ASan+UBSan (build-asan/),
+#                     then the tests labelled stress or threads under TSan (build-tsan/)
+#   make test-unit    only the first step; test-asan and test-tsan: the others
+#   make gpu-test     the GPU tests of tests/gpu (build-gpu/), on a machine with CUDA
+#   make install      install into PREFIX (default /usr/local; DESTDIR is honoured)
+#   make format       clang-format every C file in place; format-check only checks
+#   make clean        remove the build directories
+#
+# A test joins the ThreadSanitizer run by its name: a tests/test_*.c whose name
+# contains "stress" or "thread" is labelled so (see CMakeLists.txt).
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := build
+
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+PREFIX ?= /usr/local
+FRAMES ?= 64 128 256 512 1024
+# Extra cmake options for every build, e.g. CMAKE_ARGS=-DTIDE_TEST_TIMEOUT=600.
+CMAKE_ARGS ?=
+# The sanitizer builds use clang: its runtimes are the ones deps.sh installs,
+# and a second compiler catches what the first lets through.
+SAN_CC ?= clang
+SAN_CFLAGS_COMMON := -fno-omit-frame-pointer -fno-sanitize-recover=all
+ASAN_CFLAGS := -fsanitize=address,undefined $(SAN_CFLAGS_COMMON)
+TSAN_CFLAGS := -fsanitize=thread $(SAN_CFLAGS_COMMON)
+
+# Sanitizer builds keep assertions (no -DNDEBUG) and optimize lightly.
+SAN_CMAKE := -DCMAKE_C_COMPILER=$(SAN_CC) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+             -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g" -DTIDE_WITH_MIMALLOC=OFF
+
+# Sanitizer runtimes before LLVM 18 cannot start under the high address-space
+# randomization of recent kernels (vm.mmap_rnd_bits > 28); running the tests
+# without randomization avoids that where the system allows it.
+NO_ASLR := $(shell setarch $$(uname -m) -R true >/dev/null 2>&1 && echo setarch $$(uname -m) -R)
+
+export ASAN_OPTIONS ?= detect_leaks=1:detect_stack_use_after_return=1:check_initialization_order=1:strict_init_order=1
+export UBSAN_OPTIONS ?= print_stacktrace=1:halt_on_error=1
+export TSAN_OPTIONS ?= halt_on_error=1:second_deadlock_stack=1
+
+# cmake --build runs its own make: keep ours (jobserver, directory messages) out of it.
+CMAKE_BUILD := env -u MAKEFLAGS -u MAKELEVEL -u MFLAGS cmake --build
+
+CTEST := ctest --output-on-failure --no-tests=error -j$(JOBS)
+
+.PHONY: all deps build run test test-unit test-asan test-tsan gpu-test install format \
+        format-check clean help
+
+all: build
+
+help:
+	@sed -n '3,17s/^# \{0,1\}//p' Makefile
+
+deps:
+	@scripts/deps.sh
+
+build: deps
+	cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_ARGS)
+	$(CMAKE_BUILD) build -j$(JOBS)
+
+run: build
+	FRAMES="$(FRAMES)" scripts/run_stream.sh
+
+# Every step runs even when an earlier one failed, so one run shows all the
+# failures; the target fails if any step did.
+test: build
+	@start=$$(date +%s); failed=""; \
+	for step in test-unit test-asan test-tsan; do \
+	  $(MAKE) --no-print-directory $$step || failed="$$failed $$step"; \
+	done; \
+	echo "make test: $$(( $$(date +%s) - start )) s"; \
+	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed"; exit 1; fi; \
+	echo "make test: all steps passed"
+
+test-unit: build
+	@echo "== tests (build/)"
+	cd build && $(CTEST)
+
+test-asan: deps
+	@echo "== AddressSanitizer + UndefinedBehaviorSanitizer, every test (build-asan/)"
+	cmake -S . -B build-asan $(SAN_CMAKE) -DCMAKE_C_FLAGS="$(ASAN_CFLAGS)" $(CMAKE_ARGS)
+	$(CMAKE_BUILD) build-asan -j$(JOBS)
+	cd build-asan && $(NO_ASLR) $(CTEST)
+
+test-tsan: deps
+	@echo "== ThreadSanitizer, tests labelled stress or threads (build-tsan/)"
+	cmake -S . -B build-tsan $(SAN_CMAKE) -DCMAKE_C_FLAGS="$(TSAN_CFLAGS)" \
+	  -DTIDE_BUILD_EXAMPLES=OFF $(CMAKE_ARGS)
+	$(CMAKE_BUILD) build-tsan -j$(JOBS)
+	cd build-tsan && $(NO_ASLR) $(CTEST) -L 'stress|threads'
+
+# tests/gpu holds the GPU tests: a CMakeLists.txt that the root project adds
+# with -DTIDE_GPU_TESTS=ON (it enables CUDA, links tidalloc_static and labels
+# its tests "gpu"), or a Makefile with a `test` target that is given the
+# source tree and a built build/ (TIDALLOC_SRC, TIDALLOC_BUILD).
+gpu-test: deps
+	@if [ -f tests/gpu/CMakeLists.txt ]; then \
+	  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIDE_GPU_TESTS=ON $(CMAKE_ARGS) && \
+	  $(CMAKE_BUILD) build-gpu -j$(JOBS) && \
+	  cd build-gpu && ctest --output-on-failure --no-tests=error -L gpu; \
+	elif [ -f tests/gpu/Makefile ]; then \
+	  $(MAKE) --no-print-directory build && \
+	  $(MAKE) -C tests/gpu test TIDALLOC_SRC="$(CURDIR)" TIDALLOC_BUILD="$(CURDIR)/build"; \
+	elif [ -d tests/gpu ]; then \
+	  echo "gpu-test: tests/gpu has neither a CMakeLists.txt nor a Makefile" >&2; exit 1; \
+	else \
+	  echo "gpu-test: no GPU tests yet (tests/gpu does not exist)" >&2; exit 1; \
+	fi
+
+install: build
+	cmake --install build --prefix "$(PREFIX)"
+
+C_FILES = $(shell find src tools tests examples include -name '*.[ch]' 2>/dev/null | sort)
+
+format:
+	@scripts/deps.sh format
+	clang-format -i $(C_FILES)
+
+format-check:
+	@scripts/deps.sh format
+	clang-format --dry-run --Werror $(C_FILES)
+
+clean:
+	rm -rf build build-asan build-tsan build-gpu

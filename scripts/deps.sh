@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# deps.sh: makes sure what building and testing tidalloc needs is installed,
+# installing what is missing with apt-get (through sudo when not root). When
+# everything is present it only asks dpkg and returns at once.
+#   scripts/deps.sh          build, test and benchmark needs
+#   scripts/deps.sh format   clang-format as well
+set -euo pipefail
+
+# cmake, compilers, cmocka, zlib and mimalloc build the project; clang and its
+# runtimes build the sanitizer and fuzzing builds; python3 merges benchmark tables.
+packages=(cmake make gcc libc6-dev binutils pkg-config libcmocka-dev zlib1g-dev
+          libmimalloc-dev clang valgrind python3)
+if [[ "${1:-}" == format ]]; then
+  packages+=(clang-format)
+fi
+
+log() { printf 'deps: %s\n' "$*" >&2; }
+
+# Packages of the list dpkg does not know as installed.
+missing_packages() {
+  local pkg
+  for pkg in "$@"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q ' installed$' || echo "$pkg"
+  done
+}
+
+apt_updated=no
+install_packages() {
+  local sudo=()
+  if [[ $(id -u) -ne 0 ]]; then
+    if ! command -v sudo >/dev/null; then
+      log "missing: $*; run as root or install sudo, or install them yourself:"
+      log "  apt-get install $*"
+      exit 1
+    fi
+    sudo=(sudo)
+  fi
+  log "installing: $*"
+  if [[ $apt_updated == no ]]; then
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    apt_updated=yes
+  fi
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
+    apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+if ! command -v dpkg-query >/dev/null || ! command -v apt-get >/dev/null; then
+  # Not Debian: check the commands and leave the rest to the build's own errors.
+  for cmd in cmake make cc pkg-config clang python3; do
+    command -v "$cmd" >/dev/null || { log "missing $cmd (not a Debian system: install it yourself)"; exit 1; }
+  done
+  exit 0
+fi
+
+mapfile -t missing < <(missing_packages "${packages[@]}")
+if ((${#missing[@]})); then
+  install_packages "${missing[@]}"
+fi
+
+# Only now is clang sure to be there to say which runtimes (libclang_rt.*: the
+# sanitizers and libFuzzer) it needs. Debian ships them in libclang-rt-N-dev
+# since clang 14, in libclang-common-N-dev (a dependency of clang) before.
+clang_major=$(clang -dumpversion | cut -d. -f1)
+if ((clang_major >= 14)); then
+  mapfile -t missing < <(missing_packages "libclang-rt-$clang_major-dev")
+  if ((${#missing[@]})); then
+    install_packages "${missing[@]}"
+  fi
+fi

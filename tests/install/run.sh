@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# run.sh: installs a built tidalloc into a temporary prefix, then builds and
+# runs tests/install/consumer.c against it, once through find_package(tidalloc)
+# (shared and static) and once through pkg-config (shared and static).
+#   run.sh <build dir> <C compiler> [C flags of that build]
+# The C flags carry sanitizer options over, so the consumer links the runtime
+# a sanitized library needs.
+set -euo pipefail
+
+build=$(cd "$1" && pwd)
+cc=$2
+cflags=${3:-}
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/tidalloc-install.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+prefix=$work/prefix
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "install into $prefix"
+cmake --install "$build" --prefix "$prefix"
+for f in include/tidalloc.h; do
+  test -f "$prefix/$f" || { echo "missing $prefix/$f" >&2; exit 1; }
+done
+pcdir=$(dirname "$(find "$prefix" -name tidalloc.pc -print -quit)")
+libdir=$(dirname "$pcdir")
+for f in libtidalloc.a libtidalloc.so cmake/tidalloc/tidallocConfig.cmake \
+         cmake/tidalloc/tidallocConfigVersion.cmake; do
+  test -e "$libdir/$f" || { echo "missing $libdir/$f" >&2; exit 1; }
+done
+soname=$(objdump -p "$libdir/libtidalloc.so" | awk '$1 == "SONAME" {print $2}')
+test -n "$soname" || { echo "libtidalloc.so has no SONAME" >&2; exit 1; }
+echo "SONAME $soname"
+
+export TIDALLOC_CONF=backend:host
+
+step "find_package(tidalloc)"
+cmake -S "$here" -B "$work/cmake-build" -DCMAKE_PREFIX_PATH="$prefix" \
+  -DCMAKE_C_COMPILER="$cc" -DCMAKE_C_FLAGS="$cflags" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+cmake --build "$work/cmake-build"
+"$work/cmake-build/consumer_shared"
+"$work/cmake-build/consumer_static"
+# The shared consumer must load the installed library, not the build tree's.
+ldd "$work/cmake-build/consumer_shared" | grep -q "$prefix" || {
+  echo "consumer_shared does not load libtidalloc from $prefix:" >&2
+  ldd "$work/cmake-build/consumer_shared" >&2
+  exit 1
+}
+
+step "pkg-config tidalloc"
+export PKG_CONFIG_PATH=$pcdir
+echo "version $(pkg-config --modversion tidalloc)"
+# shellcheck disable=SC2046,SC2086 # the flags are meant to split into words
+"$cc" $cflags "$here/consumer.c" -o "$work/pc_shared" $(pkg-config --cflags --libs tidalloc) \
+  -Wl,-rpath,"$libdir"
+"$work/pc_shared"
+# The same flags with --static, asking the linker for the archive by name.
+# shellcheck disable=SC2046,SC2086
+"$cc" $cflags "$here/consumer.c" -o "$work/pc_static" \
+  $(pkg-config --static --cflags --libs tidalloc | sed 's/-ltidalloc\b/-l:libtidalloc.a/')
+if ldd "$work/pc_static" | grep -q libtidalloc; then
+  echo "pc_static is linked to the shared libtidalloc" >&2
+  exit 1
+fi
+"$work/pc_static"
+
+step "the installed tidalloc works with find_package and with pkg-config"
