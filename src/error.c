@@ -12,6 +12,15 @@
 static _Thread_local char error_text[TIDE_ERROR_LEN];
 static _Thread_local tide_status error_status;
 
+/* Copy text into a buffer of `len` bytes, cutting it short if needed. */
+static void copy_text(char *dst, size_t len, const char *src) {
+  if (len == 0) return;
+  size_t n = strlen(src);
+  if (n >= len) n = len - 1;
+  memmove(dst, src, n);
+  dst[n] = '\0';
+}
+
 int _tide_error_set(tide_status status, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
@@ -29,7 +38,22 @@ void _tide_error_prefix(const char *fmt, ...) {
   vsnprintf(prefix, sizeof prefix, fmt, ap);
   va_end(ap);
   memcpy(old, error_text, sizeof old);
-  snprintf(error_text, sizeof error_text, "%s: %s", prefix, old);
+  copy_text(error_text, sizeof error_text, prefix);
+  size_t used = strlen(error_text);
+  copy_text(error_text + used, sizeof error_text - used, ": ");
+  used = strlen(error_text);
+  copy_text(error_text + used, sizeof error_text - used, old);
+}
+
+void _tide_error_save(_tide_saved_error *saved) {
+  saved->status = error_status;
+  copy_text(saved->text, sizeof saved->text, error_text);
+}
+
+int _tide_error_restore(const _tide_saved_error *saved) {
+  copy_text(error_text, sizeof error_text, saved->text);
+  error_status = saved->status;
+  return (int)saved->status;
 }
 
 const char *_tide_format_bytes(uint64_t bytes, char *buf, size_t len) {

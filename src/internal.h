@@ -61,6 +61,13 @@
 int _tide_error_set(tide_status status, const char *fmt, ...) TIDE_PRINTF(2, 3);
 /* Prefix the current message with more context ("growing segment: ..."). */
 void _tide_error_prefix(const char *fmt, ...) TIDE_PRINTF(1, 2);
+/* Keep the current error across calls that may overwrite it (undo paths). */
+typedef struct _tide_saved_error {
+  tide_status status;
+  char text[512];
+} _tide_saved_error;
+void _tide_error_save(_tide_saved_error *saved);
+int _tide_error_restore(const _tide_saved_error *saved);
 /* Format a byte count for messages: "1.50 GiB", "512 B". buf >= 32 bytes. */
 const char *_tide_format_bytes(uint64_t bytes, char *buf, size_t len);
 

@@ -1,0 +1,569 @@
+/* allocator.c: the device allocator behind the public API — creation, the
+ * arena of each stream, malloc and free, the memory limit and the
+ * out-of-memory path, streams, and the host backend's controls.
+ *
+ * The fast path of tide_malloc/tide_free is: find the stream's arena in a
+ * per-thread cache, take its lock, best fit (or merge) in its bins, update
+ * its figures. Only growth, the out-of-memory path and frees on the wrong
+ * stream leave it. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+
+static _Atomic uint64_t next_allocator_id = 1;
+
+/* ------------------------------------------------------------------------ */
+/* Validation                                                                */
+/* ------------------------------------------------------------------------ */
+
+static bool valid(const tide_allocator *a) { return a && a->magic == _TIDE_MAGIC; }
+
+#define CHECK_ALLOCATOR(a, fail)                                                              \
+  do {                                                                                        \
+    if (TIDE_UNLIKELY(!valid(a))) {                                                           \
+      _tide_error_set(TIDE_ERR_INVALID, "%s: not a live tidalloc allocator (NULL, destroyed " \
+                      "or corrupted handle)", __func__);                                      \
+      return fail;                                                                            \
+    }                                                                                         \
+  } while (0)
+
+/* ------------------------------------------------------------------------ */
+/* Creation                                                                  */
+/* ------------------------------------------------------------------------ */
+
+static int open_backend(tide_allocator *a) {
+  int kind = a->conf.backend;
+  if (kind == TIDE_BACKEND_CUDA)
+    return _tide_error_set(TIDE_ERR_UNAVAILABLE,
+                           "backend:cuda was asked for, but this build of tidalloc has no CUDA "
+                           "backend; use backend:host (an emulated device) or backend:auto");
+  return _tide_host_open(&a->conf, a->device, &a->backend);
+}
+
+static int read_device(tide_allocator *a) {
+  const _tide_backend *be = &a->backend;
+  size_t free_bytes = 0;
+  int rc = be->ops->granularity(be->ctx, &a->granularity);
+  if (!rc) rc = be->ops->mem_info(be->ctx, &free_bytes, &a->total_memory);
+  if (rc) return rc;
+  size_t page = a->conf.page_size;
+  /* Pages must be whole mapping units of the device. */
+  a->page_size = (page + a->granularity - 1) / a->granularity * a->granularity;
+  return TIDE_OK;
+}
+
+static size_t limit_of(const tide_allocator *a, double fraction, size_t bytes) {
+  size_t limit = a->total_memory;
+  if (fraction > 0.0 && fraction < 1.0) limit = (size_t)(fraction * (double)a->total_memory);
+  if (bytes && bytes < limit) limit = bytes;
+  return limit;
+}
+
+tide_status tide_create(int device, const tide_config *config, tide_allocator **out) {
+  if (!out) return _tide_error_set(TIDE_ERR_INVALID, "tide_create: out is NULL");
+  *out = NULL;
+  if (device < 0) return _tide_error_set(TIDE_ERR_INVALID, "tide_create: device %d < 0", device);
+  tide_allocator *a = calloc(1, sizeof *a);
+  if (!a) return _tide_error_set(TIDE_ERR_OOM, "out of host memory for an allocator");
+  int rc = TIDE_OK;
+  if (config) {
+    a->config = _tide_config_clone(config);
+    if (!a->config) rc = tide_last_status();
+  } else if (!(rc = tide_config_new(&a->config))) {
+    rc = tide_config_load_env(a->config);
+  }
+  if (rc) goto fail;
+  a->conf = *_tide_config_values(a->config);
+  a->device = device;
+  if ((rc = open_backend(a))) goto fail;
+  if ((rc = read_device(a))) goto fail_backend;
+  if ((rc = _tide_trace_init(&a->trace, a->conf.trace_capacity))) goto fail_backend;
+  atomic_init(&a->limit, limit_of(a, a->conf.memory_fraction, a->conf.memory_limit));
+  pthread_mutex_init(&a->arenas_mutex, NULL);
+  pthread_mutex_init(&a->reclaim_mutex, NULL);
+  a->id = atomic_fetch_add(&next_allocator_id, 1);
+  a->magic = _TIDE_MAGIC;
+  *out = a;
+  return TIDE_OK;
+fail_backend:
+  a->backend.ops->destroy(a->backend.ctx);
+fail:
+  tide_config_free(a->config);
+  free(a);
+  return (tide_status)rc;
+}
+
+tide_status tide_destroy(tide_allocator *a) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  size_t unfreed = 0;
+  size_t n = atomic_load(&a->narenas);
+  for (size_t i = 0; i < n; i++) unfreed += _tide_arena_destroy(a->arenas[i]);
+  free(a->arenas);
+  a->backend.ops->destroy(a->backend.ctx);
+  _tide_trace_destroy(&a->trace);
+  tide_config_free(a->config);
+  pthread_mutex_destroy(&a->arenas_mutex);
+  pthread_mutex_destroy(&a->reclaim_mutex);
+  a->magic = 0;
+  free(a);
+  if (unfreed)
+    return (tide_status)_tide_error_set(TIDE_ERR_STATE,
+                                        "allocator destroyed with %zu block(s) still allocated "
+                                        "or in use by streams; their memory was released",
+                                        unfreed);
+  return TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Arenas by stream                                                          */
+/* ------------------------------------------------------------------------ */
+
+/* The last arenas this thread used, keyed by allocator id and stream; ids
+ * are never reused, so an entry of a destroyed allocator never matches. */
+#define ARENA_CACHE 8
+static _Thread_local struct {
+  uint64_t id;
+  tide_stream stream;
+  _tide_arena *arena;
+} arena_cache[ARENA_CACHE];
+
+static inline unsigned cache_slot(uint64_t id, tide_stream stream) {
+  uintptr_t h = (uintptr_t)stream * 0x9E3779B1u + (uintptr_t)id;
+  return (unsigned)(h >> 4) % ARENA_CACHE;
+}
+
+static _tide_arena *find_arena_locked(tide_allocator *a, tide_stream stream) {
+  size_t n = atomic_load(&a->narenas);
+  for (size_t i = 0; i < n; i++)
+    if (a->arenas[i]->stream == stream) return a->arenas[i];
+  return NULL;
+}
+
+static int add_arena_locked(tide_allocator *a, tide_stream stream, _tide_arena **out) {
+  size_t n = atomic_load(&a->narenas);
+  if (n == a->arenas_cap) {
+    size_t cap = a->arenas_cap ? a->arenas_cap * 2 : 8;
+    _tide_arena **grown = realloc(a->arenas, cap * sizeof *grown);
+    if (!grown) return _tide_error_set(TIDE_ERR_OOM, "out of host memory for arenas");
+    a->arenas = grown;
+    a->arenas_cap = cap;
+  }
+  int rc = _tide_arena_create(a, stream, out);
+  if (rc) return rc;
+  a->arenas[n] = *out;
+  atomic_store(&a->narenas, n + 1);
+  return TIDE_OK;
+}
+
+static _tide_arena *arena_slow(tide_allocator *a, tide_stream stream, bool create) {
+  pthread_mutex_lock(&a->arenas_mutex);
+  _tide_arena *arena = find_arena_locked(a, stream);
+  if (!arena && create && add_arena_locked(a, stream, &arena)) arena = NULL;
+  pthread_mutex_unlock(&a->arenas_mutex);
+  if (arena) {
+    unsigned slot = cache_slot(a->id, stream);
+    arena_cache[slot].id = a->id;
+    arena_cache[slot].stream = stream;
+    arena_cache[slot].arena = arena;
+  }
+  return arena;
+}
+
+static inline _tide_arena *arena_of(tide_allocator *a, tide_stream stream, bool create) {
+  unsigned slot = cache_slot(a->id, stream);
+  if (TIDE_LIKELY(arena_cache[slot].id == a->id && arena_cache[slot].stream == stream))
+    return arena_cache[slot].arena;
+  return arena_slow(a, stream, create);
+}
+
+size_t _tide_arenas_snapshot(tide_allocator *a, _tide_arena ***out) {
+  pthread_mutex_lock(&a->arenas_mutex);
+  size_t n = atomic_load(&a->narenas);
+  *out = malloc((n ? n : 1) * sizeof **out);
+  if (*out)
+    memcpy(*out, a->arenas, n * sizeof **out);
+  else
+    n = 0;
+  pthread_mutex_unlock(&a->arenas_mutex);
+  return n;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The memory limit                                                          */
+/* ------------------------------------------------------------------------ */
+
+int _tide_budget_take(tide_allocator *a, size_t bytes, size_t request) {
+  size_t limit = atomic_load_explicit(&a->limit, memory_order_relaxed);
+  int64_t cur = atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
+  do {
+    if ((size_t)cur + bytes > limit) {
+      char want[32], held[32], lim[32];
+      return _tide_error_set(TIDE_ERR_OOM,
+                             "the memory limit of %s would be passed: %s reserved, %s more "
+                             "needed for a request of %zu bytes",
+                             _tide_format_bytes(limit, lim, sizeof lim),
+                             _tide_format_bytes((uint64_t)cur, held, sizeof held),
+                             _tide_format_bytes(bytes, want, sizeof want), request);
+    }
+  } while (!atomic_compare_exchange_weak_explicit(&a->reserved.cur, &cur, cur + (int64_t)bytes,
+                                                  memory_order_relaxed, memory_order_relaxed));
+  int64_t now = cur + (int64_t)bytes;
+  int64_t peak = atomic_load_explicit(&a->reserved.peak, memory_order_relaxed);
+  while (now > peak && !atomic_compare_exchange_weak_explicit(&a->reserved.peak, &peak, now,
+                                                              memory_order_relaxed,
+                                                              memory_order_relaxed)) {
+  }
+  return TIDE_OK;
+}
+
+void _tide_budget_give(tide_allocator *a, size_t bytes) {
+  atomic_fetch_sub_explicit(&a->reserved.cur, (int64_t)bytes, memory_order_relaxed);
+}
+
+tide_status tide_set_memory_fraction(tide_allocator *a, double fraction) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  if (!(fraction > 0.0 && fraction <= 1.0))
+    return _tide_error_set(TIDE_ERR_INVALID,
+                           "memory fraction %g is outside (0, 1]: give the share of the "
+                           "device's memory reserved memory may reach", fraction);
+  a->conf.memory_fraction = fraction;
+  atomic_store(&a->limit, limit_of(a, fraction, a->conf.memory_limit));
+  return TIDE_OK;
+}
+
+tide_status tide_set_memory_limit(tide_allocator *a, size_t bytes) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  a->conf.memory_limit = bytes;
+  atomic_store(&a->limit, limit_of(a, a->conf.memory_fraction, bytes));
+  return TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Out of memory                                                             */
+/* ------------------------------------------------------------------------ */
+
+/* Wait for pending frees and give every cached page back, in every arena:
+ * what PyTorch does before it gives up. Returns the first failure. */
+static int release_all_cached(tide_allocator *a) {
+  _tide_arena **arenas;
+  size_t n = _tide_arenas_snapshot(a, &arenas);
+  int first = TIDE_OK;
+  for (size_t i = 0; i < n; i++) {
+    _tide_lock_acquire(&arenas[i]->lock);
+    int rc = _tide_arena_process_events(arenas[i], true);
+    int rc2 = _tide_arena_release_cached(arenas[i]);
+    _tide_lock_release(&arenas[i]->lock);
+    if (!first) first = rc ? rc : rc2;
+  }
+  free(arenas);
+  return first;
+}
+
+static void out_of_memory(tide_allocator *a, tide_stream stream, size_t size, size_t rounded,
+                          const char *cause) {
+  tide_stats st;
+  size_t dev_free = 0, dev_total = 0;
+  char b[6][32];
+  _tide_stats_collect(a, &st);
+  if (a->backend.ops->mem_info(a->backend.ctx, &dev_free, &dev_total)) dev_free = dev_total = 0;
+  size_t largest = _tide_largest_free_block(a);
+  int64_t reserved = st.reserved_bytes[0].current, allocated = st.allocated_bytes[0].current;
+  atomic_fetch_add(&a->num_ooms, 1);
+  _tide_trace(a, TIDE_TRACE_OOM, rounded <= TIDE_SMALL_SIZE ? 1 : 2, 0, rounded, stream);
+  _tide_error_set(
+      TIDE_ERR_OOM,
+      "out of memory on device %d: tried to allocate %s (%zu bytes) on stream %p. "
+      "Allocated %s, reserved %s (%s cached in free blocks), device free %s of %s, "
+      "memory limit %s; largest free block %s. Cause: %s. "
+      "Try: free tensors no longer needed; %s%s"
+      "reduce the batch or sequence length",
+      a->device, _tide_format_bytes(rounded, b[0], 32), size, (void *)stream,
+      _tide_format_bytes((uint64_t)allocated, b[1], 32),
+      _tide_format_bytes((uint64_t)reserved, b[2], 32),
+      _tide_format_bytes((uint64_t)(reserved - allocated), b[3], 32),
+      _tide_format_bytes(dev_free, b[4], 32), _tide_format_bytes(dev_total, b[5], 32),
+      atomic_load(&a->limit) < a->total_memory ? "set" : "none",
+      _tide_format_bytes(largest, (char[32]){0}, 32), cause,
+      a->conf.expandable_segments ? "" : "set expandable_segments:True to stop fragmentation; ",
+      atomic_load(&a->limit) < a->total_memory ? "raise memory_fraction/memory_limit; " : "");
+}
+
+static void *malloc_retry(tide_allocator *a, _tide_arena *arena, size_t size, size_t rounded,
+                          tide_stream stream) {
+  char cause[512];
+  snprintf(cause, sizeof cause, "%s", tide_last_error());
+  atomic_fetch_add(&a->num_alloc_retries, 1);
+  atomic_fetch_add(&a->num_sync_all_streams, 1);
+  pthread_mutex_lock(&a->reclaim_mutex);
+  release_all_cached(a);
+  pthread_mutex_unlock(&a->reclaim_mutex);
+  void *ptr = NULL;
+  _tide_lock_acquire(&arena->lock);
+  int rc = _tide_arena_malloc(arena, size, rounded, &ptr);
+  _tide_lock_release(&arena->lock);
+  if (rc == TIDE_OK) return ptr;
+  if (rc == TIDE_ERR_OOM) {
+    snprintf(cause, sizeof cause, "%s", tide_last_error());
+    out_of_memory(a, stream, size, rounded, cause);
+  }
+  return NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Allocation and freeing                                                    */
+/* ------------------------------------------------------------------------ */
+
+void *tide_malloc(tide_allocator *a, size_t size, tide_stream stream) {
+  CHECK_ALLOCATOR(a, NULL);
+  if (TIDE_UNLIKELY(size == 0 || size > TIDE_MAX_ALLOC)) {
+    _tide_error_set(TIDE_ERR_INVALID,
+                    size == 0 ? "tide_malloc: size 0 asks for nothing; no block was allocated"
+                              : "tide_malloc: size %zu is larger than any device (limit 4 PiB)",
+                    size);
+    return NULL;
+  }
+  size_t rounded = _tide_round_size(&a->conf, size);
+  _tide_arena *arena = arena_of(a, stream, true);
+  if (TIDE_UNLIKELY(!arena)) return NULL;
+  void *ptr = NULL;
+  _tide_lock_acquire(&arena->lock);
+  int rc = _tide_arena_malloc(arena, size, rounded, &ptr);
+  _tide_lock_release(&arena->lock);
+  if (TIDE_LIKELY(rc == TIDE_OK)) return ptr;
+  if (rc != TIDE_ERR_OOM) {
+    _tide_error_prefix("tide_malloc(%zu bytes) failed in the device backend", size);
+    return NULL;
+  }
+  return malloc_retry(a, arena, size, rounded, stream);
+}
+
+/* Look for the block in every arena: a free on another stream than the
+ * allocation's, or a bad pointer. */
+static tide_status free_slow(tide_allocator *a, uintptr_t addr, size_t size, bool sized,
+                             tide_stream stream) {
+  _tide_arena **arenas;
+  size_t n = _tide_arenas_snapshot(a, &arenas);
+  int rc = TIDE_OK;
+  for (size_t i = 0; i < n; i++) {
+    _tide_lock_acquire(&arenas[i]->lock);
+    _tide_block *b = _tide_ptrmap_find(&arenas[i]->live, addr);
+    if (b) {
+      if (sized && b->requested != size)
+        rc = _tide_error_set(TIDE_ERR_INVALID,
+                             "tide_free_sized(%p): size %zu given, but %zu bytes were asked "
+                             "for; nothing was freed", (void *)addr, size, b->requested);
+      else
+        rc = _tide_arena_free(arenas[i], b, stream);
+      _tide_lock_release(&arenas[i]->lock);
+      free(arenas);
+      return (tide_status)rc;
+    }
+    _tide_lock_release(&arenas[i]->lock);
+  }
+  for (size_t i = 0; i < n && !rc; i++) {
+    _tide_lock_acquire(&arenas[i]->lock);
+    rc = _tide_arena_explain_pointer(arenas[i], addr);
+    _tide_lock_release(&arenas[i]->lock);
+  }
+  free(arenas);
+  if (rc) return (tide_status)rc;
+  return (tide_status)_tide_error_set(TIDE_ERR_BAD_POINTER,
+                                      "%p was not allocated by this tidalloc allocator (device "
+                                      "%d): it is outside all of its segments", (void *)addr,
+                                      a->device);
+}
+
+static tide_status free_any(tide_allocator *a, void *ptr, size_t size, bool sized,
+                            tide_stream stream) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  if (!ptr) return TIDE_OK;
+  uintptr_t addr = (uintptr_t)ptr;
+  _tide_arena *arena = arena_of(a, stream, false);
+  if (TIDE_LIKELY(arena != NULL)) {
+    _tide_lock_acquire(&arena->lock);
+    _tide_block *b = _tide_ptrmap_find(&arena->live, addr);
+    if (TIDE_LIKELY(b && (!sized || b->requested == size))) {
+      int rc = _tide_arena_free(arena, b, stream);
+      _tide_lock_release(&arena->lock);
+      return (tide_status)rc;
+    }
+    _tide_lock_release(&arena->lock);
+  }
+  return free_slow(a, addr, size, sized, stream);
+}
+
+tide_status tide_free(tide_allocator *a, void *ptr, tide_stream stream) {
+  return free_any(a, ptr, 0, false, stream);
+}
+
+tide_status tide_free_sized(tide_allocator *a, void *ptr, size_t size, tide_stream stream) {
+  return free_any(a, ptr, size, true, stream);
+}
+
+/* Run `fn` on the live block at `ptr` under its arena's lock. */
+static tide_status with_block(tide_allocator *a, const void *ptr,
+                              int (*fn)(_tide_arena *, _tide_block *, void *), void *arg) {
+  _tide_arena **arenas;
+  size_t n = _tide_arenas_snapshot(a, &arenas);
+  uintptr_t addr = (uintptr_t)ptr;
+  int rc = -1;
+  for (size_t i = 0; i < n && rc < 0; i++) {
+    _tide_lock_acquire(&arenas[i]->lock);
+    _tide_block *b = _tide_ptrmap_find(&arenas[i]->live, addr);
+    if (b) rc = fn(arenas[i], b, arg);
+    _tide_lock_release(&arenas[i]->lock);
+  }
+  for (size_t i = 0; i < n && rc < 0; i++) {
+    _tide_lock_acquire(&arenas[i]->lock);
+    int why = _tide_arena_explain_pointer(arenas[i], addr);
+    _tide_lock_release(&arenas[i]->lock);
+    if (why) rc = why;
+  }
+  free(arenas);
+  if (rc < 0)
+    rc = _tide_error_set(TIDE_ERR_BAD_POINTER, "%p was not allocated by this tidalloc allocator",
+                         ptr);
+  return (tide_status)rc;
+}
+
+static int add_stream(_tide_arena *arena, _tide_block *b, void *arg) {
+  tide_stream s = *(tide_stream *)arg;
+  if (s == arena->stream) return TIDE_OK;
+  for (unsigned i = 0; i < b->nstreams; i++) {
+    tide_stream have = i < _TIDE_INLINE_STREAMS ? b->streams[i]
+                                                : b->more_streams[i - _TIDE_INLINE_STREAMS];
+    if (have == s) return TIDE_OK;
+  }
+  if (b->nstreams < _TIDE_INLINE_STREAMS) {
+    b->streams[b->nstreams++] = s;
+    return TIDE_OK;
+  }
+  if (b->nstreams == UINT8_MAX)
+    return _tide_error_set(TIDE_ERR_INVALID, "block %p is already recorded on %u streams",
+                           (void *)b->addr, b->nstreams);
+  unsigned extra = b->nstreams - _TIDE_INLINE_STREAMS;
+  if (extra == b->more_cap) {
+    uint32_t cap = b->more_cap ? b->more_cap * 2 : 4;
+    tide_stream *grown = realloc(b->more_streams, cap * sizeof *grown);
+    if (!grown) return _tide_error_set(TIDE_ERR_OOM, "out of host memory recording a stream");
+    b->more_streams = grown;
+    b->more_cap = cap;
+  }
+  b->more_streams[extra] = s;
+  b->nstreams++;
+  return TIDE_OK;
+}
+
+tide_status tide_record_stream(tide_allocator *a, void *ptr, tide_stream stream) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  if (!ptr) return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_record_stream: NULL");
+  return with_block(a, ptr, add_stream, &stream);
+}
+
+typedef struct block_info_out {
+  void **base;
+  size_t *size;
+  tide_stream *stream;
+} block_info_out;
+
+static int read_block(_tide_arena *arena, _tide_block *b, void *arg) {
+  block_info_out *o = arg;
+  if (o->base) *o->base = (void *)b->addr;
+  if (o->size) *o->size = b->size;
+  if (o->stream) *o->stream = arena->stream;
+  return TIDE_OK;
+}
+
+tide_status tide_block_info(tide_allocator *a, const void *ptr, void **base, size_t *size,
+                            tide_stream *stream) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  block_info_out o = {base, size, stream};
+  return with_block(a, ptr, read_block, &o);
+}
+
+tide_status tide_empty_cache(tide_allocator *a) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  pthread_mutex_lock(&a->reclaim_mutex);
+  int rc = release_all_cached(a);
+  pthread_mutex_unlock(&a->reclaim_mutex);
+  _tide_trace(a, TIDE_TRACE_EMPTY_CACHE, 0, 0, 0, NULL);
+  return (tide_status)rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Streams and the backend                                                   */
+/* ------------------------------------------------------------------------ */
+
+tide_status tide_stream_create(tide_allocator *a, tide_stream *out) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  if (!out) return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_stream_create: out is NULL");
+  return (tide_status)a->backend.ops->stream_create(a->backend.ctx, out);
+}
+
+tide_status tide_stream_destroy(tide_allocator *a, tide_stream stream) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  return (tide_status)a->backend.ops->stream_destroy(a->backend.ctx, stream);
+}
+
+tide_status tide_stream_synchronize(tide_allocator *a, tide_stream stream) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  return (tide_status)a->backend.ops->stream_synchronize(a->backend.ctx, stream);
+}
+
+tide_status tide_get_info(tide_allocator *a, tide_info *out) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  if (!out) return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_get_info: out is NULL");
+  static _Thread_local char name[128];
+  const _tide_backend *be = &a->backend;
+  memset(out, 0, sizeof *out);
+  out->version = TIDE_VERSION_STRING;
+  out->backend = be->ops->name;
+  out->device = a->device;
+  size_t free_bytes = 0, total = 0;
+  int rc = be->ops->device_count(be->ctx, &out->device_count);
+  if (!rc) rc = be->ops->device_name(be->ctx, name, sizeof name);
+  if (!rc) rc = be->ops->mem_info(be->ctx, &free_bytes, &total);
+  out->device_name = name;
+  out->total_memory = total;
+  out->free_memory = free_bytes;
+  out->granularity = a->granularity;
+  out->page_size = a->page_size;
+  return (tide_status)rc;
+}
+
+static int need_host(tide_allocator *a, const char *what) {
+  if (a->backend.is_host) return TIDE_OK;
+  return _tide_error_set(TIDE_ERR_UNAVAILABLE, "%s works only on the host backend (this "
+                         "allocator uses %s)", what, a->backend.ops->name);
+}
+
+tide_status tide_host_stream_hold(tide_allocator *a, tide_stream stream) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  int rc = need_host(a, __func__);
+  return (tide_status)(rc ? rc : _tide_host_stream_hold(&a->backend, stream));
+}
+
+tide_status tide_host_stream_release(tide_allocator *a, tide_stream stream) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  int rc = need_host(a, __func__);
+  return (tide_status)(rc ? rc : _tide_host_stream_release(&a->backend, stream));
+}
+
+tide_status tide_host_fail_call(tide_allocator *a, tide_backend_op op, uint64_t n) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  int rc = need_host(a, __func__);
+  return (tide_status)(rc ? rc : _tide_host_fail_call(&a->backend, op, n));
+}
+
+uint64_t tide_host_call_count(tide_allocator *a, tide_backend_op op) {
+  CHECK_ALLOCATOR(a, 0);
+  return a->backend.is_host ? _tide_host_call_count(&a->backend, op) : 0;
+}
+
+uint64_t tide_host_bytes_in_use(tide_allocator *a) {
+  CHECK_ALLOCATOR(a, 0);
+  return a->backend.is_host ? _tide_host_bytes_in_use(&a->backend) : 0;
+}

@@ -1,0 +1,462 @@
+/* arena.c: the blocks of one stream — allocation by best fit with
+ * splitting, freeing with merging, and stream-ordered reuse.
+ *
+ * Each stream has its own arena behind its own lock, so threads working on
+ * different streams never wait for each other. A block freed on its own
+ * stream is reusable at once (later work on that stream runs after the work
+ * that used it); a block also used on other streams waits in the pending
+ * list until events recorded on those streams complete. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+
+#define BLOCKS_PER_CHUNK 128
+
+/* ------------------------------------------------------------------------ */
+/* Block records                                                             */
+/* ------------------------------------------------------------------------ */
+
+_tide_block *_tide_block_new(_tide_arena *arena) {
+  if (TIDE_UNLIKELY(!arena->spare)) {
+    _tide_block_chunk *chunk =
+        malloc(sizeof *chunk + BLOCKS_PER_CHUNK * sizeof(_tide_block));
+    if (!chunk) return NULL;
+    chunk->next = arena->chunks;
+    arena->chunks = chunk;
+    for (int i = BLOCKS_PER_CHUNK - 1; i >= 0; i--) {
+      chunk->blocks[i].link_next = arena->spare;
+      arena->spare = &chunk->blocks[i];
+    }
+  }
+  _tide_block *b = arena->spare;
+  arena->spare = b->link_next;
+  memset(b, 0, sizeof *b);
+  return b;
+}
+
+void _tide_block_delete(_tide_arena *arena, _tide_block *b) {
+  free(b->more_streams);
+  b->more_streams = NULL;
+  b->link_next = arena->spare;
+  arena->spare = b;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Bins with the inactive-split figures                                      */
+/* ------------------------------------------------------------------------ */
+
+void _tide_pool_insert(_tide_arena *arena, _tide_block *b) {
+  int kind = b->segment->pool;
+  _tide_bins_insert(&arena->pools[kind].bins, b);
+  if (_tide_block_is_split(b)) {
+    _tide_stat_add(&arena->stats, _TIDE_ST_INACTIVE_SPLIT, kind, (int64_t)b->size);
+    _tide_stat_add(&arena->stats, _TIDE_ST_INACTIVE_SPLIT_BLOCKS, kind, 1);
+  }
+}
+
+void _tide_pool_remove(_tide_arena *arena, _tide_block *b) {
+  int kind = b->segment->pool;
+  _tide_bins_remove(&arena->pools[kind].bins, b);
+  if (_tide_block_is_split(b)) {
+    _tide_stat_add(&arena->stats, _TIDE_ST_INACTIVE_SPLIT, kind, -(int64_t)b->size);
+    _tide_stat_add(&arena->stats, _TIDE_ST_INACTIVE_SPLIT_BLOCKS, kind, -1);
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Life of an arena                                                          */
+/* ------------------------------------------------------------------------ */
+
+int _tide_arena_create(struct tide_allocator *a, tide_stream stream, _tide_arena **out) {
+  _tide_arena *arena = calloc(1, sizeof *arena);
+  if (!arena) return _tide_error_set(TIDE_ERR_OOM, "out of host memory for a stream's arena");
+  int rc = _tide_ptrmap_init(&arena->live);
+  if (rc) {
+    free(arena);
+    return rc;
+  }
+  _tide_lock_init(&arena->lock);
+  arena->stream = stream;
+  arena->alloc = a;
+  arena->pools[_TIDE_SMALL].kind = _TIDE_SMALL;
+  arena->pools[_TIDE_LARGE].kind = _TIDE_LARGE;
+  *out = arena;
+  return TIDE_OK;
+}
+
+size_t _tide_arena_destroy(_tide_arena *arena) {
+  const _tide_backend *be = &arena->alloc->backend;
+  size_t unfreed = arena->live.count;
+  for (size_t i = 0; i < arena->npending; i++) {
+    be->ops->event_destroy(be->ctx, arena->pending[i].event);
+    if (--arena->pending[i].block->events == 0) unfreed++;
+  }
+  for (size_t i = 0; i < arena->nspare_events; i++)
+    be->ops->event_destroy(be->ctx, arena->spare_events[i]);
+  _tide_pool_teardown(arena, &arena->pools[_TIDE_SMALL]);
+  _tide_pool_teardown(arena, &arena->pools[_TIDE_LARGE]);
+  _tide_arena_retry_orphans(arena);
+  while (arena->chunks) {
+    _tide_block_chunk *next = arena->chunks->next;
+    for (int i = 0; i < BLOCKS_PER_CHUNK; i++) free(arena->chunks->blocks[i].more_streams);
+    free(arena->chunks);
+    arena->chunks = next;
+  }
+  _tide_ptrmap_destroy(&arena->live);
+  free(arena->pending);
+  free(arena->spare_events);
+  free(arena->orphans);
+  free(arena);
+  return unfreed;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Allocation                                                                */
+/* ------------------------------------------------------------------------ */
+
+/* PyTorch's limits on oversize blocks (those of at least max_split_size):
+ * never hand one to a smaller request, nor one much larger than asked. */
+static bool oversize_refused(const struct tide_allocator *a, size_t block, size_t rounded) {
+  size_t max_split = a->conf.max_split_size;
+  if (rounded < max_split) return block >= max_split;
+  return block >= rounded + TIDE_LARGE_BUFFER;
+}
+
+static bool should_split(const struct tide_allocator *a, const _tide_block *b, size_t rounded) {
+  size_t remaining = b->size - rounded;
+  if (b->segment->pool == _TIDE_SMALL || b->segment->expandable)
+    return remaining >= TIDE_MIN_BLOCK;
+  return rounded < a->conf.max_split_size && remaining > TIDE_SMALL_SIZE;
+}
+
+/* Cut `rounded` bytes off the front of b; the rest goes back to the bins.
+ * Without a record for the rest, b is handed out whole. */
+static void split(_tide_arena *arena, _tide_block *b, size_t rounded) {
+  _tide_block *rest = _tide_block_new(arena);
+  if (!rest) return;
+  rest->addr = b->addr + rounded;
+  rest->size = b->size - rounded;
+  rest->segment = b->segment;
+  rest->state = _TIDE_FREE;
+  rest->stamp = b->stamp;
+  rest->prev = b;
+  rest->next = b->next;
+  if (b->next) b->next->prev = rest;
+  b->next = rest;
+  b->size = rounded;
+  _tide_pool_insert(arena, rest);
+}
+
+static void maybe_collect_garbage(_tide_arena *arena) {
+  struct tide_allocator *a = arena->alloc;
+  double threshold = a->conf.gc_threshold;
+  if (TIDE_LIKELY(threshold <= 0.0)) return;
+  size_t target = (size_t)(threshold * (double)atomic_load(&a->limit));
+  if ((size_t)atomic_load_explicit(&a->reserved.cur, memory_order_relaxed) > target)
+    _tide_arena_collect_garbage(arena, target);
+}
+
+static void count_allocation(_tide_arena *arena, const _tide_block *b, size_t size) {
+  _tide_arena_stats *s = &arena->stats;
+  int kind = b->segment->pool;
+  _tide_stat_add(s, _TIDE_ST_ALLOCATED, kind, (int64_t)b->size);
+  _tide_stat_add(s, _TIDE_ST_REQUESTED, kind, (int64_t)size);
+  _tide_stat_add(s, _TIDE_ST_ACTIVE, kind, (int64_t)b->size);
+  _tide_stat_add(s, _TIDE_ST_ALLOCATIONS, kind, 1);
+  _tide_stat_add(s, _TIDE_ST_ACTIVE_BLOCKS, kind, 1);
+  s->counters[_TIDE_CT_ALLOCS]++;
+  if (TIDE_UNLIKELY(b->size >= arena->alloc->conf.max_split_size)) s->counters[_TIDE_CT_OVERSIZE]++;
+  _tide_global_add(&arena->alloc->allocated, (int64_t)b->size);
+}
+
+int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **out) {
+  struct tide_allocator *a = arena->alloc;
+  if (TIDE_UNLIKELY(arena->npending)) _tide_arena_process_events(arena, false);
+  _tide_pool *pool = &arena->pools[rounded <= TIDE_SMALL_SIZE ? _TIDE_SMALL : _TIDE_LARGE];
+  _tide_block *b = _tide_bins_best_fit(&pool->bins, rounded);
+  if (b && TIDE_UNLIKELY(a->conf.max_split_size != SIZE_MAX) &&
+      oversize_refused(a, b->size, rounded))
+    b = NULL;
+  if (TIDE_LIKELY(b != NULL)) {
+    _tide_pool_remove(arena, b);
+  } else {
+    maybe_collect_garbage(arena);
+    int rc = _tide_pool_grow(arena, pool, rounded, &b);
+    if (rc) return rc;
+  }
+  if (TIDE_UNLIKELY(_tide_ptrmap_reserve_one(&arena->live) != TIDE_OK)) {
+    _tide_arena_free_block(arena, b);
+    return TIDE_ERR_OOM;
+  }
+  if (should_split(a, b, rounded)) split(arena, b, rounded);
+  b->state = _TIDE_ALLOCATED;
+  b->requested = size;
+  _tide_ptrmap_insert(&arena->live, b); /* cannot fail: room reserved above */
+  count_allocation(arena, b, size);
+  arena->clock++;
+  _tide_trace(a, TIDE_TRACE_ALLOC, b->segment->pool + 1, b->addr, b->size, arena->stream);
+  *out = (void *)b->addr;
+  return TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Freeing                                                                   */
+/* ------------------------------------------------------------------------ */
+
+void _tide_arena_free_block(_tide_arena *arena, _tide_block *b) {
+  b->state = _TIDE_FREE;
+  b->stamp = arena->clock;
+  _tide_block *p = b->prev, *n = b->next;
+  if (p && p->state == _TIDE_FREE) {
+    _tide_pool_remove(arena, p);
+    p->size += b->size;
+    p->next = n;
+    if (n) n->prev = p;
+    p->stamp = b->stamp;
+    _tide_block_delete(arena, b);
+    b = p;
+  }
+  if (n && n->state == _TIDE_FREE) {
+    _tide_pool_remove(arena, n);
+    b->size += n->size;
+    b->next = n->next;
+    if (n->next) n->next->prev = b;
+    _tide_block_delete(arena, n);
+  }
+  _tide_pool_insert(arena, b);
+}
+
+static int take_event(_tide_arena *arena, _tide_event *out) {
+  if (arena->nspare_events) {
+    *out = arena->spare_events[--arena->nspare_events];
+    return TIDE_OK;
+  }
+  const _tide_backend *be = &arena->alloc->backend;
+  return be->ops->event_create(be->ctx, out);
+}
+
+static void give_event(_tide_arena *arena, _tide_event e) {
+  if (arena->nspare_events == arena->spare_events_cap) {
+    size_t cap = arena->spare_events_cap ? arena->spare_events_cap * 2 : 16;
+    _tide_event *grown = realloc(arena->spare_events, cap * sizeof *grown);
+    if (!grown) {
+      const _tide_backend *be = &arena->alloc->backend;
+      be->ops->event_destroy(be->ctx, e);
+      return;
+    }
+    arena->spare_events = grown;
+    arena->spare_events_cap = cap;
+  }
+  arena->spare_events[arena->nspare_events++] = e;
+}
+
+static tide_stream recorded_stream(const _tide_block *b, unsigned i) {
+  return i < _TIDE_INLINE_STREAMS ? b->streams[i] : b->more_streams[i - _TIDE_INLINE_STREAMS];
+}
+
+/* Record an event on each stream other than the arena's that used b, so
+ * that b is reused only after them. All or nothing. */
+static int record_events(_tide_arena *arena, _tide_block *b, tide_stream freed_on) {
+  const _tide_backend *be = &arena->alloc->backend;
+  unsigned want = b->nstreams + 1u;
+  if (arena->npending + want > arena->pending_cap) {
+    size_t cap = (arena->pending_cap + want) * 2;
+    _tide_pending *grown = realloc(arena->pending, cap * sizeof *grown);
+    if (!grown) return _tide_error_set(TIDE_ERR_OOM, "out of host memory for stream events");
+    arena->pending = grown;
+    arena->pending_cap = cap;
+  }
+  size_t start = arena->npending;
+  int rc = TIDE_OK;
+  for (unsigned i = 0; i <= b->nstreams && !rc; i++) {
+    tide_stream s = i < b->nstreams ? recorded_stream(b, i) : freed_on;
+    if (s == arena->stream) continue;
+    bool seen = false;
+    for (size_t j = start; j < arena->npending; j++) seen |= arena->pending[j].stream == s;
+    if (seen) continue;
+    _tide_event e;
+    if ((rc = take_event(arena, &e))) break;
+    if ((rc = be->ops->event_record(be->ctx, e, s))) {
+      give_event(arena, e);
+      break;
+    }
+    arena->pending[arena->npending++] = (_tide_pending){.event = e, .block = b, .stream = s};
+  }
+  if (rc) {
+    for (size_t j = start; j < arena->npending; j++) give_event(arena, arena->pending[j].event);
+    arena->npending = start;
+    return rc;
+  }
+  b->events = (uint16_t)(arena->npending - start);
+  return TIDE_OK;
+}
+
+static void forget_streams(_tide_block *b) {
+  free(b->more_streams);
+  b->more_streams = NULL;
+  b->more_cap = 0;
+  b->nstreams = 0;
+}
+
+static void count_free(_tide_arena *arena, const _tide_block *b) {
+  _tide_arena_stats *s = &arena->stats;
+  int kind = b->segment->pool;
+  _tide_stat_add(s, _TIDE_ST_ALLOCATED, kind, -(int64_t)b->size);
+  _tide_stat_add(s, _TIDE_ST_REQUESTED, kind, -(int64_t)b->requested);
+  _tide_stat_add(s, _TIDE_ST_ALLOCATIONS, kind, -1);
+  s->counters[_TIDE_CT_FREES]++;
+  if (TIDE_UNLIKELY(b->size >= arena->alloc->conf.max_split_size)) s->counters[_TIDE_CT_OVERSIZE]--;
+  _tide_global_add(&arena->alloc->allocated, -(int64_t)b->size);
+}
+
+static void count_inactive(_tide_arena *arena, const _tide_block *b) {
+  int kind = b->segment->pool;
+  _tide_stat_add(&arena->stats, _TIDE_ST_ACTIVE, kind, -(int64_t)b->size);
+  _tide_stat_add(&arena->stats, _TIDE_ST_ACTIVE_BLOCKS, kind, -1);
+}
+
+int _tide_arena_free(_tide_arena *arena, _tide_block *b, tide_stream stream) {
+  if (TIDE_UNLIKELY(b->nstreams || stream != arena->stream)) {
+    int rc = record_events(arena, b, stream);
+    if (rc) {
+      return _tide_error_set((tide_status)rc,
+                             "cannot free %p: ordering the free after the streams that used "
+                             "it failed (%s); the block is still allocated",
+                             (void *)b->addr, tide_last_error());
+    }
+    forget_streams(b);
+  }
+  _tide_ptrmap_remove(&arena->live, b->addr);
+  count_free(arena, b);
+  _tide_trace(arena->alloc, TIDE_TRACE_FREE, b->segment->pool + 1, b->addr, b->size, stream);
+  if (b->events) {
+    b->state = _TIDE_PENDING;
+    return TIDE_OK;
+  }
+  count_inactive(arena, b);
+  _tide_arena_free_block(arena, b);
+  return TIDE_OK;
+}
+
+int _tide_arena_process_events(_tide_arena *arena, bool wait) {
+  const _tide_backend *be = &arena->alloc->backend;
+  size_t kept = 0;
+  int first_error = TIDE_OK;
+  for (size_t i = 0; i < arena->npending; i++) {
+    _tide_pending p = arena->pending[i];
+    int rc = wait ? be->ops->event_synchronize(be->ctx, p.event)
+                  : be->ops->event_query(be->ctx, p.event);
+    if (rc != TIDE_OK) {
+      arena->pending[kept++] = p;
+      if (!first_error && (wait || rc != TIDE_ERR_NOT_READY)) first_error = rc;
+      continue;
+    }
+    give_event(arena, p.event);
+    if (--p.block->events == 0) {
+      count_inactive(arena, p.block);
+      _tide_arena_free_block(arena, p.block);
+    }
+  }
+  arena->npending = kept;
+  return first_error;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Giving memory back                                                        */
+/* ------------------------------------------------------------------------ */
+
+static bool holds_cache(const _tide_arena *arena) {
+  return arena->pools[_TIDE_SMALL].bins.count || arena->pools[_TIDE_LARGE].bins.count ||
+         arena->pools[_TIDE_SMALL].unmapped || arena->pools[_TIDE_LARGE].unmapped ||
+         arena->norphans;
+}
+
+/* Work queued on the stream may still touch free blocks (a block freed on
+ * its own stream is free at once): unmapping must wait for it. */
+static int settle_stream(_tide_arena *arena) {
+  const _tide_backend *be = &arena->alloc->backend;
+  int rc = be->ops->stream_synchronize(be->ctx, arena->stream);
+  if (rc) _tide_error_prefix("cannot return cached memory of stream %p yet", (void *)arena->stream);
+  return rc;
+}
+
+int _tide_arena_release_cached(_tide_arena *arena) {
+  if (!holds_cache(arena)) return TIDE_OK;
+  int rc = settle_stream(arena);
+  if (rc) return rc;
+  int small = _tide_pool_release_cached(arena, &arena->pools[_TIDE_SMALL]);
+  int large = _tide_pool_release_cached(arena, &arena->pools[_TIDE_LARGE]);
+  int orphans = arena->norphans ? _tide_arena_retry_orphans(arena) : TIDE_OK;
+  return small ? small : large ? large : orphans;
+}
+
+static int by_stamp(const void *x, const void *y) {
+  const _tide_block *a = *(_tide_block *const *)x, *b = *(_tide_block *const *)y;
+  return (a->stamp > b->stamp) - (a->stamp < b->stamp);
+}
+
+static bool releasable(const _tide_block *b, size_t page) {
+  if (!b->segment->expandable) return !b->prev && !b->next;
+  uintptr_t base = b->segment->base;
+  size_t lo = (b->addr - base + page - 1) / page, hi = (b->addr + b->size - base) / page;
+  return hi > lo;
+}
+
+int _tide_arena_collect_garbage(_tide_arena *arena, size_t target) {
+  struct tide_allocator *a = arena->alloc;
+  size_t n = 0, cap = arena->pools[0].bins.count + arena->pools[1].bins.count;
+  if (cap == 0) return TIDE_OK;
+  _tide_block **candidates = malloc(cap * sizeof *candidates);
+  if (!candidates) return _tide_error_set(TIDE_ERR_OOM, "out of host memory for garbage collection");
+  for (int kind = 0; kind < 2; kind++)
+    for (_tide_segment *seg = arena->pools[kind].segments; seg; seg = seg->next)
+      for (_tide_block *b = seg->first; b; b = b->next)
+        if (b->state == _TIDE_FREE && releasable(b, a->page_size) && n < cap) candidates[n++] = b;
+  int rc = n ? settle_stream(arena) : TIDE_OK;
+  qsort(candidates, n, sizeof *candidates, by_stamp);
+  for (size_t i = 0; i < n && !rc; i++) {
+    if ((size_t)atomic_load(&a->reserved.cur) <= target) break;
+    rc = _tide_release_block(arena, candidates[i]);
+  }
+  free(candidates);
+  _tide_pool_release_empty_segments(arena, &arena->pools[_TIDE_SMALL]);
+  _tide_pool_release_empty_segments(arena, &arena->pools[_TIDE_LARGE]);
+  return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Pointers that are not live blocks                                         */
+/* ------------------------------------------------------------------------ */
+
+static const _tide_block *containing_block(const _tide_arena *arena, uintptr_t addr) {
+  for (int kind = 0; kind < 2; kind++)
+    for (const _tide_segment *seg = arena->pools[kind].segments; seg; seg = seg->next) {
+      if (addr < seg->base || addr >= seg->base + seg->size) continue;
+      for (const _tide_block *b = seg->first; b; b = b->next)
+        if (addr >= b->addr && addr < b->addr + b->size) return b;
+    }
+  return NULL;
+}
+
+int _tide_arena_explain_pointer(_tide_arena *arena, uintptr_t addr) {
+  const _tide_block *b = containing_block(arena, addr);
+  if (!b) return TIDE_OK;
+  void *p = (void *)addr;
+  switch (b->state) {
+  case _TIDE_ALLOCATED:
+    return _tide_error_set(TIDE_ERR_BAD_POINTER,
+                           "%p is not the start of a block: it lies %zu bytes into the block "
+                           "at %p of %zu bytes (pass the pointer tide_malloc returned)",
+                           p, (size_t)(addr - b->addr), (void *)b->addr, b->size);
+  case _TIDE_PENDING:
+  case _TIDE_FREE:
+    return _tide_error_set(TIDE_ERR_DOUBLE_FREE,
+                           "%p lies in free memory: it was already freed (double free), or "
+                           "is a pointer into a freed block", p);
+  default:
+    return _tide_error_set(TIDE_ERR_BAD_POINTER,
+                           "%p lies in an unmapped part of a segment: it was never allocated "
+                           "(or was freed and its page returned)", p);
+  }
+}

@@ -1,0 +1,340 @@
+/* core.h: the allocator's own data structures — blocks, segments, bins,
+ * pools, arenas and the allocator — and the functions the core files
+ * (bins.c, ptrmap.c, segment.c, arena.c, allocator.c, stats.c, trace.c,
+ * snapshot.c) call across each other. Everything here is guarded by the lock
+ * of the arena that owns it, unless a comment says otherwise. */
+#ifndef TIDE_CORE_H
+#define TIDE_CORE_H
+
+#include <pthread.h>
+
+#include "backend.h"
+#include "internal.h"
+#include "lock.h"
+
+/* ------------------------------------------------------------------------ */
+/* Blocks                                                                    */
+/* ------------------------------------------------------------------------ */
+
+enum {
+  _TIDE_SMALL = 0, /* pool index inside an arena; stats use it + 1 */
+  _TIDE_LARGE = 1,
+};
+
+typedef enum _tide_block_state {
+  _TIDE_FREE = 0,      /* mapped and in a bin */
+  _TIDE_ALLOCATED = 1, /* handed to the user, in the arena's live map */
+  _TIDE_PENDING = 2,   /* freed, waiting for events of other streams */
+  _TIDE_UNMAPPED = 3,  /* virtual space without pages (expandable segments) */
+} _tide_block_state;
+
+#define _TIDE_INLINE_STREAMS 2
+
+typedef struct _tide_block {
+  uintptr_t addr;
+  size_t size;
+  size_t requested;                  /* allocated blocks: what the user asked for */
+  struct _tide_block *prev, *next;   /* neighbours in address order, same segment */
+  struct _tide_block *link_prev, *link_next; /* bin, unmapped or pending list */
+  struct _tide_segment *segment;
+  uint64_t stamp;                    /* arena clock when it became free (gc age) */
+  uint32_t bin;                      /* free blocks: their bin */
+  uint8_t state;                     /* _tide_block_state */
+  uint8_t nstreams;                  /* streams recorded with tide_record_stream */
+  uint16_t events;                   /* pending: events still outstanding */
+  tide_stream streams[_TIDE_INLINE_STREAMS];
+  tide_stream *more_streams;         /* beyond the inline ones (malloc'd) */
+  uint32_t more_cap;
+} _tide_block;
+
+static inline bool _tide_block_is_split(const _tide_block *b) {
+  return b->prev != NULL || b->next != NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Bins: free mapped blocks by size, for best fit (bins.c)                   */
+/* ------------------------------------------------------------------------ */
+
+/* Sizes are multiples of 512 B. Below 1 MiB every size has its own bin (all
+ * blocks in it are the same size, so any of them is the best fit); above,
+ * each power of two is cut into 64 bins (1.6% wide) that are searched for
+ * the smallest fitting block, lowest address first. A two-level bitmap finds
+ * the next non-empty bin in a few instructions. */
+#define _TIDE_EXACT_BINS 2048u
+#define _TIDE_SUB_BITS 6u
+#define _TIDE_BIN_COUNT (_TIDE_EXACT_BINS + 33u * (1u << _TIDE_SUB_BITS))
+#define _TIDE_BIN_WORDS ((_TIDE_BIN_COUNT + 63u) / 64u)
+
+typedef struct _tide_bins {
+  uint64_t summary[(_TIDE_BIN_WORDS + 63u) / 64u];
+  uint64_t map[_TIDE_BIN_WORDS];
+  _tide_block *head[_TIDE_BIN_COUNT];
+  size_t count; /* blocks in all bins */
+} _tide_bins;
+
+uint32_t _tide_bin_of(size_t size);
+void _tide_bins_insert(_tide_bins *bins, _tide_block *b);
+void _tide_bins_remove(_tide_bins *bins, _tide_block *b);
+/* The smallest block of at least `size` bytes (lowest address among equals
+ * in the graded bins), or NULL. Not removed. */
+_tide_block *_tide_bins_best_fit(const _tide_bins *bins, size_t size);
+/* The largest free block, or NULL. */
+_tide_block *_tide_bins_largest(const _tide_bins *bins);
+
+/* ------------------------------------------------------------------------ */
+/* The live map: allocated blocks by address (ptrmap.c)                      */
+/* ------------------------------------------------------------------------ */
+
+typedef struct _tide_ptrmap {
+  uintptr_t *keys;
+  _tide_block **values;
+  size_t mask; /* capacity - 1 */
+  size_t count;
+} _tide_ptrmap;
+
+int _tide_ptrmap_init(_tide_ptrmap *m);
+void _tide_ptrmap_destroy(_tide_ptrmap *m);
+int _tide_ptrmap_insert(_tide_ptrmap *m, _tide_block *b); /* grows: may fail (OOM) */
+_tide_block *_tide_ptrmap_find(const _tide_ptrmap *m, uintptr_t addr);
+_tide_block *_tide_ptrmap_remove(_tide_ptrmap *m, uintptr_t addr);
+/* Capacity for one more entry, so that an insert after it cannot fail. */
+int _tide_ptrmap_reserve_one(_tide_ptrmap *m);
+
+/* ------------------------------------------------------------------------ */
+/* Segments and pools (segment.c)                                            */
+/* ------------------------------------------------------------------------ */
+
+typedef struct _tide_segment {
+  uintptr_t base;
+  size_t size;             /* virtual bytes; fixed segments: also physical */
+  size_t mapped;           /* physical bytes held */
+  struct _tide_arena *arena;
+  struct _tide_segment *prev, *next; /* the pool's segments */
+  _tide_handle *pages;     /* expandable: a handle per page, 0 when unmapped */
+  size_t npages;
+  _tide_handle handle;     /* fixed: its one handle */
+  _tide_block *first;      /* lowest block; blocks cover [base, base+size) */
+  uint8_t pool;            /* _TIDE_SMALL or _TIDE_LARGE */
+  uint8_t expandable;
+} _tide_segment;
+
+typedef struct _tide_pool {
+  _tide_bins bins;          /* free mapped blocks */
+  _tide_block *unmapped;    /* unmapped blocks, address order */
+  _tide_segment *segments;
+  uint8_t kind;             /* _TIDE_SMALL or _TIDE_LARGE */
+} _tide_pool;
+
+/* ------------------------------------------------------------------------ */
+/* Statistics (stats.c)                                                      */
+/* ------------------------------------------------------------------------ */
+
+enum {
+  _TIDE_ST_ALLOCATED = 0,
+  _TIDE_ST_REQUESTED,
+  _TIDE_ST_ACTIVE,
+  _TIDE_ST_INACTIVE_SPLIT,
+  _TIDE_ST_RESERVED,
+  _TIDE_ST_ALLOCATIONS,
+  _TIDE_ST_ACTIVE_BLOCKS,
+  _TIDE_ST_INACTIVE_SPLIT_BLOCKS,
+  _TIDE_ST_SEGMENTS,
+  _TIDE_ST_COUNT
+};
+
+enum {
+  _TIDE_CT_ALLOCS = 0,
+  _TIDE_CT_FREES,
+  _TIDE_CT_PAGES_MAPPED,
+  _TIDE_CT_PAGES_UNMAPPED,
+  _TIDE_CT_SEGMENTS_CREATED,
+  _TIDE_CT_SEGMENTS_RELEASED,
+  _TIDE_CT_DEVICE_ALLOC,
+  _TIDE_CT_DEVICE_FREE,
+  _TIDE_CT_OVERSIZE,
+  _TIDE_CT_COUNT
+};
+
+/* One arena's figures: [stat][0 all, 1 small, 2 large]. */
+typedef struct _tide_arena_stats {
+  int64_t cur[_TIDE_ST_COUNT][TIDE_POOL_KINDS];
+  int64_t peak[_TIDE_ST_COUNT][TIDE_POOL_KINDS];
+  uint64_t counters[_TIDE_CT_COUNT];
+} _tide_arena_stats;
+
+/* A figure of the whole allocator that must be exact across arenas. */
+typedef struct _tide_global_stat {
+  _Atomic int64_t cur;
+  _Atomic int64_t peak;
+} _tide_global_stat;
+
+static inline void _tide_global_add(_tide_global_stat *g, int64_t delta) {
+  int64_t now = atomic_fetch_add_explicit(&g->cur, delta, memory_order_relaxed) + delta;
+  int64_t peak = atomic_load_explicit(&g->peak, memory_order_relaxed);
+  while (now > peak &&
+         !atomic_compare_exchange_weak_explicit(&g->peak, &peak, now, memory_order_relaxed,
+                                                memory_order_relaxed)) {
+  }
+}
+
+static inline void _tide_stat_add(_tide_arena_stats *s, int stat, int pool, int64_t delta) {
+  int64_t *cur = s->cur[stat];
+  int64_t *peak = s->peak[stat];
+  cur[0] += delta;
+  cur[pool + 1] += delta;
+  if (cur[0] > peak[0]) peak[0] = cur[0];
+  if (cur[pool + 1] > peak[pool + 1]) peak[pool + 1] = cur[pool + 1];
+}
+
+/* ------------------------------------------------------------------------ */
+/* Arenas (arena.c)                                                          */
+/* ------------------------------------------------------------------------ */
+
+/* A free of a block used by other streams: the event that must complete. */
+typedef struct _tide_pending {
+  _tide_event event;
+  _tide_block *block;
+  tide_stream stream;
+} _tide_pending;
+
+typedef struct _tide_orphan_rec {
+  uintptr_t map_addr;
+  size_t map_size;
+  _tide_handle handle;
+  size_t handle_size;
+  uintptr_t range;
+  size_t range_size;
+  int pool;
+} _tide_orphan_rec;
+
+typedef struct _tide_block_chunk {
+  struct _tide_block_chunk *next;
+  _tide_block blocks[];
+} _tide_block_chunk;
+
+typedef struct _tide_arena {
+  _tide_lock lock;
+  tide_stream stream;
+  struct tide_allocator *alloc;
+  _tide_pool pools[2];
+  _tide_ptrmap live;
+  _tide_block *spare;           /* unused block records */
+  _tide_block_chunk *chunks;
+  _tide_pending *pending;       /* events to wait for, in record order */
+  size_t npending, pending_cap;
+  _tide_event *spare_events;    /* created events ready for reuse */
+  size_t nspare_events, spare_events_cap;
+  _tide_orphan_rec *orphans;   /* what the backend failed to give back */
+  size_t norphans, orphans_cap;
+  uint64_t clock;               /* allocations so far: the gc clock */
+  _tide_arena_stats stats;
+} _tide_arena;
+
+int _tide_arena_create(struct tide_allocator *a, tide_stream stream, _tide_arena **out);
+/* Release everything the arena holds. Returns how many blocks were still
+ * allocated or pending. */
+size_t _tide_arena_destroy(_tide_arena *arena);
+
+/* Under the arena lock. */
+_tide_block *_tide_block_new(_tide_arena *arena);
+void _tide_block_delete(_tide_arena *arena, _tide_block *b);
+/* Put a free block into / take it out of its pool's bins, keeping the
+ * inactive-split figures. */
+void _tide_pool_insert(_tide_arena *arena, _tide_block *b);
+void _tide_pool_remove(_tide_arena *arena, _tide_block *b);
+/* Keep what the backend failed to give back, to retry later: a mapping to
+ * unmap, a handle to release (its bytes stay reserved until then), a range
+ * to unreserve. Zero fields mean "nothing of that kind". */
+void _tide_orphan(_tide_arena *arena, int pool, uintptr_t map_addr, size_t map_size,
+                  _tide_handle handle, size_t handle_size, uintptr_t range, size_t range_size);
+int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **out);
+/* Return a free (or just unmapped) block to its pool: merge, bin. */
+void _tide_arena_free_block(_tide_arena *arena, _tide_block *b);
+int _tide_arena_free(_tide_arena *arena, _tide_block *b, tide_stream stream);
+/* Complete what events allow; with `wait`, wait for all of them. */
+int _tide_arena_process_events(_tide_arena *arena, bool wait);
+/* Return cached memory: whole free fixed segments and whole free pages. */
+int _tide_arena_release_cached(_tide_arena *arena);
+/* Return cached memory, oldest first, until reserved falls to `target`. */
+int _tide_arena_collect_garbage(_tide_arena *arena, size_t target);
+/* A user pointer that is not a live block: classify it for the message. */
+int _tide_arena_explain_pointer(_tide_arena *arena, uintptr_t addr);
+
+/* Segments (segment.c), under the arena lock. */
+size_t _tide_round_size(const _tide_conf_values *conf, size_t size);
+size_t _tide_fixed_segment_size(size_t rounded, size_t granularity);
+/* A free mapped block of at least `size` bytes made by new memory: a new
+ * fixed segment, or pages mapped into an expandable one. Not in a bin. */
+int _tide_pool_grow(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_block **out);
+/* Unmap the whole pages inside a free block of an expandable segment, or
+ * release the fixed segment it fills. */
+int _tide_release_block(_tide_arena *arena, _tide_block *b);
+/* Release every segment of the pool (allocator teardown). */
+void _tide_pool_teardown(_tide_arena *arena, _tide_pool *pool);
+/* Release every whole free page and fixed segment of the pool. */
+int _tide_pool_release_cached(_tide_arena *arena, _tide_pool *pool);
+/* Release expandable segments that have no page mapped. */
+int _tide_pool_release_empty_segments(_tide_arena *arena, _tide_pool *pool);
+/* Try again to give back what the backend refused earlier. */
+int _tide_arena_retry_orphans(_tide_arena *arena);
+
+/* ------------------------------------------------------------------------ */
+/* The allocator (allocator.c)                                               */
+/* ------------------------------------------------------------------------ */
+
+typedef struct _tide_trace_ring {
+  _tide_lock lock;
+  tide_trace_event *events;
+  size_t cap;
+  uint64_t next; /* sequence number of the next event */
+} _tide_trace_ring;
+
+#define _TIDE_MAGIC 0x7469646541l /* "tideA" */
+
+struct tide_allocator {
+  long magic;
+  uint64_t id;                  /* unique for the process: arena caches key on it */
+  int device;
+  tide_config *config;
+  _tide_conf_values conf;       /* a copy of the resolved values */
+  _tide_backend backend;
+  size_t granularity;
+  size_t page_size;
+  size_t total_memory;          /* the device's */
+  _Atomic size_t limit;         /* reserved may not exceed this */
+  _tide_global_stat reserved;   /* all arenas: physical bytes held */
+  _tide_global_stat allocated;  /* all arenas: bytes handed out */
+  pthread_mutex_t arenas_mutex; /* guards the arena table */
+  _tide_arena **arenas;
+  _Atomic size_t narenas;
+  size_t arenas_cap;
+  pthread_mutex_t reclaim_mutex; /* one thread frees cached memory at a time */
+  _Atomic uint64_t num_alloc_retries;
+  _Atomic uint64_t num_ooms;
+  _Atomic uint64_t num_sync_all_streams;
+  _tide_trace_ring trace;
+};
+
+/* Reserve physical budget under the memory limit; give it back. */
+int _tide_budget_take(struct tide_allocator *a, size_t bytes, size_t request);
+void _tide_budget_give(struct tide_allocator *a, size_t bytes);
+
+/* Trace (trace.c). */
+int _tide_trace_init(_tide_trace_ring *ring, size_t cap);
+void _tide_trace_destroy(_tide_trace_ring *ring);
+void _tide_trace_push_slow(struct tide_allocator *a, tide_trace_kind kind, int pool,
+                           uintptr_t addr, size_t size, tide_stream stream);
+static inline void _tide_trace(struct tide_allocator *a, tide_trace_kind kind, int pool,
+                               uintptr_t addr, size_t size, tide_stream stream) {
+  if (TIDE_UNLIKELY(a->trace.cap != 0)) _tide_trace_push_slow(a, kind, pool, addr, size, stream);
+}
+
+/* Stats (stats.c): the sum over arenas. */
+int _tide_stats_collect(struct tide_allocator *a, tide_stats *out);
+/* Largest free block over every arena. */
+size_t _tide_largest_free_block(struct tide_allocator *a);
+
+/* Arenas of an allocator: a stable copy of the table for iteration. */
+size_t _tide_arenas_snapshot(struct tide_allocator *a, _tide_arena ***out);
+
+#endif /* TIDE_CORE_H */

@@ -1,0 +1,661 @@
+/* segment.c: segments, the ranges of device memory blocks are carved from.
+ *
+ * A fixed segment is one physical allocation, mapped whole at creation and
+ * sized as PyTorch sizes its segments. An expandable segment reserves a
+ * virtual range as large as the device and maps pages into it only where
+ * blocks need them; free pages are unmapped again when the cache is emptied.
+ * Its blocks cover the whole range: mapped ones are free or in use, the rest
+ * are unmapped blocks kept in address order, so that growth fills the lowest
+ * hole first and the mapped part stays compact.
+ *
+ * Every backend call here can fail. A failure leaves the segment as it was
+ * before the call (undoing the steps already done), or, where the backend
+ * refuses to give memory back, keeps the handle or range as an orphan to be
+ * retried: nothing is lost and no block changes state. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+
+static inline size_t round_up(size_t v, size_t to) { return (v + to - 1) / to * to; }
+static inline size_t round_down(size_t v, size_t to) { return v / to * to; }
+
+/* ------------------------------------------------------------------------ */
+/* Sizes                                                                     */
+/* ------------------------------------------------------------------------ */
+
+static unsigned divisions_for(const _tide_conf_values *conf, size_t size) {
+  int index = 63 - __builtin_clzll((unsigned long long)size) - 20; /* 1 MiB is interval 0 */
+  if (index < 0) index = 0;
+  if (index >= TIDE_ROUNDUP_INTERVALS) index = TIDE_ROUNDUP_INTERVALS - 1;
+  return conf->roundup_divisions[index];
+}
+
+/* PyTorch's rounding to one of `divisions` steps between powers of two. */
+static size_t round_to_division(size_t size, unsigned divisions) {
+  if ((size & (size - 1)) == 0) return size;
+  size_t floor2 = (size_t)1 << (63 - __builtin_clzll((unsigned long long)size));
+  size_t step = floor2 >> (31 - __builtin_clz(divisions));
+  if (step == 0) return floor2 << 1;
+  size_t down = size & ~(step - 1);
+  return down == size ? size : down + step;
+}
+
+size_t _tide_round_size(const _tide_conf_values *conf, size_t size) {
+  if (size < TIDE_MIN_BLOCK) return TIDE_MIN_BLOCK;
+  unsigned divisions = divisions_for(conf, size);
+  if (divisions > 1 && size > TIDE_MIN_BLOCK * divisions)
+    return round_to_division(size, divisions);
+  return round_up(size, TIDE_MIN_BLOCK);
+}
+
+size_t _tide_fixed_segment_size(size_t rounded, size_t granularity) {
+  size_t size;
+  if (rounded <= TIDE_SMALL_SIZE)
+    size = TIDE_SMALL_BUFFER;
+  else if (rounded < TIDE_MIN_LARGE_ALLOC)
+    size = TIDE_LARGE_BUFFER;
+  else
+    size = round_up(rounded, TIDE_ROUND_LARGE);
+  return round_up(size, granularity);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Segment lists                                                             */
+/* ------------------------------------------------------------------------ */
+
+static void segment_link(_tide_pool *pool, _tide_segment *seg) {
+  seg->prev = NULL;
+  seg->next = pool->segments;
+  if (pool->segments) pool->segments->prev = seg;
+  pool->segments = seg;
+}
+
+static void segment_unlink(_tide_pool *pool, _tide_segment *seg) {
+  if (seg->prev)
+    seg->prev->next = seg->next;
+  else
+    pool->segments = seg->next;
+  if (seg->next) seg->next->prev = seg->prev;
+}
+
+static void segment_counted(_tide_arena *arena, _tide_segment *seg, int delta) {
+  _tide_stat_add(&arena->stats, _TIDE_ST_SEGMENTS, seg->pool, delta);
+  arena->stats.counters[delta > 0 ? _TIDE_CT_SEGMENTS_CREATED : _TIDE_CT_SEGMENTS_RELEASED]++;
+}
+
+/* Physical memory taken from the device under the limit, and given back. */
+static int hold_bytes(_tide_arena *arena, int pool, size_t bytes, size_t request) {
+  int rc = _tide_budget_take(arena->alloc, bytes, request);
+  if (!rc) _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, (int64_t)bytes);
+  return rc;
+}
+
+static void drop_bytes(_tide_arena *arena, int pool, size_t bytes) {
+  _tide_budget_give(arena->alloc, bytes);
+  _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, -(int64_t)bytes);
+}
+
+/* ------------------------------------------------------------------------ */
+/* The unmapped list (address order)                                         */
+/* ------------------------------------------------------------------------ */
+
+static void unmapped_insert(_tide_pool *pool, _tide_block *b) {
+  _tide_block *prev = NULL, *at = pool->unmapped;
+  while (at && at->addr < b->addr) {
+    prev = at;
+    at = at->link_next;
+  }
+  b->link_prev = prev;
+  b->link_next = at;
+  if (prev)
+    prev->link_next = b;
+  else
+    pool->unmapped = b;
+  if (at) at->link_prev = b;
+}
+
+static void unmapped_remove(_tide_pool *pool, _tide_block *b) {
+  if (b->link_prev)
+    b->link_prev->link_next = b->link_next;
+  else
+    pool->unmapped = b->link_next;
+  if (b->link_next) b->link_next->link_prev = b->link_prev;
+  b->link_prev = b->link_next = NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Orphans: what the backend refused to give back                            */
+/* ------------------------------------------------------------------------ */
+
+void _tide_orphan(_tide_arena *arena, int pool, uintptr_t map_addr, size_t map_size,
+                  _tide_handle handle, size_t handle_size, uintptr_t range, size_t range_size) {
+  if (arena->norphans == arena->orphans_cap) {
+    size_t cap = arena->orphans_cap ? arena->orphans_cap * 2 : 8;
+    _tide_orphan_rec *grown = realloc(arena->orphans, cap * sizeof *grown);
+    if (!grown) return; /* out of host memory as well: nothing more can be done */
+    arena->orphans = grown;
+    arena->orphans_cap = cap;
+  }
+  arena->orphans[arena->norphans++] = (_tide_orphan_rec){
+      .map_addr = map_addr,
+      .map_size = map_size,
+      .handle = handle,
+      .handle_size = handle_size,
+      .range = range,
+      .range_size = range_size,
+      .pool = pool,
+  };
+}
+
+/* One more try at an orphan: unmap, release, unreserve, in that order. */
+static bool retry_orphan(_tide_arena *arena, _tide_orphan_rec *o) {
+  const _tide_backend *be = &arena->alloc->backend;
+  if (o->map_addr) {
+    if (be->ops->unmap(be->ctx, o->map_addr, o->map_size)) return false;
+    o->map_addr = 0;
+  }
+  if (o->handle) {
+    if (be->ops->release(be->ctx, o->handle)) return false;
+    drop_bytes(arena, o->pool, o->handle_size);
+    arena->stats.counters[_TIDE_CT_DEVICE_FREE]++;
+    o->handle = 0;
+  }
+  if (o->range) {
+    if (be->ops->unreserve(be->ctx, o->range, o->range_size)) return false;
+    o->range = 0;
+  }
+  return true;
+}
+
+int _tide_arena_retry_orphans(_tide_arena *arena) {
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
+  size_t kept = 0;
+  for (size_t i = 0; i < arena->norphans; i++)
+    if (!retry_orphan(arena, &arena->orphans[i])) arena->orphans[kept++] = arena->orphans[i];
+  arena->norphans = kept;
+  if (kept) return _tide_error_set(TIDE_ERR_BACKEND, "the device backend still refuses to give "
+                                   "back %zu piece(s) of memory: %s", kept, tide_last_error());
+  _tide_error_restore(&saved);
+  return TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Fixed segments                                                            */
+/* ------------------------------------------------------------------------ */
+
+/* Undo the first steps of a fixed segment's creation. Whatever the backend
+ * refuses becomes an orphan (its bytes stay held until it is retried). */
+static void undo_fixed(_tide_arena *arena, int pool, uintptr_t addr, size_t size, _tide_handle h,
+                       bool mapped) {
+  const _tide_backend *be = &arena->alloc->backend;
+  if (mapped && be->ops->unmap(be->ctx, addr, size)) {
+    _tide_orphan(arena, pool, addr, size, h, size, addr, size);
+    return;
+  }
+  if (h) {
+    if (be->ops->release(be->ctx, h))
+      _tide_orphan(arena, pool, 0, 0, h, size, 0, 0);
+    else
+      drop_bytes(arena, pool, size);
+  } else {
+    drop_bytes(arena, pool, size);
+  }
+  if (be->ops->unreserve(be->ctx, addr, size)) _tide_orphan(arena, pool, 0, 0, 0, 0, addr, size);
+}
+
+static int grow_fixed(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_block **out) {
+  struct tide_allocator *a = arena->alloc;
+  const _tide_backend *be = &a->backend;
+  size_t seg_size = _tide_fixed_segment_size(size, a->granularity);
+  _tide_segment *seg = calloc(1, sizeof *seg);
+  _tide_block *b = _tide_block_new(arena);
+  uintptr_t addr = 0;
+  _tide_handle h = 0;
+  _tide_saved_error saved;
+  int rc;
+  if (!seg || !b) {
+    rc = _tide_error_set(TIDE_ERR_OOM, "out of host memory for segment records");
+    goto fail;
+  }
+  if ((rc = hold_bytes(arena, pool->kind, seg_size, size))) goto fail;
+  if ((rc = be->ops->reserve(be->ctx, seg_size, a->granularity, &addr))) {
+    drop_bytes(arena, pool->kind, seg_size);
+    goto fail;
+  }
+  if ((rc = be->ops->create(be->ctx, seg_size, &h)) ||
+      (rc = be->ops->map(be->ctx, addr, seg_size, h))) {
+    _tide_error_save(&saved);
+    undo_fixed(arena, pool->kind, addr, seg_size, h, false);
+    _tide_error_restore(&saved);
+    goto fail;
+  }
+  if ((rc = be->ops->set_access(be->ctx, addr, seg_size))) {
+    _tide_error_save(&saved);
+    undo_fixed(arena, pool->kind, addr, seg_size, h, true);
+    _tide_error_restore(&saved);
+    goto fail;
+  }
+  seg->base = addr;
+  seg->size = seg->mapped = seg_size;
+  seg->arena = arena;
+  seg->handle = h;
+  seg->pool = pool->kind;
+  seg->first = b;
+  segment_link(pool, seg);
+  b->addr = addr;
+  b->size = seg_size;
+  b->segment = seg;
+  b->state = _TIDE_FREE;
+  segment_counted(arena, seg, +1);
+  arena->stats.counters[_TIDE_CT_DEVICE_ALLOC]++;
+  _tide_trace(a, TIDE_TRACE_MAP, pool->kind + 1, addr, seg_size, arena->stream);
+  *out = b;
+  return TIDE_OK;
+fail:
+  free(seg);
+  if (b) _tide_block_delete(arena, b);
+  return rc;
+}
+
+/* Give a fixed segment whose one block is free back to the device. */
+static int release_fixed(_tide_arena *arena, _tide_block *b) {
+  struct tide_allocator *a = arena->alloc;
+  const _tide_backend *be = &a->backend;
+  _tide_segment *seg = b->segment;
+  _tide_pool *pool = &arena->pools[seg->pool];
+  int rc = be->ops->unmap(be->ctx, seg->base, seg->size);
+  if (rc) return rc; /* nothing changed: the block stays free and cached */
+  _tide_pool_remove(arena, b);
+  if (be->ops->release(be->ctx, seg->handle)) {
+    rc = tide_last_status();
+    _tide_orphan(arena, seg->pool, 0, 0, seg->handle, seg->size, 0, 0);
+  } else {
+    drop_bytes(arena, seg->pool, seg->size);
+    arena->stats.counters[_TIDE_CT_DEVICE_FREE]++;
+  }
+  if (be->ops->unreserve(be->ctx, seg->base, seg->size)) {
+    if (!rc) rc = tide_last_status();
+    _tide_orphan(arena, seg->pool, 0, 0, 0, 0, seg->base, seg->size);
+  }
+  _tide_trace(a, TIDE_TRACE_UNMAP, seg->pool + 1, seg->base, seg->size, arena->stream);
+  segment_counted(arena, seg, -1);
+  segment_unlink(pool, seg);
+  _tide_block_delete(arena, b);
+  free(seg);
+  return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Expandable segments                                                       */
+/* ------------------------------------------------------------------------ */
+
+static int new_expandable(_tide_arena *arena, _tide_pool *pool, size_t size) {
+  struct tide_allocator *a = arena->alloc;
+  const _tide_backend *be = &a->backend;
+  size_t page = a->page_size;
+  size_t va = round_up(a->total_memory > size ? a->total_memory : size, page);
+  _tide_segment *seg = calloc(1, sizeof *seg);
+  _tide_block *b = _tide_block_new(arena);
+  _tide_handle *pages = calloc(va / page, sizeof *pages);
+  uintptr_t addr = 0;
+  int rc;
+  if (!seg || !b || !pages) {
+    rc = _tide_error_set(TIDE_ERR_OOM, "out of host memory for segment records");
+    goto fail;
+  }
+  if ((rc = be->ops->reserve(be->ctx, va, page, &addr))) goto fail;
+  seg->base = addr;
+  seg->size = va;
+  seg->arena = arena;
+  seg->pages = pages;
+  seg->npages = va / page;
+  seg->pool = pool->kind;
+  seg->expandable = 1;
+  seg->first = b;
+  segment_link(pool, seg);
+  b->addr = addr;
+  b->size = va;
+  b->segment = seg;
+  b->state = _TIDE_UNMAPPED;
+  unmapped_insert(pool, b);
+  segment_counted(arena, seg, +1);
+  return TIDE_OK;
+fail:
+  free(seg);
+  free(pages);
+  if (b) _tide_block_delete(arena, b);
+  return rc;
+}
+
+/* Release pages [first, first+count) of a segment, already unmapped. */
+static void release_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count) {
+  const _tide_backend *be = &arena->alloc->backend;
+  size_t page = arena->alloc->page_size;
+  for (size_t i = first; i < first + count; i++) {
+    if (be->ops->release(be->ctx, seg->pages[i])) {
+      _tide_orphan(arena, seg->pool, 0, 0, seg->pages[i], page, 0, 0);
+    } else {
+      drop_bytes(arena, seg->pool, page);
+      arena->stats.counters[_TIDE_CT_DEVICE_FREE]++;
+    }
+    seg->pages[i] = 0;
+  }
+}
+
+/* Undo the mapping of pages [first, first+count): unmap and release each;
+ * a page the backend will not unmap is kept as an orphan. */
+static void unmap_new_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count) {
+  const _tide_backend *be = &arena->alloc->backend;
+  size_t page = arena->alloc->page_size;
+  for (size_t i = first; i < first + count; i++) {
+    uintptr_t at = seg->base + i * page;
+    if (be->ops->unmap(be->ctx, at, page)) {
+      _tide_orphan(arena, seg->pool, at, page, seg->pages[i], page, 0, 0);
+      seg->pages[i] = 0;
+      continue;
+    }
+    release_pages(arena, seg, i, 1);
+  }
+}
+
+/* Map `count` pages from page index `first`: create and map each, then make
+ * the whole run accessible with one call (the expensive one). All or
+ * nothing. */
+static int map_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count,
+                     size_t request) {
+  struct tide_allocator *a = arena->alloc;
+  const _tide_backend *be = &a->backend;
+  size_t page = a->page_size;
+  uintptr_t start = seg->base + first * page;
+  size_t done = 0;
+  _tide_saved_error saved;
+  int rc = hold_bytes(arena, seg->pool, count * page, request);
+  if (rc) return rc;
+  for (; done < count; done++) {
+    _tide_handle h = 0;
+    if ((rc = be->ops->create(be->ctx, page, &h))) break;
+    if ((rc = be->ops->map(be->ctx, start + done * page, page, h))) {
+      _tide_error_save(&saved);
+      if (be->ops->release(be->ctx, h))
+        _tide_orphan(arena, seg->pool, 0, 0, h, page, 0, 0);
+      else
+        drop_bytes(arena, seg->pool, page);
+      _tide_error_restore(&saved);
+      count--; /* that page's bytes are accounted for */
+      break;
+    }
+    seg->pages[first + done] = h;
+  }
+  if (!rc) rc = be->ops->set_access(be->ctx, start, count * page);
+  if (rc) {
+    _tide_error_save(&saved);
+    unmap_new_pages(arena, seg, first, done);
+    drop_bytes(arena, seg->pool, (count - done) * page); /* never created */
+    return _tide_error_restore(&saved);
+  }
+  seg->mapped += count * page;
+  arena->stats.counters[_TIDE_CT_PAGES_MAPPED] += count;
+  arena->stats.counters[_TIDE_CT_DEVICE_ALLOC] += count;
+  _tide_trace(a, TIDE_TRACE_MAP, seg->pool + 1, start, count * page, arena->stream);
+  return TIDE_OK;
+}
+
+/* Map the front of unmapped block `u` so that, with the free block before
+ * it, `need` more bytes are free; return the merged free block. */
+static int map_into(_tide_arena *arena, _tide_pool *pool, _tide_block *u, size_t need,
+                    size_t request, _tide_block **out) {
+  _tide_segment *seg = u->segment;
+  size_t page = arena->alloc->page_size;
+  size_t bytes = round_up(need, page);
+  _tide_block *m = NULL;
+  if (bytes < u->size && !(m = _tide_block_new(arena)))
+    return _tide_error_set(TIDE_ERR_OOM, "out of host memory for block records");
+  int rc = map_pages(arena, seg, (u->addr - seg->base) / page, bytes / page, request);
+  if (rc) {
+    if (m) _tide_block_delete(arena, m);
+    return rc;
+  }
+  if (!m) {
+    unmapped_remove(pool, u);
+    m = u;
+  } else {
+    m->addr = u->addr;
+    m->size = bytes;
+    m->segment = seg;
+    m->prev = u->prev;
+    m->next = u;
+    if (u->prev)
+      u->prev->next = m;
+    else
+      seg->first = m;
+    u->prev = m;
+    u->addr += bytes;
+    u->size -= bytes;
+  }
+  m->state = _TIDE_FREE;
+  m->stamp = arena->clock;
+  if (m->prev && m->prev->state == _TIDE_FREE) {
+    _tide_block *p = m->prev;
+    _tide_pool_remove(arena, p);
+    p->size += m->size;
+    p->next = m->next;
+    if (m->next) m->next->prev = p;
+    _tide_block_delete(arena, m);
+    m = p;
+  }
+  if (m->next && m->next->state == _TIDE_FREE) {
+    _tide_block *n = m->next;
+    _tide_pool_remove(arena, n);
+    m->size += n->size;
+    m->next = n->next;
+    if (n->next) n->next->prev = m;
+    _tide_block_delete(arena, n);
+  }
+  *out = m;
+  return TIDE_OK;
+}
+
+static int grow_expandable(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_block **out) {
+  for (int attempt = 0; attempt < 2; attempt++) {
+    for (_tide_block *u = pool->unmapped; u; u = u->link_next) {
+      _tide_block *p = u->prev;
+      size_t before = (p && p->state == _TIDE_FREE) ? p->size : 0;
+      if (before >= size || before + u->size < size) continue;
+      return map_into(arena, pool, u, size - before, size, out);
+    }
+    if (attempt == 0) {
+      int rc = new_expandable(arena, pool, size);
+      if (rc) return rc;
+    }
+  }
+  return _tide_error_set(TIDE_ERR_OOM, "no virtual range can hold %zu bytes", size);
+}
+
+int _tide_pool_grow(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_block **out) {
+  if (arena->alloc->conf.expandable_segments) return grow_expandable(arena, pool, size, out);
+  return grow_fixed(arena, pool, size, out);
+}
+
+/* Unmap the whole pages inside free block `b` of an expandable segment. The
+ * block splits into a free head, the unmapped middle (merged with unmapped
+ * neighbours) and a free tail. `resume` gets the block after all of them. */
+static int release_expandable(_tide_arena *arena, _tide_block *b, _tide_block **resume) {
+  struct tide_allocator *a = arena->alloc;
+  const _tide_backend *be = &a->backend;
+  _tide_segment *seg = b->segment;
+  _tide_pool *pool = &arena->pools[seg->pool];
+  size_t page = a->page_size;
+  uintptr_t end = b->addr + b->size;
+  uintptr_t lo = seg->base + round_up(b->addr - seg->base, page);
+  uintptr_t hi = seg->base + round_down(end - seg->base, page);
+  *resume = b->next;
+  if (hi <= lo) return TIDE_OK;
+
+  _tide_block *head = _tide_block_new(arena), *tail = _tide_block_new(arena);
+  if (!head || !tail) {
+    if (head) _tide_block_delete(arena, head);
+    if (tail) _tide_block_delete(arena, tail);
+    return _tide_error_set(TIDE_ERR_OOM, "out of host memory for block records");
+  }
+  size_t first = (lo - seg->base) / page, unmapped = 0;
+  int rc = TIDE_OK;
+  for (; lo + unmapped * page < hi; unmapped++)
+    if ((rc = be->ops->unmap(be->ctx, lo + unmapped * page, page))) break;
+  if (unmapped == 0) {
+    _tide_block_delete(arena, head);
+    _tide_block_delete(arena, tail);
+    return rc;
+  }
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
+  release_pages(arena, seg, first, unmapped);
+  _tide_error_restore(&saved);
+  seg->mapped -= unmapped * page;
+  arena->stats.counters[_TIDE_CT_PAGES_UNMAPPED] += unmapped;
+  _tide_trace(a, TIDE_TRACE_UNMAP, seg->pool + 1, lo, unmapped * page, arena->stream);
+
+  _tide_pool_remove(arena, b);
+  uintptr_t uhi = lo + unmapped * page;
+  if (b->addr < lo) { /* free head before the hole */
+    *head = (_tide_block){.addr = b->addr, .size = lo - b->addr, .segment = seg,
+                          .state = _TIDE_FREE, .stamp = b->stamp, .prev = b->prev, .next = b};
+    if (b->prev)
+      b->prev->next = head;
+    else
+      seg->first = head;
+    b->prev = head;
+  } else {
+    _tide_block_delete(arena, head);
+    head = NULL;
+  }
+  if (uhi < end) { /* free tail after it */
+    *tail = (_tide_block){.addr = uhi, .size = end - uhi, .segment = seg, .state = _TIDE_FREE,
+                          .stamp = b->stamp, .prev = b, .next = b->next};
+    if (b->next) b->next->prev = tail;
+    b->next = tail;
+  } else {
+    _tide_block_delete(arena, tail);
+    tail = NULL;
+  }
+  b->addr = lo;
+  b->size = uhi - lo;
+  b->state = _TIDE_UNMAPPED;
+  bool listed = false;
+  if (b->prev && b->prev->state == _TIDE_UNMAPPED) { /* the hole grows backwards */
+    _tide_block *p = b->prev;
+    p->size += b->size;
+    p->next = b->next;
+    if (b->next) b->next->prev = p;
+    _tide_block_delete(arena, b);
+    b = p;
+    listed = true;
+  }
+  if (b->next && b->next->state == _TIDE_UNMAPPED) { /* ... and forwards */
+    _tide_block *n = b->next;
+    unmapped_remove(pool, n);
+    b->size += n->size;
+    b->next = n->next;
+    if (n->next) n->next->prev = b;
+    _tide_block_delete(arena, n);
+  }
+  if (!listed) unmapped_insert(pool, b);
+  if (head) _tide_pool_insert(arena, head);
+  if (tail) _tide_pool_insert(arena, tail);
+  *resume = tail ? tail->next : b->next;
+  return rc;
+}
+
+static bool fixed_and_whole(const _tide_block *b) {
+  return !b->segment->expandable && !b->prev && !b->next;
+}
+
+int _tide_release_block(_tide_arena *arena, _tide_block *b) {
+  if (b->state != _TIDE_FREE) return TIDE_OK;
+  if (b->segment->expandable) {
+    _tide_block *resume;
+    return release_expandable(arena, b, &resume);
+  }
+  return fixed_and_whole(b) ? release_fixed(arena, b) : TIDE_OK;
+}
+
+static void release_empty_segment(_tide_arena *arena, _tide_pool *pool, _tide_segment *seg) {
+  const _tide_backend *be = &arena->alloc->backend;
+  _tide_block *b = seg->first;
+  if (be->ops->unreserve(be->ctx, seg->base, seg->size))
+    _tide_orphan(arena, seg->pool, 0, 0, 0, 0, seg->base, seg->size);
+  unmapped_remove(pool, b);
+  _tide_block_delete(arena, b);
+  segment_counted(arena, seg, -1);
+  segment_unlink(pool, seg);
+  free(seg->pages);
+  free(seg);
+}
+
+int _tide_pool_release_empty_segments(_tide_arena *arena, _tide_pool *pool) {
+  _tide_segment *next;
+  for (_tide_segment *seg = pool->segments; seg; seg = next) {
+    next = seg->next;
+    if (seg->expandable && seg->mapped == 0 && seg->first->state == _TIDE_UNMAPPED &&
+        !seg->first->next)
+      release_empty_segment(arena, pool, seg);
+  }
+  return TIDE_OK;
+}
+
+int _tide_pool_release_cached(_tide_arena *arena, _tide_pool *pool) {
+  int first_error = TIDE_OK;
+  _tide_saved_error saved = {0};
+  _tide_segment *next_seg;
+  for (_tide_segment *seg = pool->segments; seg; seg = next_seg) {
+    next_seg = seg->next;
+    int rc = TIDE_OK;
+    if (!seg->expandable) {
+      if (seg->first->state == _TIDE_FREE && fixed_and_whole(seg->first))
+        rc = release_fixed(arena, seg->first);
+    } else {
+      for (_tide_block *b = seg->first, *resume; b; b = resume) {
+        resume = b->next;
+        if (b->state != _TIDE_FREE) continue;
+        int brc = release_expandable(arena, b, &resume);
+        if (brc && !rc) rc = brc;
+      }
+    }
+    if (rc && !first_error) {
+      first_error = rc;
+      _tide_error_save(&saved);
+    }
+  }
+  _tide_pool_release_empty_segments(arena, pool);
+  return first_error ? _tide_error_restore(&saved) : TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Teardown                                                                  */
+/* ------------------------------------------------------------------------ */
+
+void _tide_pool_teardown(_tide_arena *arena, _tide_pool *pool) {
+  const _tide_backend *be = &arena->alloc->backend;
+  size_t page = arena->alloc->page_size;
+  while (pool->segments) {
+    _tide_segment *seg = pool->segments;
+    if (seg->expandable) {
+      for (size_t i = 0; i < seg->npages; i++) {
+        if (!seg->pages[i]) continue;
+        be->ops->unmap(be->ctx, seg->base + i * page, page);
+        be->ops->release(be->ctx, seg->pages[i]);
+        _tide_budget_give(arena->alloc, page);
+      }
+    } else {
+      be->ops->unmap(be->ctx, seg->base, seg->size);
+      be->ops->release(be->ctx, seg->handle);
+      _tide_budget_give(arena->alloc, seg->size);
+    }
+    be->ops->unreserve(be->ctx, seg->base, seg->size);
+    segment_unlink(pool, seg);
+    free(seg->pages);
+    free(seg);
+  }
+  pool->unmapped = NULL;
+}

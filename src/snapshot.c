@@ -1,0 +1,100 @@
+/* snapshot.c: a JSON picture of every segment and block of an allocator,
+ * for tools that draw memory maps or find what holds memory. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+
+typedef struct text {
+  char *data;
+  size_t len, cap;
+  bool failed;
+} text;
+
+static void put(text *t, const char *fmt, ...) TIDE_PRINTF(2, 3);
+
+static void put(text *t, const char *fmt, ...) {
+  if (t->failed) return;
+  for (;;) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(t->data + t->len, t->cap - t->len, fmt, ap);
+    va_end(ap);
+    if (n < 0) {
+      t->failed = true;
+      return;
+    }
+    if ((size_t)n < t->cap - t->len) {
+      t->len += (size_t)n;
+      return;
+    }
+    size_t cap = (t->cap + (size_t)n + 1) * 2;
+    char *grown = realloc(t->data, cap);
+    if (!grown) {
+      t->failed = true;
+      return;
+    }
+    t->data = grown;
+    t->cap = cap;
+  }
+}
+
+static const char *state_name(uint8_t state) {
+  switch (state) {
+  case _TIDE_FREE: return "free";
+  case _TIDE_ALLOCATED: return "allocated";
+  case _TIDE_PENDING: return "pending";
+  default: return "unmapped";
+  }
+}
+
+static void put_segment(text *t, const _tide_arena *arena, const _tide_segment *seg, bool *first) {
+  put(t, "%s\n    {\"address\": %llu, \"size\": %zu, \"mapped\": %zu, \"pool\": \"%s\", "
+         "\"kind\": \"%s\", \"stream\": %llu, \"blocks\": [",
+      *first ? "" : ",", (unsigned long long)seg->base, seg->size, seg->mapped,
+      seg->pool == _TIDE_SMALL ? "small" : "large", seg->expandable ? "expandable" : "fixed",
+      (unsigned long long)(uintptr_t)arena->stream);
+  *first = false;
+  for (const _tide_block *b = seg->first; b; b = b->next)
+    put(t, "%s\n      {\"address\": %llu, \"size\": %zu, \"state\": \"%s\", \"requested\": %zu}",
+        b == seg->first ? "" : ",", (unsigned long long)b->addr, b->size, state_name(b->state),
+        b->state == _TIDE_ALLOCATED ? b->requested : 0);
+  put(t, "\n    ]}");
+}
+
+tide_status tide_snapshot_json(tide_allocator *a, char **out, size_t *len) {
+  if (!a || a->magic != _TIDE_MAGIC || !out)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_snapshot_json: bad argument");
+  tide_stats st;
+  _tide_stats_collect(a, &st);
+  text t = {0};
+  put(&t, "{\n  \"version\": \"%s\", \"backend\": \"%s\", \"device\": %d, \"page_size\": %zu, "
+          "\"granularity\": %zu,\n  \"allocated_bytes\": %lld, \"reserved_bytes\": %lld, "
+          "\"active_bytes\": %lld,\n  \"segments\": [",
+      TIDE_VERSION_STRING, a->backend.ops->name, a->device, a->page_size, a->granularity,
+      (long long)st.allocated_bytes[0].current, (long long)st.reserved_bytes[0].current,
+      (long long)st.active_bytes[0].current);
+  _tide_arena **arenas;
+  size_t n = _tide_arenas_snapshot(a, &arenas);
+  bool first = true;
+  for (size_t i = 0; i < n; i++) {
+    _tide_lock_acquire(&arenas[i]->lock);
+    for (int kind = 0; kind < 2; kind++)
+      for (const _tide_segment *seg = arenas[i]->pools[kind].segments; seg; seg = seg->next)
+        put_segment(&t, arenas[i], seg, &first);
+    _tide_lock_release(&arenas[i]->lock);
+  }
+  free(arenas);
+  put(&t, "\n  ]\n}\n");
+  if (t.failed) {
+    free(t.data);
+    return (tide_status)_tide_error_set(TIDE_ERR_OOM, "out of host memory for the snapshot");
+  }
+  *out = t.data;
+  if (len) *len = t.len;
+  return TIDE_OK;
+}
+
+void tide_string_free(char *s) { free(s); }

@@ -1,0 +1,91 @@
+/* stats.c: the allocator's figures, summed over the arenas of its streams.
+ *
+ * Each arena keeps exact current and peak figures under its own lock, so
+ * counting costs no shared writes. The allocator-wide peaks of allocated and
+ * reserved bytes are kept in shared counters as well, so that they stay
+ * exact when several streams allocate; the other peaks are exact with one
+ * stream and, with several, the sum of each stream's peak (an upper bound). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+
+static void add_arena(tide_stats *out, const _tide_arena_stats *s, bool peaks) {
+  tide_stat *figures[_TIDE_ST_COUNT] = {
+      out->allocated_bytes, out->requested_bytes,      out->active_bytes,
+      out->inactive_split_bytes, out->reserved_bytes, out->allocations,
+      out->active_blocks,   out->inactive_split,       out->segments,
+  };
+  for (int st = 0; st < _TIDE_ST_COUNT; st++)
+    for (int p = 0; p < TIDE_POOL_KINDS; p++) {
+      figures[st][p].current += s->cur[st][p];
+      if (peaks) figures[st][p].peak += s->peak[st][p];
+    }
+  out->num_allocs += s->counters[_TIDE_CT_ALLOCS];
+  out->num_frees += s->counters[_TIDE_CT_FREES];
+  out->pages_mapped += s->counters[_TIDE_CT_PAGES_MAPPED];
+  out->pages_unmapped += s->counters[_TIDE_CT_PAGES_UNMAPPED];
+  out->segments_created += s->counters[_TIDE_CT_SEGMENTS_CREATED];
+  out->segments_released += s->counters[_TIDE_CT_SEGMENTS_RELEASED];
+  out->num_device_alloc += s->counters[_TIDE_CT_DEVICE_ALLOC];
+  out->num_device_free += s->counters[_TIDE_CT_DEVICE_FREE];
+  out->oversize_allocations += s->counters[_TIDE_CT_OVERSIZE];
+}
+
+int _tide_stats_collect(tide_allocator *a, tide_stats *out) {
+  memset(out, 0, sizeof *out);
+  _tide_arena **arenas;
+  size_t n = _tide_arenas_snapshot(a, &arenas);
+  for (size_t i = 0; i < n; i++) {
+    _tide_lock_acquire(&arenas[i]->lock);
+    add_arena(out, &arenas[i]->stats, true);
+    _tide_lock_release(&arenas[i]->lock);
+  }
+  free(arenas);
+  out->allocated_bytes[0].peak = atomic_load(&a->allocated.peak);
+  out->reserved_bytes[0].current = atomic_load(&a->reserved.cur);
+  out->reserved_bytes[0].peak = atomic_load(&a->reserved.peak);
+  out->num_alloc_retries = atomic_load(&a->num_alloc_retries);
+  out->num_ooms = atomic_load(&a->num_ooms);
+  out->num_sync_all_streams = atomic_load(&a->num_sync_all_streams);
+  out->memory_limit = atomic_load(&a->limit);
+  return TIDE_OK;
+}
+
+tide_status tide_get_stats(tide_allocator *a, tide_stats *out) {
+  if (!a || a->magic != _TIDE_MAGIC || !out)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_get_stats: %s is NULL or invalid",
+                                        out ? "the allocator" : "out");
+  return (tide_status)_tide_stats_collect(a, out);
+}
+
+tide_status tide_reset_peak_stats(tide_allocator *a) {
+  if (!a || a->magic != _TIDE_MAGIC)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_reset_peak_stats: bad allocator");
+  _tide_arena **arenas;
+  size_t n = _tide_arenas_snapshot(a, &arenas);
+  for (size_t i = 0; i < n; i++) {
+    _tide_lock_acquire(&arenas[i]->lock);
+    memcpy(arenas[i]->stats.peak, arenas[i]->stats.cur, sizeof arenas[i]->stats.peak);
+    _tide_lock_release(&arenas[i]->lock);
+  }
+  free(arenas);
+  atomic_store(&a->allocated.peak, atomic_load(&a->allocated.cur));
+  atomic_store(&a->reserved.peak, atomic_load(&a->reserved.cur));
+  return TIDE_OK;
+}
+
+size_t _tide_largest_free_block(tide_allocator *a) {
+  _tide_arena **arenas;
+  size_t n = _tide_arenas_snapshot(a, &arenas), largest = 0;
+  for (size_t i = 0; i < n; i++) {
+    _tide_lock_acquire(&arenas[i]->lock);
+    for (int kind = 0; kind < 2; kind++) {
+      const _tide_block *b = _tide_bins_largest(&arenas[i]->pools[kind].bins);
+      if (b && b->size > largest) largest = b->size;
+    }
+    _tide_lock_release(&arenas[i]->lock);
+  }
+  free(arenas);
+  return largest;
+}
