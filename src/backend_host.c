@@ -1,0 +1,1074 @@
+/* backend_host.c: the host backend, an emulated device in host memory.
+ *
+ * It mirrors the CUDA driver's virtual memory management closely enough that
+ * a test on it fails where the GPU would fail:
+ * - Physical memory is one sparse memfd of host_capacity bytes. create() takes
+ *   a contiguous run of granularity-sized units of it (a bitmap, first fit);
+ *   a handle names a slot of the handle table plus the slot's generation, so
+ *   a stale handle is refused. Released memory stays alive while mapped and
+ *   its RAM goes back to the system (hole punching) when the last mapping
+ *   goes.
+ * - reserve() is an inaccessible anonymous mapping; map() puts a window of
+ *   the memfd over part of it (inaccessible until set_access), and unmap()
+ *   puts the inaccessible anonymous memory back, so the reservation stays.
+ *   The same handle may be mapped at several addresses: the views share bytes.
+ * - Streams complete their work at once unless held; a held stream keeps
+ *   every event recorded on it pending until it is released (as if a long
+ *   kernel ran). Ids of streams and events are slot numbers plus generations.
+ * - Every operation counts its calls and may be told to fail its n-th call.
+ *
+ * One mutex guards the tables; call counters and fault triggers are atomics. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "backend.h"
+#include "internal.h"
+
+/* Ids pack a generation in the high 32 bits and a slot in the low ones. */
+_Static_assert(sizeof(void *) == 8, "the host backend packs ids into 64-bit pointers");
+
+/* ------------------------------------------------------------------------ */
+/* Operation names                                                          */
+/* ------------------------------------------------------------------------ */
+
+static const char *const op_names[TIDE_OP_COUNT] = {
+    [TIDE_OP_ANY] = "any",
+    [TIDE_OP_RESERVE] = "reserve",
+    [TIDE_OP_UNRESERVE] = "unreserve",
+    [TIDE_OP_CREATE] = "create",
+    [TIDE_OP_RELEASE] = "release",
+    [TIDE_OP_MAP] = "map",
+    [TIDE_OP_SET_ACCESS] = "set_access",
+    [TIDE_OP_UNMAP] = "unmap",
+    [TIDE_OP_STREAM_CREATE] = "stream_create",
+    [TIDE_OP_STREAM_DESTROY] = "stream_destroy",
+    [TIDE_OP_STREAM_SYNCHRONIZE] = "stream_synchronize",
+    [TIDE_OP_EVENT_CREATE] = "event_create",
+    [TIDE_OP_EVENT_DESTROY] = "event_destroy",
+    [TIDE_OP_EVENT_RECORD] = "event_record",
+    [TIDE_OP_EVENT_QUERY] = "event_query",
+    [TIDE_OP_EVENT_SYNCHRONIZE] = "event_synchronize",
+    [TIDE_OP_MEM_INFO] = "mem_info",
+};
+
+const char *tide_backend_op_name(tide_backend_op op) {
+  if ((int)op < 0 || op >= TIDE_OP_COUNT) return "unknown";
+  return op_names[op];
+}
+
+/* ------------------------------------------------------------------------ */
+/* State                                                                    */
+/* ------------------------------------------------------------------------ */
+
+typedef struct host_handle {
+  uint32_t gen;  /* bumped when the slot is freed: old handles go stale */
+  bool live;     /* holds units of the memfd */
+  bool released; /* release() was called; the units go with the last mapping */
+  uint32_t maps; /* live mappings of this handle */
+  size_t first_unit;
+  size_t units;
+} host_handle;
+
+/* A reserved range, or a mapping (then `handle` is its slot in the table). */
+typedef struct host_range {
+  uintptr_t addr;
+  size_t size;
+  uint32_t handle;
+} host_range;
+
+/* Sorted by address, never overlapping. */
+typedef struct range_table {
+  host_range *items;
+  size_t count;
+  size_t cap;
+} range_table;
+
+typedef struct host_stream {
+  uint32_t gen;
+  bool alive; /* created and not destroyed (slot 0, the default stream, always) */
+  bool held;
+  uint64_t submitted; /* tickets handed out; never reset, even when the slot is reused */
+  uint64_t completed;
+} host_stream;
+
+typedef struct host_event {
+  uint32_t gen;
+  bool alive;
+  bool recorded;
+  uint32_t stream; /* slot of the stream it was recorded on */
+  uint64_t ticket;
+} host_event;
+
+/* Slots freed for reuse. */
+typedef struct index_stack {
+  uint32_t *items;
+  size_t count;
+  size_t cap;
+} index_stack;
+
+typedef struct host_device {
+  pthread_mutex_t lock;
+  int device;
+  int device_count;
+  int memfd;
+  size_t capacity;
+  size_t granularity;
+  size_t units;
+  uint64_t *unit_bits; /* 1: used; bits past `units` are set so scans stop there */
+  size_t bytes_in_use;
+
+  host_handle *handles;
+  size_t handle_count, handle_cap;
+  index_stack free_handles;
+
+  range_table reserved;
+  range_table mapped;
+
+  host_stream *streams; /* slot 0: the default stream */
+  size_t stream_count, stream_cap;
+  index_stack free_streams;
+
+  host_event *events;
+  size_t event_count, event_cap;
+  index_stack free_events;
+
+  _Atomic uint64_t calls[TIDE_OP_COUNT];
+  _Atomic uint64_t fail_at[TIDE_OP_COUNT]; /* the call number that fails; 0: none */
+} host_device;
+
+static void lock(host_device *d) { pthread_mutex_lock(&d->lock); }
+static void unlock(host_device *d) { pthread_mutex_unlock(&d->lock); }
+
+static const char *bytes_text(uint64_t bytes, char *buf) {
+  return _tide_format_bytes(bytes, buf, 32);
+}
+
+static int oom_tables(const char *what) {
+  return _tide_error_set(TIDE_ERR_OOM, "host backend: out of host memory for its %s table", what);
+}
+
+/* Grow an array so that it holds at least `need` items. */
+static bool grow(void **items, size_t *cap, size_t need, size_t item_size) {
+  if (need <= *cap) return true;
+  size_t new_cap = *cap ? *cap * 2 : 16;
+  while (new_cap < need) new_cap *= 2;
+  void *p = realloc(*items, new_cap * item_size);
+  if (!p) return false;
+  *items = p;
+  *cap = new_cap;
+  return true;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Call counting and injected failures                                      */
+/* ------------------------------------------------------------------------ */
+
+/* Every counted operation starts here: count the call, then fail it if it
+ * is the one a test asked to fail. */
+static int enter(host_device *d, tide_backend_op op) {
+  uint64_t k = atomic_fetch_add(&d->calls[op], 1) + 1;
+  uint64_t any = atomic_fetch_add(&d->calls[TIDE_OP_ANY], 1) + 1;
+  if (atomic_load(&d->fail_at[op]) == k)
+    return _tide_error_set(TIDE_ERR_BACKEND, "injected failure: %s call %llu", op_names[op],
+                           (unsigned long long)k);
+  if (atomic_load(&d->fail_at[TIDE_OP_ANY]) == any)
+    return _tide_error_set(TIDE_ERR_BACKEND,
+                           "injected failure: %s call %llu (call %llu of any operation)",
+                           op_names[op], (unsigned long long)k, (unsigned long long)any);
+  return TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Units of the memfd                                                       */
+/* ------------------------------------------------------------------------ */
+
+static bool unit_used(const host_device *d, size_t u) {
+  return (d->unit_bits[u / 64] >> (u % 64)) & 1;
+}
+
+static void units_mark(host_device *d, size_t first, size_t n, bool used) {
+  for (size_t u = first; u < first + n; u++) {
+    uint64_t bit = (uint64_t)1 << (u % 64);
+    if (used)
+      d->unit_bits[u / 64] |= bit;
+    else
+      d->unit_bits[u / 64] &= ~bit;
+  }
+}
+
+/* First fit: the lowest run of n free units. Whole words are skipped. */
+static bool units_find(const host_device *d, size_t n, size_t *first) {
+  size_t run = 0, start = 0;
+  for (size_t u = 0; u < d->units;) {
+    uint64_t word = d->unit_bits[u / 64];
+    if (u % 64 == 0 && word == UINT64_MAX) {
+      run = 0;
+      u += 64;
+      continue;
+    }
+    if (u % 64 == 0 && word == 0) {
+      if (run == 0) start = u;
+      run += 64;
+      u += 64;
+    } else {
+      if (unit_used(d, u))
+        run = 0;
+      else if (run++ == 0)
+        start = u;
+      u++;
+    }
+    if (run >= n) {
+      *first = start;
+      return true;
+    }
+  }
+  return false;
+}
+
+static size_t units_largest_free_run(const host_device *d) {
+  size_t best = 0, run = 0;
+  for (size_t u = 0; u < d->units; u++) {
+    run = unit_used(d, u) ? 0 : run + 1;
+    if (run > best) best = run;
+  }
+  return best;
+}
+
+/* Give the units of a handle back and the RAM behind them to the system. */
+static void handle_free(host_device *d, uint32_t slot) {
+  host_handle *h = &d->handles[slot];
+  units_mark(d, h->first_unit, h->units, false);
+  size_t bytes = h->units * d->granularity;
+  /* A failed punch only keeps RAM that a later create reuses: not an error. */
+  (void)fallocate(d->memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                  (off_t)(h->first_unit * d->granularity), (off_t)bytes);
+  d->bytes_in_use -= bytes;
+  h->live = false;
+  h->released = false;
+  h->gen++;
+  /* Room was made when the slot was taken, so this push cannot fail. */
+  d->free_handles.items[d->free_handles.count++] = slot;
+}
+
+/* The slot of a live, unreleased handle, or false with a message. */
+static bool handle_find(host_device *d, _tide_handle handle, const char *op, uint32_t *slot) {
+  uint64_t index = (handle & UINT32_MAX);
+  uint32_t gen = (uint32_t)(handle >> 32);
+  if (index == 0 || index > d->handle_count) {
+    _tide_error_set(TIDE_ERR_BACKEND, "%s: unknown handle 0x%llx", op, (unsigned long long)handle);
+    return false;
+  }
+  host_handle *h = &d->handles[index - 1];
+  if (h->gen != gen || !h->live || h->released) {
+    _tide_error_set(TIDE_ERR_BACKEND, "%s: handle 0x%llx was already released", op,
+                    (unsigned long long)handle);
+    return false;
+  }
+  *slot = (uint32_t)(index - 1);
+  return true;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Range tables                                                             */
+/* ------------------------------------------------------------------------ */
+
+/* Index of the last range starting at or below addr, or SIZE_MAX. */
+static size_t range_find_le(const range_table *t, uintptr_t addr) {
+  size_t lo = 0, hi = t->count;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    if (t->items[mid].addr <= addr)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo == 0 ? SIZE_MAX : lo - 1;
+}
+
+/* The range that contains the whole of [addr, addr+size), or SIZE_MAX. */
+static size_t range_containing(const range_table *t, uintptr_t addr, size_t size) {
+  size_t i = range_find_le(t, addr);
+  if (i == SIZE_MAX) return SIZE_MAX;
+  const host_range *r = &t->items[i];
+  return addr - r->addr + size <= r->size ? i : SIZE_MAX;
+}
+
+static bool range_overlaps(const range_table *t, uintptr_t addr, size_t size) {
+  /* Ends are sorted as starts are: only the last range starting before our
+   * end can reach into us. */
+  size_t i = range_find_le(t, addr + size - 1);
+  return i != SIZE_MAX && t->items[i].addr + t->items[i].size > addr;
+}
+
+/* Whether [addr, addr+size) is covered by ranges without a gap. */
+static bool range_covered(const range_table *t, uintptr_t addr, size_t size) {
+  size_t i = range_find_le(t, addr);
+  uintptr_t end = addr + size, at = addr;
+  while (at < end) {
+    if (i == SIZE_MAX || i >= t->count) return false;
+    const host_range *r = &t->items[i];
+    if (r->addr > at || r->addr + r->size <= at) return false;
+    at = r->addr + r->size;
+    i++;
+  }
+  return true;
+}
+
+static bool range_make_room(range_table *t) {
+  return grow((void **)&t->items, &t->cap, t->count + 1, sizeof *t->items);
+}
+
+/* Insert in order; room must have been made. */
+static void range_insert(range_table *t, host_range r) {
+  size_t i = range_find_le(t, r.addr);
+  size_t at = i == SIZE_MAX ? 0 : i + 1;
+  memmove(&t->items[at + 1], &t->items[at], (t->count - at) * sizeof *t->items);
+  t->items[at] = r;
+  t->count++;
+}
+
+static void range_remove(range_table *t, size_t i) {
+  memmove(&t->items[i], &t->items[i + 1], (t->count - i - 1) * sizeof *t->items);
+  t->count--;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Device queries                                                           */
+/* ------------------------------------------------------------------------ */
+
+static int host_device_count(void *ctx, int *count) {
+  host_device *d = ctx;
+  if (!count) return _tide_error_set(TIDE_ERR_INVALID, "device_count: NULL output");
+  *count = d->device_count;
+  return TIDE_OK;
+}
+
+static int host_device_name(void *ctx, char *buf, size_t len) {
+  host_device *d = ctx;
+  if (!buf || len == 0) return _tide_error_set(TIDE_ERR_INVALID, "device_name: no buffer");
+  snprintf(buf, len, "tidalloc emulated device %d", d->device);
+  return TIDE_OK;
+}
+
+static int host_granularity(void *ctx, size_t *bytes) {
+  host_device *d = ctx;
+  if (!bytes) return _tide_error_set(TIDE_ERR_INVALID, "granularity: NULL output");
+  *bytes = d->granularity;
+  return TIDE_OK;
+}
+
+static int host_mem_info(void *ctx, size_t *free_bytes, size_t *total_bytes) {
+  host_device *d = ctx;
+  int rc = enter(d, TIDE_OP_MEM_INFO);
+  if (rc) return rc;
+  if (!free_bytes || !total_bytes)
+    return _tide_error_set(TIDE_ERR_INVALID, "mem_info: NULL output");
+  lock(d);
+  *total_bytes = d->capacity;
+  *free_bytes = d->capacity - d->bytes_in_use;
+  unlock(d);
+  return TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Address space                                                            */
+/* ------------------------------------------------------------------------ */
+
+static bool multiple_of(size_t value, size_t unit) { return value % unit == 0; }
+
+static int host_reserve(void *ctx, size_t size, size_t align, uintptr_t *addr) {
+  host_device *d = ctx;
+  char a[32], b[32];
+  int rc = enter(d, TIDE_OP_RESERVE);
+  if (rc) return rc;
+  if (!addr) return _tide_error_set(TIDE_ERR_INVALID, "reserve: NULL output");
+  if (align == 0) align = d->granularity;
+  if (size == 0 || !multiple_of(size, d->granularity) || !multiple_of(align, d->granularity))
+    return _tide_error_set(TIDE_ERR_BACKEND,
+                           "reserve: size %zu and alignment %zu must be multiples of the "
+                           "granularity (%s), and the size not 0",
+                           size, align, bytes_text(d->granularity, a));
+  if (size > SIZE_MAX - align)
+    return _tide_error_set(
+        TIDE_ERR_OOM, "reserve: %zu bytes aligned to %zu exceed the address space", size, align);
+
+  lock(d);
+  if (!range_make_room(&d->reserved)) {
+    unlock(d);
+    return oom_tables("reservation");
+  }
+  /* Over-reserve by the alignment, then trim both ends. */
+  size_t span = size + align;
+  void *p = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) {
+    int err = errno;
+    unlock(d);
+    return _tide_error_set(err == ENOMEM ? TIDE_ERR_OOM : TIDE_ERR_BACKEND,
+                           "reserve: could not reserve %s of address space (aligned to %s): %s",
+                           bytes_text(size, a), bytes_text(align, b), strerror(err));
+  }
+  uintptr_t base = (uintptr_t)p;
+  uintptr_t start = base + (align - base % align) % align;
+  if (start > base) munmap(p, start - base);
+  if (base + span > start + size) munmap((void *)(start + size), base + span - (start + size));
+  range_insert(&d->reserved, (host_range){.addr = start, .size = size});
+  unlock(d);
+  *addr = start;
+  return TIDE_OK;
+}
+
+static int host_unreserve(void *ctx, uintptr_t addr, size_t size) {
+  host_device *d = ctx;
+  int rc = enter(d, TIDE_OP_UNRESERVE);
+  if (rc) return rc;
+  lock(d);
+  size_t i = range_find_le(&d->reserved, addr);
+  if (i == SIZE_MAX || d->reserved.items[i].addr != addr || d->reserved.items[i].size != size) {
+    unlock(d);
+    return _tide_error_set(TIDE_ERR_BACKEND,
+                           "unreserve: [0x%llx, +%zu) is not a range that reserve returned",
+                           (unsigned long long)addr, size);
+  }
+  if (range_overlaps(&d->mapped, addr, size)) {
+    unlock(d);
+    return _tide_error_set(TIDE_ERR_BACKEND,
+                           "unreserve: the range at 0x%llx still has memory mapped in it; "
+                           "unmap it first",
+                           (unsigned long long)addr);
+  }
+  munmap((void *)addr, size);
+  range_remove(&d->reserved, i);
+  unlock(d);
+  return TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Physical memory                                                          */
+/* ------------------------------------------------------------------------ */
+
+static int create_oom(host_device *d, size_t size, bool fits_in_total) {
+  char req[32], used[32], cap[32], run[32];
+  return _tide_error_set(
+      TIDE_ERR_OOM,
+      "emulated device %d out of memory: asked for %s, %s of %s in use, largest contiguous "
+      "free range %s%s",
+      d->device, bytes_text(size, req), bytes_text(d->bytes_in_use, used),
+      bytes_text(d->capacity, cap), bytes_text(units_largest_free_run(d) * d->granularity, run),
+      fits_in_total ? " (enough is free, but not in one piece)" : "");
+}
+
+static int host_create(void *ctx, size_t size, _tide_handle *out) {
+  host_device *d = ctx;
+  char g[32];
+  int rc = enter(d, TIDE_OP_CREATE);
+  if (rc) return rc;
+  if (!out) return _tide_error_set(TIDE_ERR_INVALID, "create: NULL output");
+  if (size == 0 || !multiple_of(size, d->granularity))
+    return _tide_error_set(TIDE_ERR_BACKEND,
+                           "create: size %zu is not a positive multiple of the granularity (%s)",
+                           size, bytes_text(d->granularity, g));
+  lock(d);
+  size_t units = size / d->granularity, first = 0;
+  if (size > d->capacity - d->bytes_in_use || !units_find(d, units, &first)) {
+    rc = create_oom(d, size, size <= d->capacity - d->bytes_in_use);
+    unlock(d);
+    return rc;
+  }
+  uint32_t slot;
+  if (d->free_handles.count > 0) {
+    slot = d->free_handles.items[--d->free_handles.count];
+  } else {
+    /* Room on the free stack for every slot, so freeing never allocates. */
+    if (d->handle_count >= UINT32_MAX ||
+        !grow((void **)&d->handles, &d->handle_cap, d->handle_count + 1, sizeof *d->handles) ||
+        !grow((void **)&d->free_handles.items, &d->free_handles.cap, d->handle_count + 1,
+              sizeof *d->free_handles.items)) {
+      unlock(d);
+      return oom_tables("handle");
+    }
+    slot = (uint32_t)d->handle_count++;
+    d->handles[slot] = (host_handle){0};
+  }
+  host_handle *h = &d->handles[slot];
+  h->live = true;
+  h->released = false;
+  h->maps = 0;
+  h->first_unit = first;
+  h->units = units;
+  units_mark(d, first, units, true);
+  d->bytes_in_use += size;
+  *out = ((uint64_t)h->gen << 32) | (slot + 1);
+  unlock(d);
+  return TIDE_OK;
+}
+
+static int host_release(void *ctx, _tide_handle handle) {
+  host_device *d = ctx;
+  int rc = enter(d, TIDE_OP_RELEASE);
+  if (rc) return rc;
+  lock(d);
+  uint32_t slot;
+  if (!handle_find(d, handle, "release", &slot)) {
+    unlock(d);
+    return TIDE_ERR_BACKEND;
+  }
+  /* As cuMemRelease: mapped memory lives on until its last unmap. */
+  d->handles[slot].released = true;
+  if (d->handles[slot].maps == 0) handle_free(d, slot);
+  unlock(d);
+  return TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Mappings                                                                 */
+/* ------------------------------------------------------------------------ */
+
+/* Checks shared by map and set_access: a positive, aligned, non-wrapping range. */
+static bool range_args_ok(host_device *d, const char *op, uintptr_t addr, size_t size) {
+  char g[32];
+  if (size == 0 || addr % d->granularity || size % d->granularity || addr + size < addr) {
+    _tide_error_set(TIDE_ERR_BACKEND,
+                    "%s: address 0x%llx and size %zu must be positive multiples of the "
+                    "granularity (%s)",
+                    op, (unsigned long long)addr, size, bytes_text(d->granularity, g));
+    return false;
+  }
+  return true;
+}
+
+static int host_map(void *ctx, uintptr_t addr, size_t size, _tide_handle handle) {
+  host_device *d = ctx;
+  char hs[32];
+  int rc = enter(d, TIDE_OP_MAP);
+  if (rc) return rc;
+  if (!range_args_ok(d, "map", addr, size)) return TIDE_ERR_BACKEND;
+  lock(d);
+  uint32_t slot;
+  if (!handle_find(d, handle, "map", &slot)) goto fail;
+  host_handle *h = &d->handles[slot];
+  if (size != h->units * d->granularity) {
+    _tide_error_set(TIDE_ERR_BACKEND, "map: size %zu is not the handle's size (%s)", size,
+                    bytes_text(h->units * d->granularity, hs));
+    goto fail;
+  }
+  if (range_containing(&d->reserved, addr, size) == SIZE_MAX) {
+    _tide_error_set(TIDE_ERR_BACKEND, "map: [0x%llx, +%zu) is not inside one reserved range",
+                    (unsigned long long)addr, size);
+    goto fail;
+  }
+  if (range_overlaps(&d->mapped, addr, size)) {
+    _tide_error_set(TIDE_ERR_BACKEND, "map: [0x%llx, +%zu) overlaps memory already mapped there",
+                    (unsigned long long)addr, size);
+    goto fail;
+  }
+  if (!range_make_room(&d->mapped)) {
+    unlock(d);
+    return oom_tables("mapping");
+  }
+  off_t offset = (off_t)(h->first_unit * d->granularity);
+  if (mmap((void *)addr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, d->memfd, offset) == MAP_FAILED) {
+    _tide_error_set(TIDE_ERR_BACKEND, "map: mmap at 0x%llx failed: %s", (unsigned long long)addr,
+                    strerror(errno));
+    goto fail;
+  }
+  h->maps++;
+  range_insert(&d->mapped, (host_range){.addr = addr, .size = size, .handle = slot});
+  unlock(d);
+  return TIDE_OK;
+fail:
+  unlock(d);
+  return TIDE_ERR_BACKEND;
+}
+
+static int host_set_access(void *ctx, uintptr_t addr, size_t size) {
+  host_device *d = ctx;
+  int rc = enter(d, TIDE_OP_SET_ACCESS);
+  if (rc) return rc;
+  if (!range_args_ok(d, "set_access", addr, size)) return TIDE_ERR_BACKEND;
+  lock(d);
+  if (!range_covered(&d->mapped, addr, size)) {
+    unlock(d);
+    return _tide_error_set(TIDE_ERR_BACKEND, "set_access: [0x%llx, +%zu) is not fully mapped",
+                           (unsigned long long)addr, size);
+  }
+  if (mprotect((void *)addr, size, PROT_READ | PROT_WRITE) != 0) {
+    int err = errno;
+    unlock(d);
+    return _tide_error_set(TIDE_ERR_BACKEND, "set_access: mprotect at 0x%llx failed: %s",
+                           (unsigned long long)addr, strerror(err));
+  }
+  unlock(d);
+  return TIDE_OK;
+}
+
+static int host_unmap(void *ctx, uintptr_t addr, size_t size) {
+  host_device *d = ctx;
+  int rc = enter(d, TIDE_OP_UNMAP);
+  if (rc) return rc;
+  lock(d);
+  size_t i = range_find_le(&d->mapped, addr);
+  if (i == SIZE_MAX || d->mapped.items[i].addr != addr || d->mapped.items[i].size != size) {
+    unlock(d);
+    return _tide_error_set(TIDE_ERR_BACKEND,
+                           "unmap: [0x%llx, +%zu) is not exactly one earlier mapping",
+                           (unsigned long long)addr, size);
+  }
+  /* Put inaccessible reserved memory back, so the reservation stays whole. */
+  if (mmap((void *)addr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
+           -1, 0) == MAP_FAILED) {
+    int err = errno;
+    unlock(d);
+    return _tide_error_set(TIDE_ERR_BACKEND, "unmap: mmap at 0x%llx failed: %s",
+                           (unsigned long long)addr, strerror(err));
+  }
+  uint32_t slot = d->mapped.items[i].handle;
+  range_remove(&d->mapped, i);
+  host_handle *h = &d->handles[slot];
+  if (--h->maps == 0 && h->released) handle_free(d, slot);
+  unlock(d);
+  return TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Streams and events                                                       */
+/* ------------------------------------------------------------------------ */
+
+/* Stream ids: NULL is slot 0; others are (generation << 32) | slot, slot >= 1,
+ * so the first streams are 1, 2, ... A destroyed stream that is still held
+ * keeps its slot (and id) until it is released: its events stay pending. */
+static tide_stream stream_id(const host_device *d, uint32_t slot) {
+  if (slot == 0) return NULL;
+  return (tide_stream)(uintptr_t)(((uint64_t)d->streams[slot].gen << 32) | slot);
+}
+
+/* For messages: "the default stream" or "stream 0x2". */
+static const char *stream_text(tide_stream stream, char *buf, size_t len) {
+  if (!stream) return "the default stream";
+  snprintf(buf, len, "stream %p", (void *)stream);
+  return buf;
+}
+
+static bool stream_find(host_device *d, tide_stream stream, const char *op, bool draining_ok,
+                        uint32_t *slot) {
+  uint64_t id = (uint64_t)(uintptr_t)stream;
+  uint64_t index = id & UINT32_MAX;
+  if (id == 0) {
+    *slot = 0;
+    return true;
+  }
+  if (index == 0 || index >= d->stream_count) goto unknown;
+  host_stream *s = &d->streams[index];
+  if (s->gen != (uint32_t)(id >> 32)) goto unknown;
+  if (!s->alive && !(draining_ok && s->held)) goto unknown;
+  *slot = (uint32_t)index;
+  return true;
+unknown:
+  _tide_error_set(TIDE_ERR_INVALID, "%s: unknown or destroyed stream %p", op, (void *)stream);
+  return false;
+}
+
+/* A stream slot no longer needed goes back for reuse. Its counters stay, so
+ * tickets of old events remain complete. */
+static void stream_retire(host_device *d, uint32_t slot) {
+  d->streams[slot].gen++;
+  d->free_streams.items[d->free_streams.count++] = slot;
+}
+
+static int host_stream_create(void *ctx, tide_stream *out) {
+  host_device *d = ctx;
+  int rc = enter(d, TIDE_OP_STREAM_CREATE);
+  if (rc) return rc;
+  if (!out) return _tide_error_set(TIDE_ERR_INVALID, "stream_create: NULL output");
+  lock(d);
+  uint32_t slot;
+  if (d->free_streams.count > 0) {
+    slot = d->free_streams.items[--d->free_streams.count];
+  } else {
+    if (d->stream_count >= UINT32_MAX ||
+        !grow((void **)&d->streams, &d->stream_cap, d->stream_count + 1, sizeof *d->streams) ||
+        !grow((void **)&d->free_streams.items, &d->free_streams.cap, d->stream_count + 1,
+              sizeof *d->free_streams.items)) {
+      unlock(d);
+      return oom_tables("stream");
+    }
+    slot = (uint32_t)d->stream_count++;
+    d->streams[slot] = (host_stream){0};
+  }
+  d->streams[slot].alive = true;
+  d->streams[slot].held = false;
+  *out = stream_id(d, slot);
+  unlock(d);
+  return TIDE_OK;
+}
+
+static int host_stream_destroy(void *ctx, tide_stream stream) {
+  host_device *d = ctx;
+  int rc = enter(d, TIDE_OP_STREAM_DESTROY);
+  if (rc) return rc;
+  if (!stream)
+    return _tide_error_set(TIDE_ERR_INVALID,
+                           "stream_destroy: the default stream cannot be destroyed");
+  lock(d);
+  uint32_t slot;
+  if (!stream_find(d, stream, "stream_destroy", false, &slot)) {
+    unlock(d);
+    return TIDE_ERR_INVALID;
+  }
+  d->streams[slot].alive = false;
+  /* As on a GPU, destroying a stream does not cancel its queued work: a held
+   * stream's events stay pending until it is released. */
+  if (!d->streams[slot].held) stream_retire(d, slot);
+  unlock(d);
+  return TIDE_OK;
+}
+
+static int host_stream_synchronize(void *ctx, tide_stream stream) {
+  host_device *d = ctx;
+  int rc = enter(d, TIDE_OP_STREAM_SYNCHRONIZE);
+  if (rc) return rc;
+  lock(d);
+  uint32_t slot;
+  if (!stream_find(d, stream, "stream_synchronize", false, &slot)) {
+    unlock(d);
+    return TIDE_ERR_INVALID;
+  }
+  bool held = d->streams[slot].held;
+  unlock(d);
+  char text[48];
+  if (held)
+    return _tide_error_set(TIDE_ERR_NOT_READY,
+                           "stream_synchronize: %s is held, so waiting for it would never end; "
+                           "release it (tide_host_stream_release) first",
+                           stream_text(stream, text, sizeof text));
+  return TIDE_OK;
+}
+
+/* Event ids: (generation << 32) | (slot + 1), never NULL. */
+static bool event_find(host_device *d, _tide_event event, const char *op, uint32_t *slot) {
+  uint64_t id = (uint64_t)(uintptr_t)event;
+  uint64_t index = id & UINT32_MAX;
+  if (index == 0 || index > d->event_count || d->events[index - 1].gen != (uint32_t)(id >> 32) ||
+      !d->events[index - 1].alive) {
+    _tide_error_set(TIDE_ERR_INVALID, "%s: unknown or destroyed event %p", op, event);
+    return false;
+  }
+  *slot = (uint32_t)(index - 1);
+  return true;
+}
+
+static bool event_done(const host_device *d, const host_event *e) {
+  return !e->recorded || d->streams[e->stream].completed >= e->ticket;
+}
+
+static int host_event_create(void *ctx, _tide_event *out) {
+  host_device *d = ctx;
+  int rc = enter(d, TIDE_OP_EVENT_CREATE);
+  if (rc) return rc;
+  if (!out) return _tide_error_set(TIDE_ERR_INVALID, "event_create: NULL output");
+  lock(d);
+  uint32_t slot;
+  if (d->free_events.count > 0) {
+    slot = d->free_events.items[--d->free_events.count];
+  } else {
+    if (d->event_count >= UINT32_MAX ||
+        !grow((void **)&d->events, &d->event_cap, d->event_count + 1, sizeof *d->events) ||
+        !grow((void **)&d->free_events.items, &d->free_events.cap, d->event_count + 1,
+              sizeof *d->free_events.items)) {
+      unlock(d);
+      return oom_tables("event");
+    }
+    slot = (uint32_t)d->event_count++;
+    d->events[slot] = (host_event){0};
+  }
+  host_event *e = &d->events[slot];
+  e->alive = true;
+  e->recorded = false;
+  *out = (_tide_event)(uintptr_t)(((uint64_t)e->gen << 32) | (slot + 1));
+  unlock(d);
+  return TIDE_OK;
+}
+
+static int host_event_destroy(void *ctx, _tide_event event) {
+  host_device *d = ctx;
+  int rc = enter(d, TIDE_OP_EVENT_DESTROY);
+  if (rc) return rc;
+  lock(d);
+  uint32_t slot;
+  if (!event_find(d, event, "event_destroy", &slot)) {
+    unlock(d);
+    return TIDE_ERR_INVALID;
+  }
+  d->events[slot].alive = false;
+  d->events[slot].gen++;
+  d->free_events.items[d->free_events.count++] = slot;
+  unlock(d);
+  return TIDE_OK;
+}
+
+static int host_event_record(void *ctx, _tide_event event, tide_stream stream) {
+  host_device *d = ctx;
+  int rc = enter(d, TIDE_OP_EVENT_RECORD);
+  if (rc) return rc;
+  lock(d);
+  uint32_t eslot, sslot;
+  if (!event_find(d, event, "event_record", &eslot) ||
+      !stream_find(d, stream, "event_record", false, &sslot)) {
+    unlock(d);
+    return TIDE_ERR_INVALID;
+  }
+  host_stream *s = &d->streams[sslot];
+  host_event *e = &d->events[eslot];
+  e->recorded = true;
+  e->stream = sslot;
+  e->ticket = ++s->submitted;
+  if (!s->held) s->completed = s->submitted;
+  unlock(d);
+  return TIDE_OK;
+}
+
+static int host_event_query(void *ctx, _tide_event event) {
+  host_device *d = ctx;
+  int rc = enter(d, TIDE_OP_EVENT_QUERY);
+  if (rc) return rc;
+  lock(d);
+  uint32_t slot;
+  if (!event_find(d, event, "event_query", &slot)) {
+    unlock(d);
+    return TIDE_ERR_INVALID;
+  }
+  bool done = event_done(d, &d->events[slot]);
+  unlock(d);
+  return done ? TIDE_OK : _tide_error_set(TIDE_ERR_NOT_READY, "event not complete yet");
+}
+
+static int host_event_synchronize(void *ctx, _tide_event event) {
+  host_device *d = ctx;
+  int rc = enter(d, TIDE_OP_EVENT_SYNCHRONIZE);
+  if (rc) return rc;
+  lock(d);
+  uint32_t slot;
+  if (!event_find(d, event, "event_synchronize", &slot)) {
+    unlock(d);
+    return TIDE_ERR_INVALID;
+  }
+  host_event *e = &d->events[slot];
+  bool done = event_done(d, e);
+  tide_stream stream = done ? NULL : stream_id(d, e->stream);
+  unlock(d);
+  char text[48];
+  if (!done)
+    return _tide_error_set(TIDE_ERR_NOT_READY,
+                           "event_synchronize: the event waits on %s, which is held, so waiting "
+                           "would never end; release it (tide_host_stream_release) first",
+                           stream_text(stream, text, sizeof text));
+  return TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Opening and destroying                                                   */
+/* ------------------------------------------------------------------------ */
+
+static void host_destroy(void *ctx) {
+  host_device *d = ctx;
+  if (!d) return;
+  /* Unmapping a reservation takes the mappings inside it along. */
+  for (size_t i = 0; i < d->reserved.count; i++)
+    munmap((void *)d->reserved.items[i].addr, d->reserved.items[i].size);
+  if (d->memfd >= 0) close(d->memfd);
+  free(d->unit_bits);
+  free(d->handles);
+  free(d->free_handles.items);
+  free(d->reserved.items);
+  free(d->mapped.items);
+  free(d->streams);
+  free(d->free_streams.items);
+  free(d->events);
+  free(d->free_events.items);
+  pthread_mutex_destroy(&d->lock);
+  free(d);
+}
+
+static const _tide_backend_ops host_ops = {
+    .name = "host",
+    .destroy = host_destroy,
+    .device_count = host_device_count,
+    .device_name = host_device_name,
+    .mem_info = host_mem_info,
+    .granularity = host_granularity,
+    .reserve = host_reserve,
+    .unreserve = host_unreserve,
+    .create = host_create,
+    .release = host_release,
+    .map = host_map,
+    .set_access = host_set_access,
+    .unmap = host_unmap,
+    .stream_create = host_stream_create,
+    .stream_destroy = host_stream_destroy,
+    .stream_synchronize = host_stream_synchronize,
+    .event_create = host_event_create,
+    .event_destroy = host_event_destroy,
+    .event_record = host_event_record,
+    .event_query = host_event_query,
+    .event_synchronize = host_event_synchronize,
+};
+
+static int check_conf(const _tide_conf_values *conf, int device) {
+  char g[32], c[32], p[32];
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  size_t gran = conf->host_granularity;
+  if (gran < page || (gran & (gran - 1)) != 0)
+    return _tide_error_set(TIDE_ERR_CONFIG,
+                           "host_granularity must be a power of two of at least the system page "
+                           "size (%s), got %zu bytes",
+                           bytes_text(page, p), gran);
+  if (conf->host_capacity == 0 || conf->host_capacity % gran != 0 ||
+      conf->host_capacity > (size_t)INT64_MAX)
+    return _tide_error_set(TIDE_ERR_CONFIG,
+                           "host_capacity must be a positive multiple of host_granularity (%s), "
+                           "got %zu bytes (%s)",
+                           bytes_text(gran, g), conf->host_capacity,
+                           bytes_text(conf->host_capacity, c));
+  if (conf->host_devices < 1)
+    return _tide_error_set(TIDE_ERR_CONFIG, "host_devices must be at least 1, got %d",
+                           conf->host_devices);
+  if (device < 0 || device >= conf->host_devices)
+    return _tide_error_set(TIDE_ERR_INVALID,
+                           "device %d does not exist: the host backend emulates %d device%s "
+                           "(host_devices)",
+                           device, conf->host_devices, conf->host_devices == 1 ? "" : "s");
+  return TIDE_OK;
+}
+
+/* The memfd that backs every handle: sparse, so untouched units cost no RAM. */
+static int open_memfd(host_device *d) {
+  char name[64], c[32];
+  snprintf(name, sizeof name, "tidalloc-device-%d", d->device);
+  d->memfd = memfd_create(name, MFD_CLOEXEC);
+  if (d->memfd < 0)
+    return _tide_error_set(TIDE_ERR_BACKEND, "host backend: memfd_create failed: %s",
+                           strerror(errno));
+  if (ftruncate(d->memfd, (off_t)d->capacity) != 0)
+    return _tide_error_set(TIDE_ERR_BACKEND, "host backend: sizing its memory to %s failed: %s",
+                           bytes_text(d->capacity, c), strerror(errno));
+  return TIDE_OK;
+}
+
+int _tide_host_open(const _tide_conf_values *conf, int device, _tide_backend *out) {
+  if (!conf || !out) return _tide_error_set(TIDE_ERR_INVALID, "host backend: NULL argument");
+  int rc = check_conf(conf, device);
+  if (rc) return rc;
+  host_device *d = calloc(1, sizeof *d);
+  if (!d) return _tide_error_set(TIDE_ERR_OOM, "host backend: out of host memory");
+  d->memfd = -1;
+  d->device = device;
+  d->device_count = conf->host_devices;
+  d->capacity = conf->host_capacity;
+  d->granularity = conf->host_granularity;
+  d->units = d->capacity / d->granularity;
+  size_t words = (d->units + 63) / 64;
+  pthread_mutex_init(&d->lock, NULL);
+  for (int op = 0; op < TIDE_OP_COUNT; op++) {
+    atomic_init(&d->calls[op], 0);
+    atomic_init(&d->fail_at[op], 0);
+  }
+  d->unit_bits = calloc(words, sizeof *d->unit_bits);
+  d->streams = calloc(1, sizeof *d->streams);
+  if (!d->unit_bits || !d->streams) {
+    host_destroy(d);
+    return _tide_error_set(TIDE_ERR_OOM, "host backend: out of host memory");
+  }
+  if (d->units % 64) d->unit_bits[words - 1] = UINT64_MAX << (d->units % 64);
+  d->stream_count = d->stream_cap = 1;
+  d->streams[0].alive = true;
+  rc = open_memfd(d);
+  if (rc) {
+    host_destroy(d);
+    return rc;
+  }
+  out->ops = &host_ops;
+  out->ctx = d;
+  out->is_host = 1;
+  return TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Controls                                                                 */
+/* ------------------------------------------------------------------------ */
+
+static host_device *host_of(_tide_backend *b) {
+  return b && b->is_host && b->ops == &host_ops ? b->ctx : NULL;
+}
+
+static int not_host(const char *op) {
+  return _tide_error_set(TIDE_ERR_INVALID, "%s: only the host backend has this control", op);
+}
+
+int _tide_host_stream_hold(_tide_backend *b, tide_stream stream) {
+  host_device *d = host_of(b);
+  if (!d) return not_host("stream hold");
+  lock(d);
+  uint32_t slot;
+  if (!stream_find(d, stream, "stream hold", false, &slot)) {
+    unlock(d);
+    return TIDE_ERR_INVALID;
+  }
+  d->streams[slot].held = true;
+  unlock(d);
+  return TIDE_OK;
+}
+
+int _tide_host_stream_release(_tide_backend *b, tide_stream stream) {
+  host_device *d = host_of(b);
+  if (!d) return not_host("stream release");
+  lock(d);
+  uint32_t slot;
+  /* A destroyed stream that is held may still be released: its work ends. */
+  if (!stream_find(d, stream, "stream release", true, &slot)) {
+    unlock(d);
+    return TIDE_ERR_INVALID;
+  }
+  host_stream *s = &d->streams[slot];
+  s->completed = s->submitted;
+  s->held = false;
+  if (!s->alive) stream_retire(d, slot);
+  unlock(d);
+  return TIDE_OK;
+}
+
+int _tide_host_fail_call(_tide_backend *b, tide_backend_op op, uint64_t n) {
+  host_device *d = host_of(b);
+  if (!d) return not_host("fail call");
+  if ((int)op < 0 || op >= TIDE_OP_COUNT)
+    return _tide_error_set(TIDE_ERR_INVALID, "fail call: unknown backend operation %d", (int)op);
+  uint64_t at = n == 0 ? 0 : atomic_load(&d->calls[op]) + n;
+  atomic_store(&d->fail_at[op], at);
+  return TIDE_OK;
+}
+
+uint64_t _tide_host_call_count(_tide_backend *b, tide_backend_op op) {
+  host_device *d = host_of(b);
+  if (!d || (int)op < 0 || op >= TIDE_OP_COUNT) return 0;
+  return atomic_load(&d->calls[op]);
+}
+
+uint64_t _tide_host_bytes_in_use(_tide_backend *b) {
+  host_device *d = host_of(b);
+  if (!d) return 0;
+  lock(d);
+  uint64_t bytes = d->bytes_in_use;
+  unlock(d);
+  return bytes;
+}
