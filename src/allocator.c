@@ -52,6 +52,9 @@ static int read_device(tide_allocator *a) {
   size_t page = a->conf.page_size;
   /* Pages must be whole mapping units of the device. */
   a->page_size = (page + a->granularity - 1) / a->granularity * a->granularity;
+  a->plain_rounding = true;
+  for (int i = 0; i < TIDE_ROUNDUP_INTERVALS; i++)
+    if (a->conf.roundup_divisions[i] > 1) a->plain_rounding = false;
   return TIDE_OK;
 }
 
@@ -325,7 +328,9 @@ void *tide_malloc(tide_allocator *a, size_t size, tide_stream stream) {
                     size);
     return NULL;
   }
-  size_t rounded = _tide_round_size(&a->conf, size);
+  size_t rounded = TIDE_LIKELY(a->plain_rounding)
+                       ? (size + TIDE_MIN_BLOCK - 1) & ~(TIDE_MIN_BLOCK - 1)
+                       : _tide_round_size(&a->conf, size);
   _tide_arena *arena = arena_of(a, stream, true);
   if (TIDE_UNLIKELY(!arena)) return NULL;
   void *ptr = NULL;

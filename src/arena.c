@@ -64,6 +64,19 @@ void _tide_pool_remove(_tide_arena *arena, _tide_block *b) {
   }
 }
 
+/* A quick block counts as free memory, as it would in a bin. */
+static inline void count_cached(_tide_arena *arena, const _tide_block *b, int sign) {
+  if (!_tide_block_is_split(b)) return;
+  int kind = b->segment->pool;
+  if (sign > 0) {
+    _tide_stat_up(&arena->stats, _TIDE_ST_INACTIVE_SPLIT, kind, (int64_t)b->size);
+    _tide_stat_up(&arena->stats, _TIDE_ST_INACTIVE_SPLIT_BLOCKS, kind, 1);
+  } else {
+    _tide_stat_down(&arena->stats, _TIDE_ST_INACTIVE_SPLIT, kind, (int64_t)b->size);
+    _tide_stat_down(&arena->stats, _TIDE_ST_INACTIVE_SPLIT_BLOCKS, kind, 1);
+  }
+}
+
 /* ------------------------------------------------------------------------ */
 /* Life of an arena                                                          */
 /* ------------------------------------------------------------------------ */
@@ -160,39 +173,91 @@ static void maybe_collect_garbage(_tide_arena *arena) {
 static void count_allocation(_tide_arena *arena, const _tide_block *b, size_t size) {
   _tide_arena_stats *s = &arena->stats;
   int kind = b->segment->pool;
-  _tide_stat_add(s, _TIDE_ST_ALLOCATED, kind, (int64_t)b->size);
-  _tide_stat_add(s, _TIDE_ST_REQUESTED, kind, (int64_t)size);
-  _tide_stat_add(s, _TIDE_ST_ACTIVE, kind, (int64_t)b->size);
-  _tide_stat_add(s, _TIDE_ST_ALLOCATIONS, kind, 1);
-  _tide_stat_add(s, _TIDE_ST_ACTIVE_BLOCKS, kind, 1);
+  _tide_stat_up(s, _TIDE_ST_ALLOCATED, kind, (int64_t)b->size);
+  _tide_stat_up(s, _TIDE_ST_REQUESTED, kind, (int64_t)size);
+  _tide_stat_up(s, _TIDE_ST_ALLOCATIONS, kind, 1);
+  _tide_track_active(s);
   s->counters[_TIDE_CT_ALLOCS]++;
   if (TIDE_UNLIKELY(b->size >= arena->alloc->conf.max_split_size)) s->counters[_TIDE_CT_OVERSIZE]++;
   _tide_global_add(&arena->alloc->allocated, (int64_t)b->size);
 }
 
+static void quick_remove(_tide_arena *arena, unsigned i) {
+  arena->nquick--;
+  for (; i < arena->nquick; i++) arena->quick[i] = arena->quick[i + 1];
+}
+
+/* The most recently freed quick block of exactly `rounded` bytes. */
+static _tide_block *take_quick(_tide_arena *arena, size_t rounded) {
+  for (unsigned i = arena->nquick; i-- > 0;) {
+    _tide_block *b = arena->quick[i];
+    if (b->size != rounded) continue;
+    quick_remove(arena, i);
+    count_cached(arena, b, -1);
+    return b;
+  }
+  return NULL;
+}
+
+void _tide_arena_flush_quick(_tide_arena *arena) {
+  while (arena->nquick) {
+    _tide_block *b = arena->quick[0];
+    quick_remove(arena, 0);
+    count_cached(arena, b, -1);
+    _tide_arena_free_block(arena, b);
+  }
+}
+
+/* Keep a block just freed on its own stream for reuse as it is; the oldest
+ * quick block makes room by going to the bins. */
+static void put_quick(_tide_arena *arena, _tide_block *b) {
+  if (arena->nquick == _TIDE_QUICK_SLOTS) {
+    _tide_block *oldest = arena->quick[0];
+    quick_remove(arena, 0);
+    count_cached(arena, oldest, -1);
+    _tide_arena_free_block(arena, oldest);
+  }
+  b->state = _TIDE_QUICK;
+  b->stamp = arena->clock;
+  arena->quick[arena->nquick++] = b;
+  count_cached(arena, b, +1);
+}
+
+/* A free block of at least `rounded` bytes from the bins, or from new
+ * memory once the quick blocks are merged and nothing fits. Not in a bin. */
+static int take_best_fit(_tide_arena *arena, size_t rounded, _tide_block **out) {
+  struct tide_allocator *a = arena->alloc;
+  _tide_pool *pool = &arena->pools[rounded <= TIDE_SMALL_SIZE ? _TIDE_SMALL : _TIDE_LARGE];
+  for (int attempt = 0; attempt < 2; attempt++) {
+    _tide_block *b = _tide_bins_best_fit(&pool->bins, rounded);
+    if (b && TIDE_UNLIKELY(a->conf.max_split_size != SIZE_MAX) &&
+        oversize_refused(a, b->size, rounded))
+      b = NULL;
+    if (b) {
+      _tide_pool_remove(arena, b);
+      *out = b;
+      return TIDE_OK;
+    }
+    if (!arena->nquick) break;
+    _tide_arena_flush_quick(arena);
+  }
+  maybe_collect_garbage(arena);
+  return _tide_pool_grow(arena, pool, rounded, out);
+}
+
 int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **out) {
   struct tide_allocator *a = arena->alloc;
   if (TIDE_UNLIKELY(arena->npending)) _tide_arena_process_events(arena, false);
-  _tide_pool *pool = &arena->pools[rounded <= TIDE_SMALL_SIZE ? _TIDE_SMALL : _TIDE_LARGE];
-  _tide_block *b = _tide_bins_best_fit(&pool->bins, rounded);
-  if (b && TIDE_UNLIKELY(a->conf.max_split_size != SIZE_MAX) &&
-      oversize_refused(a, b->size, rounded))
-    b = NULL;
-  if (TIDE_LIKELY(b != NULL)) {
-    _tide_pool_remove(arena, b);
-  } else {
-    maybe_collect_garbage(arena);
-    int rc = _tide_pool_grow(arena, pool, rounded, &b);
+  if (TIDE_UNLIKELY(_tide_ptrmap_reserve_one(&arena->live) != TIDE_OK)) return TIDE_ERR_OOM;
+  _tide_block *b = take_quick(arena, rounded);
+  if (TIDE_UNLIKELY(!b)) {
+    int rc = take_best_fit(arena, rounded, &b);
     if (rc) return rc;
+    if (should_split(a, b, rounded)) split(arena, b, rounded);
   }
-  if (TIDE_UNLIKELY(_tide_ptrmap_reserve_one(&arena->live) != TIDE_OK)) {
-    _tide_arena_free_block(arena, b);
-    return TIDE_ERR_OOM;
-  }
-  if (should_split(a, b, rounded)) split(arena, b, rounded);
   b->state = _TIDE_ALLOCATED;
   b->requested = size;
-  _tide_ptrmap_insert(&arena->live, b); /* cannot fail: room reserved above */
+  _tide_ptrmap_put(&arena->live, b); /* room reserved above */
   count_allocation(arena, b, size);
   arena->clock++;
   _tide_trace(a, TIDE_TRACE_ALLOC, b->segment->pool + 1, b->addr, b->size, arena->stream);
@@ -302,18 +367,26 @@ static void forget_streams(_tide_block *b) {
 static void count_free(_tide_arena *arena, const _tide_block *b) {
   _tide_arena_stats *s = &arena->stats;
   int kind = b->segment->pool;
-  _tide_stat_add(s, _TIDE_ST_ALLOCATED, kind, -(int64_t)b->size);
-  _tide_stat_add(s, _TIDE_ST_REQUESTED, kind, -(int64_t)b->requested);
-  _tide_stat_add(s, _TIDE_ST_ALLOCATIONS, kind, -1);
+  _tide_stat_down(s, _TIDE_ST_ALLOCATED, kind, (int64_t)b->size);
+  _tide_stat_down(s, _TIDE_ST_REQUESTED, kind, (int64_t)b->requested);
+  _tide_stat_down(s, _TIDE_ST_ALLOCATIONS, kind, 1);
   s->counters[_TIDE_CT_FREES]++;
+  _tide_track_active(s);
   if (TIDE_UNLIKELY(b->size >= arena->alloc->conf.max_split_size)) s->counters[_TIDE_CT_OVERSIZE]--;
   _tide_global_add(&arena->alloc->allocated, -(int64_t)b->size);
 }
 
-static void count_inactive(_tide_arena *arena, const _tide_block *b) {
+static void count_pending(_tide_arena *arena, const _tide_block *b, int sign) {
+  _tide_arena_stats *s = &arena->stats;
   int kind = b->segment->pool;
-  _tide_stat_add(&arena->stats, _TIDE_ST_ACTIVE, kind, -(int64_t)b->size);
-  _tide_stat_add(&arena->stats, _TIDE_ST_ACTIVE_BLOCKS, kind, -1);
+  if (sign > 0) {
+    _tide_stat_up(s, _TIDE_ST_PENDING, kind, (int64_t)b->size);
+    _tide_stat_up(s, _TIDE_ST_PENDING_BLOCKS, kind, 1);
+    _tide_track_active(s);
+  } else {
+    _tide_stat_down(s, _TIDE_ST_PENDING, kind, (int64_t)b->size);
+    _tide_stat_down(s, _TIDE_ST_PENDING_BLOCKS, kind, 1);
+  }
 }
 
 int _tide_arena_free(_tide_arena *arena, _tide_block *b, tide_stream stream) {
@@ -332,10 +405,10 @@ int _tide_arena_free(_tide_arena *arena, _tide_block *b, tide_stream stream) {
   _tide_trace(arena->alloc, TIDE_TRACE_FREE, b->segment->pool + 1, b->addr, b->size, stream);
   if (b->events) {
     b->state = _TIDE_PENDING;
+    count_pending(arena, b, +1);
     return TIDE_OK;
   }
-  count_inactive(arena, b);
-  _tide_arena_free_block(arena, b);
+  put_quick(arena, b);
   return TIDE_OK;
 }
 
@@ -354,7 +427,7 @@ int _tide_arena_process_events(_tide_arena *arena, bool wait) {
     }
     give_event(arena, p.event);
     if (--p.block->events == 0) {
-      count_inactive(arena, p.block);
+      count_pending(arena, p.block, -1);
       _tide_arena_free_block(arena, p.block);
     }
   }
@@ -382,6 +455,7 @@ static int settle_stream(_tide_arena *arena) {
 }
 
 int _tide_arena_release_cached(_tide_arena *arena) {
+  _tide_arena_flush_quick(arena);
   if (!holds_cache(arena)) return TIDE_OK;
   int rc = settle_stream(arena);
   if (rc) return rc;
@@ -405,6 +479,7 @@ static bool releasable(const _tide_block *b, size_t page) {
 
 int _tide_arena_collect_garbage(_tide_arena *arena, size_t target) {
   struct tide_allocator *a = arena->alloc;
+  _tide_arena_flush_quick(arena);
   size_t n = 0, cap = arena->pools[0].bins.count + arena->pools[1].bins.count;
   if (cap == 0) return TIDE_OK;
   _tide_block **candidates = malloc(cap * sizeof *candidates);
@@ -440,6 +515,7 @@ static const _tide_block *containing_block(const _tide_arena *arena, uintptr_t a
 }
 
 int _tide_arena_explain_pointer(_tide_arena *arena, uintptr_t addr) {
+  _tide_arena_flush_quick(arena);
   const _tide_block *b = containing_block(arena, addr);
   if (!b) return TIDE_OK;
   void *p = (void *)addr;

@@ -26,6 +26,7 @@ typedef enum _tide_block_state {
   _TIDE_ALLOCATED = 1, /* handed to the user, in the arena's live map */
   _TIDE_PENDING = 2,   /* freed, waiting for events of other streams */
   _TIDE_UNMAPPED = 3,  /* virtual space without pages (expandable segments) */
+  _TIDE_QUICK = 4,     /* just freed, kept unmerged for a request of its size */
 } _tide_block_state;
 
 #define _TIDE_INLINE_STREAMS 2
@@ -94,11 +95,53 @@ typedef struct _tide_ptrmap {
 
 int _tide_ptrmap_init(_tide_ptrmap *m);
 void _tide_ptrmap_destroy(_tide_ptrmap *m);
-int _tide_ptrmap_insert(_tide_ptrmap *m, _tide_block *b); /* grows: may fail (OOM) */
-_tide_block *_tide_ptrmap_find(const _tide_ptrmap *m, uintptr_t addr);
-_tide_block *_tide_ptrmap_remove(_tide_ptrmap *m, uintptr_t addr);
-/* Capacity for one more entry, so that an insert after it cannot fail. */
-int _tide_ptrmap_reserve_one(_tide_ptrmap *m);
+/* Double the table (ptrmap.c). */
+int _tide_ptrmap_grow(_tide_ptrmap *m);
+/* Close the hole left at slot i by a removal (ptrmap.c). */
+void _tide_ptrmap_close_hole(_tide_ptrmap *m, size_t i);
+
+static inline size_t _tide_ptrmap_slot(const _tide_ptrmap *m, uintptr_t addr) {
+  /* Addresses are 512-byte aligned: drop those bits, then mix. */
+  uint64_t h = (uint64_t)(addr >> 9) * UINT64_C(0x9E3779B97F4A7C15);
+  return (size_t)(h >> 32) & m->mask;
+}
+
+/* Capacity for one more entry, so that an insert after it cannot fail; the
+ * load stays at most one half, so probes stay short. */
+static inline int _tide_ptrmap_reserve_one(_tide_ptrmap *m) {
+  if (TIDE_UNLIKELY((m->count + 1) * 2 > m->mask + 1)) return _tide_ptrmap_grow(m);
+  return TIDE_OK;
+}
+
+/* Insert after _tide_ptrmap_reserve_one succeeded. */
+static inline void _tide_ptrmap_put(_tide_ptrmap *m, _tide_block *b) {
+  size_t i = _tide_ptrmap_slot(m, b->addr);
+  while (m->keys[i]) i = (i + 1) & m->mask;
+  m->keys[i] = b->addr;
+  m->values[i] = b;
+  m->count++;
+}
+
+static inline _tide_block *_tide_ptrmap_find(const _tide_ptrmap *m, uintptr_t addr) {
+  if (TIDE_UNLIKELY(!addr)) return NULL;
+  for (size_t i = _tide_ptrmap_slot(m, addr);; i = (i + 1) & m->mask) {
+    if (m->keys[i] == addr) return m->values[i];
+    if (!m->keys[i]) return NULL;
+  }
+}
+
+static inline _tide_block *_tide_ptrmap_remove(_tide_ptrmap *m, uintptr_t addr) {
+  if (TIDE_UNLIKELY(!addr)) return NULL;
+  size_t i = _tide_ptrmap_slot(m, addr);
+  while (m->keys[i] != addr) {
+    if (!m->keys[i]) return NULL;
+    i = (i + 1) & m->mask;
+  }
+  _tide_block *found = m->values[i];
+  _tide_ptrmap_close_hole(m, i);
+  m->count--;
+  return found;
+}
 
 /* ------------------------------------------------------------------------ */
 /* Segments and pools (segment.c)                                            */
@@ -132,11 +175,11 @@ typedef struct _tide_pool {
 enum {
   _TIDE_ST_ALLOCATED = 0,
   _TIDE_ST_REQUESTED,
-  _TIDE_ST_ACTIVE,
+  _TIDE_ST_PENDING, /* freed, waiting on streams (active = allocated + pending) */
   _TIDE_ST_INACTIVE_SPLIT,
   _TIDE_ST_RESERVED,
   _TIDE_ST_ALLOCATIONS,
-  _TIDE_ST_ACTIVE_BLOCKS,
+  _TIDE_ST_PENDING_BLOCKS,
   _TIDE_ST_INACTIVE_SPLIT_BLOCKS,
   _TIDE_ST_SEGMENTS,
   _TIDE_ST_COUNT
@@ -155,12 +198,27 @@ enum {
   _TIDE_CT_COUNT
 };
 
-/* One arena's figures: [stat][0 all, 1 small, 2 large]. */
+/* One arena's figures: [stat][0 all, 1 small, 2 large]. Active bytes and
+ * blocks are allocated plus pending; their peak is the allocated peak except
+ * while blocks are pending, when active_peak records it (so the common case,
+ * nothing pending, costs nothing extra). */
 typedef struct _tide_arena_stats {
   int64_t cur[_TIDE_ST_COUNT][TIDE_POOL_KINDS];
   int64_t peak[_TIDE_ST_COUNT][TIDE_POOL_KINDS];
+  int64_t active_peak[2][TIDE_POOL_KINDS]; /* [0] bytes, [1] blocks */
   uint64_t counters[_TIDE_CT_COUNT];
 } _tide_arena_stats;
+
+/* Record the active peak after a change, while blocks are pending. */
+static inline void _tide_track_active(_tide_arena_stats *s) {
+  if (TIDE_LIKELY(s->cur[_TIDE_ST_PENDING_BLOCKS][0] == 0)) return;
+  for (int p = 0; p < TIDE_POOL_KINDS; p++) {
+    int64_t bytes = s->cur[_TIDE_ST_ALLOCATED][p] + s->cur[_TIDE_ST_PENDING][p];
+    int64_t blocks = s->cur[_TIDE_ST_ALLOCATIONS][p] + s->cur[_TIDE_ST_PENDING_BLOCKS][p];
+    if (bytes > s->active_peak[0][p]) s->active_peak[0][p] = bytes;
+    if (blocks > s->active_peak[1][p]) s->active_peak[1][p] = blocks;
+  }
+}
 
 /* A figure of the whole allocator that must be exact across arenas. */
 typedef struct _tide_global_stat {
@@ -177,13 +235,24 @@ static inline void _tide_global_add(_tide_global_stat *g, int64_t delta) {
   }
 }
 
+/* Change a figure of pool `pool` (and of all pools); a rise may set a peak. */
+static inline void _tide_stat_up(_tide_arena_stats *s, int stat, int pool, int64_t delta) {
+  int64_t all = s->cur[stat][0] += delta;
+  int64_t one = s->cur[stat][pool + 1] += delta;
+  if (all > s->peak[stat][0]) s->peak[stat][0] = all;
+  if (one > s->peak[stat][pool + 1]) s->peak[stat][pool + 1] = one;
+}
+
+static inline void _tide_stat_down(_tide_arena_stats *s, int stat, int pool, int64_t delta) {
+  s->cur[stat][0] -= delta;
+  s->cur[stat][pool + 1] -= delta;
+}
+
 static inline void _tide_stat_add(_tide_arena_stats *s, int stat, int pool, int64_t delta) {
-  int64_t *cur = s->cur[stat];
-  int64_t *peak = s->peak[stat];
-  cur[0] += delta;
-  cur[pool + 1] += delta;
-  if (cur[0] > peak[0]) peak[0] = cur[0];
-  if (cur[pool + 1] > peak[pool + 1]) peak[pool + 1] = cur[pool + 1];
+  if (delta >= 0)
+    _tide_stat_up(s, stat, pool, delta);
+  else
+    _tide_stat_down(s, stat, pool, -delta);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -212,8 +281,17 @@ typedef struct _tide_block_chunk {
   _tide_block blocks[];
 } _tide_block_chunk;
 
+/* Blocks freed last, kept whole and unmerged: a request of exactly their
+ * size (the commonest pattern: the same shapes every step) takes one back
+ * without splitting or merging anything. A block of exactly the requested
+ * size is a best fit, so this changes no placement decision; the blocks are
+ * merged into the bins before any growth or release. */
+#define _TIDE_QUICK_SLOTS 8
+
 typedef struct _tide_arena {
   _tide_lock lock;
+  unsigned nquick;
+  _tide_block *quick[_TIDE_QUICK_SLOTS]; /* oldest first */
   tide_stream stream;
   struct tide_allocator *alloc;
   _tide_pool pools[2];
@@ -251,6 +329,8 @@ int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **o
 /* Return a free (or just unmapped) block to its pool: merge, bin. */
 void _tide_arena_free_block(_tide_arena *arena, _tide_block *b);
 int _tide_arena_free(_tide_arena *arena, _tide_block *b, tide_stream stream);
+/* Merge the quick blocks into the bins. */
+void _tide_arena_flush_quick(_tide_arena *arena);
 /* Complete what events allow; with `wait`, wait for all of them. */
 int _tide_arena_process_events(_tide_arena *arena, bool wait);
 /* Return cached memory: whole free fixed segments and whole free pages. */
@@ -300,6 +380,7 @@ struct tide_allocator {
   _tide_backend backend;
   size_t granularity;
   size_t page_size;
+  bool plain_rounding;          /* no roundup_power2_divisions: sizes round to 512 B */
   size_t total_memory;          /* the device's */
   _Atomic size_t limit;         /* reserved may not exceed this */
   _tide_global_stat reserved;   /* all arenas: physical bytes held */

@@ -43,7 +43,8 @@ static void put(text *t, const char *fmt, ...) {
 
 static const char *state_name(uint8_t state) {
   switch (state) {
-  case _TIDE_FREE: return "free";
+  case _TIDE_FREE:
+  case _TIDE_QUICK: return "free";
   case _TIDE_ALLOCATED: return "allocated";
   case _TIDE_PENDING: return "pending";
   default: return "unmapped";

@@ -10,17 +10,30 @@
 
 #include "core.h"
 
-static void add_arena(tide_stats *out, const _tide_arena_stats *s, bool peaks) {
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+static void add_arena(tide_stats *out, const _tide_arena_stats *s) {
   tide_stat *figures[_TIDE_ST_COUNT] = {
-      out->allocated_bytes, out->requested_bytes,      out->active_bytes,
-      out->inactive_split_bytes, out->reserved_bytes, out->allocations,
-      out->active_blocks,   out->inactive_split,       out->segments,
+      [_TIDE_ST_ALLOCATED] = out->allocated_bytes,
+      [_TIDE_ST_REQUESTED] = out->requested_bytes,
+      [_TIDE_ST_INACTIVE_SPLIT] = out->inactive_split_bytes,
+      [_TIDE_ST_RESERVED] = out->reserved_bytes,
+      [_TIDE_ST_ALLOCATIONS] = out->allocations,
+      [_TIDE_ST_INACTIVE_SPLIT_BLOCKS] = out->inactive_split,
+      [_TIDE_ST_SEGMENTS] = out->segments,
   };
   for (int st = 0; st < _TIDE_ST_COUNT; st++)
-    for (int p = 0; p < TIDE_POOL_KINDS; p++) {
+    for (int p = 0; p < TIDE_POOL_KINDS && figures[st]; p++) {
       figures[st][p].current += s->cur[st][p];
-      if (peaks) figures[st][p].peak += s->peak[st][p];
+      figures[st][p].peak += s->peak[st][p];
     }
+  for (int p = 0; p < TIDE_POOL_KINDS; p++) {
+    out->active_bytes[p].current += s->cur[_TIDE_ST_ALLOCATED][p] + s->cur[_TIDE_ST_PENDING][p];
+    out->active_bytes[p].peak += max64(s->peak[_TIDE_ST_ALLOCATED][p], s->active_peak[0][p]);
+    out->active_blocks[p].current +=
+        s->cur[_TIDE_ST_ALLOCATIONS][p] + s->cur[_TIDE_ST_PENDING_BLOCKS][p];
+    out->active_blocks[p].peak += max64(s->peak[_TIDE_ST_ALLOCATIONS][p], s->active_peak[1][p]);
+  }
   out->num_allocs += s->counters[_TIDE_CT_ALLOCS];
   out->num_frees += s->counters[_TIDE_CT_FREES];
   out->pages_mapped += s->counters[_TIDE_CT_PAGES_MAPPED];
@@ -38,7 +51,7 @@ int _tide_stats_collect(tide_allocator *a, tide_stats *out) {
   size_t n = _tide_arenas_snapshot(a, &arenas);
   for (size_t i = 0; i < n; i++) {
     _tide_lock_acquire(&arenas[i]->lock);
-    add_arena(out, &arenas[i]->stats, true);
+    add_arena(out, &arenas[i]->stats);
     _tide_lock_release(&arenas[i]->lock);
   }
   free(arenas);
@@ -66,7 +79,10 @@ tide_status tide_reset_peak_stats(tide_allocator *a) {
   size_t n = _tide_arenas_snapshot(a, &arenas);
   for (size_t i = 0; i < n; i++) {
     _tide_lock_acquire(&arenas[i]->lock);
-    memcpy(arenas[i]->stats.peak, arenas[i]->stats.cur, sizeof arenas[i]->stats.peak);
+    _tide_arena_stats *s = &arenas[i]->stats;
+    memcpy(s->peak, s->cur, sizeof s->peak);
+    memset(s->active_peak, 0, sizeof s->active_peak);
+    _tide_track_active(s);
     _tide_lock_release(&arenas[i]->lock);
   }
   free(arenas);
