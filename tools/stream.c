@@ -1,0 +1,399 @@
+/* stream.c: `tidalloc stream`, the streaming-inference workload benchmark.
+ *
+ * For each frame count of the sweep it creates a fresh allocator (defaults,
+ * then TIDALLOC_CONF, then --conf), runs the workload of stream_model.c on
+ * it, and records the seconds and the peak allocated and reserved memory, or
+ * that the run ran out of memory and why. Rows go to a CSV file in the format
+ * of LingBot-Map's own memory benchmark, so runs of both compare line by
+ * line; the file is rewritten after every row, so a sweep that is killed
+ * keeps what it measured. A table goes to stdout and, on a terminal, a
+ * progress bar to stderr.
+ *
+ * The host backend computes nothing and never touches the memory, so an
+ * emulated 141 GiB device costs no RAM: the cache copies are no-ops there. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "stream_model.h"
+
+/* The frame: 518 wide, 378 high (37 x 27 patches of 14). */
+enum { FRAME_HEIGHT = 378, FRAME_WIDTH = 518 };
+enum { MAX_SWEEP = 64, MAX_FRAMES = 10000000, ERROR_LEN = 1024 };
+
+static const int default_sweep[] = {64, 128, 256, 512, 1024, 2048, 4096, 10000};
+
+#define CSV_HEADER                                                                         \
+  "frames,status,requested_height,requested_width,effective_height,effective_width,"     \
+  "backend,dtype,seconds,peak_allocated_gib,peak_reserved_gib,error"
+
+typedef struct stream_args {
+  int frames[MAX_SWEEP];
+  int sweep_length;
+  const char *conf;
+  const char *csv_path;
+  const char *label;
+  bool stop_on_oom;
+} stream_args;
+
+/* One line of the results. */
+typedef struct stream_row {
+  int frames;
+  bool oom;
+  char backend[64];
+  double seconds;
+  double peak_allocated_gib;
+  double peak_reserved_gib;
+  char error[ERROR_LEN]; /* why it ran out of memory; "" when ok */
+} stream_row;
+
+/* ------------------------------------------------------------------------ */
+/* The model on a tidalloc allocator                                         */
+/* ------------------------------------------------------------------------ */
+
+typedef struct tide_target {
+  tide_allocator *alloc;
+  tide_status alloc_status; /* of the allocation that failed, TIDE_OK if none */
+  char alloc_error[ERROR_LEN];
+  tide_status free_status; /* of the first free that failed */
+  char free_error[ERROR_LEN];
+  /* Progress over the whole sweep. */
+  uint64_t frames_before;
+  uint64_t frames_total;
+  double shown; /* the fraction last drawn */
+} tide_target;
+
+static void *target_alloc(void *ctx, size_t bytes, stream_model_kind kind) {
+  (void)kind;
+  tide_target *t = ctx;
+  void *ptr = tide_malloc(t->alloc, bytes, NULL);
+  if (ptr == NULL && t->alloc_status == TIDE_OK) {
+    t->alloc_status = tide_last_status();
+    snprintf(t->alloc_error, sizeof t->alloc_error, "%s", tide_last_error());
+  }
+  return ptr;
+}
+
+static void target_free(void *ctx, void *buf, size_t bytes) {
+  (void)bytes;
+  tide_target *t = ctx;
+  tide_status st = tide_free(t->alloc, buf, NULL);
+  if (st != TIDE_OK && t->free_status == TIDE_OK) {
+    t->free_status = st;
+    snprintf(t->free_error, sizeof t->free_error, "%s", tide_last_error());
+  }
+}
+
+/* Nothing is computed on the host backend, so nothing needs moving. */
+static int target_copy(void *ctx, void *dst, size_t dst_offset, const void *src,
+                       size_t src_offset, size_t bytes) {
+  (void)ctx;
+  (void)dst;
+  (void)dst_offset;
+  (void)src;
+  (void)src_offset;
+  (void)bytes;
+  return 0;
+}
+
+static void target_progress(void *ctx, int frames_done, int frames_total) {
+  (void)frames_total;
+  tide_target *t = ctx;
+  t->shown = (double)(t->frames_before + (uint64_t)frames_done) / (double)t->frames_total;
+  cli_progress("stream", t->shown);
+}
+
+/* ------------------------------------------------------------------------ */
+/* One run                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* The backend column: the label, else what kind of segments the config
+ * asks for. */
+static bool backend_name(const tide_config *config, const char *label, char *buf, size_t len) {
+  if (label != NULL) {
+    snprintf(buf, len, "%s", label);
+    return true;
+  }
+  char value[32];
+  if (tide_config_get(config, "expandable_segments", value, sizeof value) != TIDE_OK) {
+    cli_report_tide_error("stream: reading expandable_segments");
+    return false;
+  }
+  bool expandable = strcmp(value, "True") == 0 || strcmp(value, "true") == 0 ||
+                    strcmp(value, "1") == 0;
+  snprintf(buf, len, "%s", expandable ? "tidalloc-expandable" : "tidalloc-fixed");
+  return true;
+}
+
+/* The cache copies are only issued where they cost nothing: say so once
+ * where they would cost something. */
+static void warn_if_copies_skipped(tide_allocator *alloc) {
+  static bool warned = false;
+  tide_info info;
+  if (warned || tide_get_info(alloc, &info) != TIDE_OK || strcmp(info.backend, "host") == 0)
+    return;
+  warned = true;
+  fprintf(stderr,
+          "tidalloc stream: on the %s backend the workload allocates and frees as on the\n"
+          "device but does not issue its cache copies yet: seconds leave copy time out\n",
+          info.backend);
+}
+
+/* Run `frames` frames on a fresh allocator into `row`. False (after saying
+ * why) when the sweep cannot go on: a bad configuration, an allocator that
+ * cannot be created, a failure other than running out of memory. */
+static bool run_one(const stream_args *args, int frames, tide_target *target, stream_row *row) {
+  memset(row, 0, sizeof *row);
+  row->frames = frames;
+  tide_config *config = NULL;
+  tide_allocator *alloc = NULL;
+  if (cli_config_build(NULL, args->conf, &config) != TIDE_OK ||
+      tide_create(0, config, &alloc) != TIDE_OK) {
+    cli_report_tide_error("stream");
+    tide_config_free(config);
+    return false;
+  }
+  bool named = backend_name(config, args->label, row->backend, sizeof row->backend);
+  tide_config_free(config);
+  if (!named) {
+    tide_destroy(alloc);
+    return false;
+  }
+  warn_if_copies_skipped(alloc);
+
+  target->alloc = alloc;
+  target->alloc_status = target->free_status = TIDE_OK;
+  target->alloc_error[0] = target->free_error[0] = '\0';
+  stream_model_ops ops = {target, target_alloc, target_free, target_copy, target_progress};
+  stream_model_params params;
+  stream_model_default_params(&params, frames);
+  stream_model_result result;
+  uint64_t start = cli_now_ns();
+  stream_model_status status = stream_model_run(&params, &ops, &result);
+  row->seconds = (double)(cli_now_ns() - start) / 1e9;
+
+  tide_stats stats;
+  bool ok = tide_get_stats(alloc, &stats) == TIDE_OK;
+  if (!ok) cli_report_tide_error("stream: reading the statistics");
+  row->peak_allocated_gib = ok ? (double)stats.allocated_bytes[TIDE_POOL_ALL].peak / 1073741824.0 : 0;
+  row->peak_reserved_gib = ok ? (double)stats.reserved_bytes[TIDE_POOL_ALL].peak / 1073741824.0 : 0;
+  if (tide_destroy(alloc) != TIDE_OK) {
+    cli_report_tide_error("stream: destroying the allocator");
+    ok = false;
+  }
+  target->alloc = NULL;
+
+  if (target->free_status != TIDE_OK) {
+    cli_error("stream: %d frames: a free failed: %s (%s)", frames, target->free_error,
+              tide_status_name(target->free_status));
+    return false;
+  }
+  if (status == STREAM_MODEL_NO_MEMORY && target->alloc_status == TIDE_ERR_OOM) {
+    row->oom = true;
+    snprintf(row->error, sizeof row->error, "%s", target->alloc_error);
+  } else if (status == STREAM_MODEL_NO_MEMORY) {
+    cli_error("stream: %d frames: an allocation of %zu bytes failed: %s (%s)", frames,
+              result.failed_bytes, target->alloc_error, tide_status_name(target->alloc_status));
+    return false;
+  } else if (status != STREAM_MODEL_OK) {
+    cli_error("stream: %d frames: the workload stopped: %s", frames,
+              stream_model_status_text(status));
+    return false;
+  }
+  return ok;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Output                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* A CSV field in double quotes, inner quotes doubled, line breaks as spaces
+ * so that every row stays one line. */
+static void write_quoted(FILE *f, const char *text) {
+  fputc('"', f);
+  for (const char *p = text; *p; p++) {
+    if (*p == '"') fputc('"', f);
+    fputc(*p == '\n' || *p == '\r' ? ' ' : *p, f);
+  }
+  fputc('"', f);
+}
+
+static void write_row(FILE *f, const stream_row *r) {
+  fprintf(f, "%d,%s,%d,%d,%d,%d,", r->frames, r->oom ? "oom" : "ok", FRAME_HEIGHT, FRAME_WIDTH,
+          FRAME_HEIGHT, FRAME_WIDTH);
+  if (strpbrk(r->backend, ",\"\r\n") != NULL) {
+    write_quoted(f, r->backend);
+  } else {
+    fputs(r->backend, f);
+  }
+  fprintf(f, ",bf16,%.3f,%.4f,%.4f,", r->seconds, r->peak_allocated_gib, r->peak_reserved_gib);
+  if (r->oom) write_quoted(f, r->error);
+  fputc('\n', f);
+}
+
+/* Write every row so far to a file beside `path`, then rename it over
+ * `path`: a reader never sees half a file. */
+static bool write_csv(const char *path, const stream_row *rows, int count) {
+  size_t len = strlen(path) + 5;
+  char *tmp = malloc(len);
+  if (tmp == NULL) {
+    cli_error("stream: out of host memory");
+    return false;
+  }
+  snprintf(tmp, len, "%s.tmp", path);
+  FILE *f = fopen(tmp, "w");
+  bool ok = f != NULL;
+  if (ok) {
+    fprintf(f, "%s\n", CSV_HEADER);
+    for (int i = 0; i < count; i++) write_row(f, &rows[i]);
+    ok = fclose(f) == 0;
+  }
+  if (ok) ok = rename(tmp, path) == 0;
+  if (!ok) {
+    cli_error("stream: cannot write %s", path);
+    remove(tmp);
+  }
+  free(tmp);
+  return ok;
+}
+
+static void print_table(const stream_row *rows, int count) {
+  printf("%8s  %-6s  %-20s  %9s  %14s  %13s  %9s\n", "frames", "status", "backend", "seconds",
+         "allocated GiB", "reserved GiB", "res/alloc");
+  for (int i = 0; i < count; i++) {
+    const stream_row *r = &rows[i];
+    double ratio = r->peak_allocated_gib > 0 ? r->peak_reserved_gib / r->peak_allocated_gib : 0;
+    printf("%8d  %-6s  %-20s  %9.3f  %14.3f  %13.3f  %9.3f\n", r->frames, r->oom ? "oom" : "ok",
+           r->backend, r->seconds, r->peak_allocated_gib, r->peak_reserved_gib, ratio);
+  }
+  for (int i = 0; i < count; i++)
+    if (rows[i].oom) printf("\n%d frames: %s\n", rows[i].frames, rows[i].error);
+}
+
+/* ------------------------------------------------------------------------ */
+/* The command                                                               */
+/* ------------------------------------------------------------------------ */
+
+static void print_help(void) {
+  printf("usage: tidalloc stream [--frames N...] [--mode cat|grow] [--conf STR]\n"
+         "                       [--stop-on-oom] [--csv FILE] [--label NAME]\n"
+         "\n"
+         "Run a synthetic streaming-inference workload with the allocation pattern of\n"
+         "LingBot-Map (518x378 frames, a ViT-L/14 encoder, 24 global layers whose K/V\n"
+         "caches grow by concatenation inside a window of 8 + 64 frames, per-frame\n"
+         "activations and outputs) on a fresh allocator for each frame count, and\n"
+         "report the seconds and the peak allocated and reserved memory. The allocator\n"
+         "is configured by its defaults, then TIDALLOC_CONF, then --conf; the host\n"
+         "backend emulates a 24 GiB device unless host_capacity says otherwise.\n"
+         "\n"
+         "  --frames N...   frame counts to run (default: 64 128 256 512 1024 2048 4096\n"
+         "                  10000)\n"
+         "  --mode cat      grow the caches by allocate-copy-free (the default)\n"
+         "  --mode grow     grow them in place (needs growable buffers: not available yet)\n"
+         "  --conf STR      tidalloc options, \"key:value,...\"; e.g.\n"
+         "                  \"expandable_segments:False,host_capacity:141GiB\" for a\n"
+         "                  fixed-segment allocator on an emulated H200\n"
+         "  --stop-on-oom   stop the sweep at the first frame count that runs out\n"
+         "  --csv FILE      write the rows to FILE (rewritten after each row):\n"
+         "                  %s\n"
+         "  --label NAME    the backend column (default: tidalloc-expandable or\n"
+         "                  tidalloc-fixed, from expandable_segments)\n",
+         CSV_HEADER);
+}
+
+/* --frames takes the numbers that follow it ("64 128" or "64,128"). */
+static int parse_frames(int argc, char **argv, int *i, stream_args *args) {
+  args->sweep_length = 0;
+  while (*i + 1 < argc && argv[*i + 1][0] != '-') {
+    char *text = argv[++*i];
+    for (char *item = strtok(text, ","); item; item = strtok(NULL, ",")) {
+      uint64_t n;
+      if (!cli_parse_u64(item, &n) || n == 0 || n > MAX_FRAMES) {
+        cli_error("stream: --frames wants frame counts from 1 to %d, not '%s'", MAX_FRAMES, item);
+        return CLI_EXIT_USAGE;
+      }
+      if (args->sweep_length == MAX_SWEEP) {
+        cli_error("stream: --frames takes at most %d frame counts", MAX_SWEEP);
+        return CLI_EXIT_USAGE;
+      }
+      args->frames[args->sweep_length++] = (int)n;
+    }
+  }
+  if (args->sweep_length == 0) {
+    cli_error("stream: --frames needs at least one frame count");
+    return CLI_EXIT_USAGE;
+  }
+  return -1;
+}
+
+/* Returns -1 to go on, or the exit code. */
+static int parse_args(int argc, char **argv, stream_args *args) {
+  memset(args, 0, sizeof *args);
+  args->sweep_length = (int)(sizeof default_sweep / sizeof default_sweep[0]);
+  memcpy(args->frames, default_sweep, sizeof default_sweep);
+  for (int i = 1; i < argc; i++) {
+    const char *value = NULL;
+    bool bad = false;
+    if (cli_is_help(argv[i])) {
+      print_help();
+      return CLI_EXIT_OK;
+    } else if (strcmp(argv[i], "--frames") == 0) {
+      int code = parse_frames(argc, argv, &i, args);
+      if (code >= 0) return code;
+    } else if (cli_option_value(argc, argv, &i, "--mode", &value, &bad)) {
+      if (bad) return CLI_EXIT_USAGE;
+      if (strcmp(value, "grow") == 0) {
+        cli_error("stream: --mode grow grows the caches in place and needs growable buffers,\n"
+                  "which tidalloc does not have yet; use --mode cat");
+        return CLI_EXIT_USAGE;
+      }
+      if (strcmp(value, "cat") != 0) {
+        cli_error("stream: --mode wants cat or grow, not '%s'", value);
+        return CLI_EXIT_USAGE;
+      }
+    } else if (cli_option_value(argc, argv, &i, "--conf", &value, &bad)) {
+      args->conf = value;
+    } else if (cli_option_value(argc, argv, &i, "--csv", &value, &bad)) {
+      args->csv_path = value;
+    } else if (cli_option_value(argc, argv, &i, "--label", &value, &bad)) {
+      args->label = value;
+    } else if (strcmp(argv[i], "--stop-on-oom") == 0) {
+      args->stop_on_oom = true;
+    } else {
+      cli_error("stream: unknown argument '%s' (try `tidalloc stream --help`)", argv[i]);
+      return CLI_EXIT_USAGE;
+    }
+    if (bad) return CLI_EXIT_USAGE;
+  }
+  return -1;
+}
+
+int tide_cli_stream(int argc, char **argv) {
+  stream_args args;
+  int code = parse_args(argc, argv, &args);
+  if (code >= 0) return code;
+  stream_row *rows = calloc((size_t)args.sweep_length, sizeof *rows);
+  if (rows == NULL) {
+    cli_error("stream: out of host memory");
+    return CLI_EXIT_FAILURE;
+  }
+  tide_target target;
+  memset(&target, 0, sizeof target);
+  for (int i = 0; i < args.sweep_length; i++) target.frames_total += (uint64_t)args.frames[i];
+
+  int count = 0;
+  bool ok = true;
+  for (int i = 0; ok && i < args.sweep_length; i++) {
+    ok = run_one(&args, args.frames[i], &target, &rows[count]);
+    if (!ok) break;
+    count++;
+    target.frames_before += (uint64_t)args.frames[i];
+    if (args.csv_path != NULL) ok = write_csv(args.csv_path, rows, count);
+    if (rows[count - 1].oom && args.stop_on_oom) break;
+  }
+  if (target.shown < 1.0) cli_progress("stream", 1.0); /* stopped early: end the bar's line */
+  if (count > 0) print_table(rows, count);
+  free(rows);
+  return ok ? CLI_EXIT_OK : CLI_EXIT_FAILURE;
+}
