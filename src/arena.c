@@ -20,7 +20,7 @@
 _tide_block *_tide_block_new(_tide_arena *arena) {
   if (TIDE_UNLIKELY(!arena->spare)) {
     _tide_block_chunk *chunk =
-        malloc(sizeof *chunk + BLOCKS_PER_CHUNK * sizeof(_tide_block));
+        calloc(1, sizeof *chunk + BLOCKS_PER_CHUNK * sizeof(_tide_block));
     if (!chunk) return NULL;
     chunk->next = arena->chunks;
     arena->chunks = chunk;
@@ -223,6 +223,38 @@ static void put_quick(_tide_arena *arena, _tide_block *b) {
   count_cached(arena, b, +1);
 }
 
+static bool releasable(const _tide_block *b, size_t page);
+static int by_stamp(const void *x, const void *y);
+static int settle_stream(_tide_arena *arena);
+
+/* Before growing by `need` bytes, unmap whole free pages inside the
+ * segments (oldest first), so that growth reuses physical memory instead of
+ * adding to it. Free blocks that end at unmapped space are left alone:
+ * growth extends them. */
+static void release_holes(_tide_arena *arena, const _tide_block *target, size_t need) {
+  struct tide_allocator *a = arena->alloc;
+  size_t cap = arena->pools[0].bins.count + arena->pools[1].bins.count, n = 0;
+  if (!cap) return;
+  _tide_block **candidates = malloc(cap * sizeof *candidates);
+  if (!candidates) return;
+  for (int kind = 0; kind < 2; kind++)
+    for (_tide_segment *seg = arena->pools[kind].segments; seg; seg = seg->next)
+      for (_tide_block *b = seg->first; b; b = b->next)
+        if (b->state == _TIDE_FREE && seg->expandable && b != target &&
+            releasable(b, a->page_size) && n < cap)
+          candidates[n++] = b;
+  if (n && settle_stream(arena) == TIDE_OK) {
+    qsort(candidates, n, sizeof *candidates, by_stamp);
+    size_t released = 0;
+    for (size_t i = 0; i < n && released < need; i++) {
+      int64_t before = atomic_load(&a->reserved.cur);
+      if (_tide_release_block(arena, candidates[i])) break;
+      released += (size_t)(before - atomic_load(&a->reserved.cur));
+    }
+  }
+  free(candidates);
+}
+
 /* A free block of at least `rounded` bytes from the bins, or from new
  * memory once the quick blocks are merged and nothing fits. Not in a bin. */
 static int take_best_fit(_tide_arena *arena, size_t rounded, _tide_block **out) {
@@ -242,6 +274,8 @@ static int take_best_fit(_tide_arena *arena, size_t rounded, _tide_block **out) 
     _tide_arena_flush_quick(arena);
   }
   maybe_collect_garbage(arena);
+  if (a->conf.release_holes && a->conf.expandable_segments)
+    release_holes(arena, _tide_pool_growth_target(pool, rounded), rounded);
   return _tide_pool_grow(arena, pool, rounded, out);
 }
 

@@ -346,6 +346,9 @@ size_t _tide_fixed_segment_size(size_t rounded, size_t granularity);
 /* A free mapped block of at least `size` bytes made by new memory: a new
  * fixed segment, or pages mapped into an expandable one. Not in a bin. */
 int _tide_pool_grow(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_block **out);
+/* The free block growth by `size` bytes would extend (before the unmapped
+ * block it would map), or NULL. */
+const _tide_block *_tide_pool_growth_target(_tide_pool *pool, size_t size);
 /* Unmap the whole pages inside a free block of an expandable segment, or
  * release the fixed segment it fills. */
 int _tide_release_block(_tide_arena *arena, _tide_block *b);

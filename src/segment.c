@@ -457,12 +457,27 @@ static int map_into(_tide_arena *arena, _tide_pool *pool, _tide_block *u, size_t
   return TIDE_OK;
 }
 
+/* The unmapped block growth would map for `size` bytes, or NULL. */
+static _tide_block *growth_candidate(_tide_pool *pool, size_t size) {
+  for (_tide_block *u = pool->unmapped; u; u = u->link_next) {
+    _tide_block *p = u->prev;
+    size_t before = (p && p->state == _TIDE_FREE) ? p->size : 0;
+    if (before < size && before + u->size >= size) return u;
+  }
+  return NULL;
+}
+
+const _tide_block *_tide_pool_growth_target(_tide_pool *pool, size_t size) {
+  _tide_block *u = growth_candidate(pool, size);
+  return u && u->prev && u->prev->state == _TIDE_FREE ? u->prev : NULL;
+}
+
 static int grow_expandable(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_block **out) {
   for (int attempt = 0; attempt < 2; attempt++) {
-    for (_tide_block *u = pool->unmapped; u; u = u->link_next) {
+    _tide_block *u = growth_candidate(pool, size);
+    if (u) {
       _tide_block *p = u->prev;
       size_t before = (p && p->state == _TIDE_FREE) ? p->size : 0;
-      if (before >= size || before + u->size < size) continue;
       return map_into(arena, pool, u, size - before, size, out);
     }
     if (attempt == 0) {
