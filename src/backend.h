@@ -28,6 +28,7 @@
 #ifndef TIDE_BACKEND_H
 #define TIDE_BACKEND_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -74,6 +75,14 @@ struct _tide_conf_values;
 /* Open the host backend for one emulated device. Each instance is its own
  * device: its own capacity (conf->host_capacity), mappings and streams. */
 int _tide_host_open(const struct _tide_conf_values *conf, int device, _tide_backend *out);
+
+/* Open the CUDA backend for one GPU: the driver API loaded at run time
+ * (dlopen of libcuda.so.1), so the library loads where there is no driver.
+ * TIDE_ERR_UNAVAILABLE, with the reason in words, when it cannot be used. */
+int _tide_cuda_open(const struct _tide_conf_values *conf, int device, _tide_backend *out);
+/* Whether the CUDA backend can be used here (a driver and a device); the
+ * reason it cannot goes into the thread's error message. */
+bool _tide_cuda_usable(void);
 
 /* Host backend controls behind the tide_host_* functions. */
 int _tide_host_stream_hold(_tide_backend *b, tide_stream stream);
