@@ -164,6 +164,7 @@ static int add_arena_locked(tide_allocator *a, tide_stream stream, _tide_arena *
 static _tide_arena *arena_slow(tide_allocator *a, tide_stream stream, bool create) {
   pthread_mutex_lock(&a->arenas_mutex);
   _tide_arena *arena = find_arena_locked(a, stream);
+  if (arena && create) arena->stream_gone = false; /* the handle names a live stream again */
   if (!arena && create && add_arena_locked(a, stream, &arena)) arena = NULL;
   pthread_mutex_unlock(&a->arenas_mutex);
   if (arena) {
@@ -508,8 +509,28 @@ tide_status tide_stream_create(tide_allocator *a, tide_stream *out) {
   return (tide_status)a->backend.ops->stream_create(a->backend.ctx, out);
 }
 
+/* A stream about to go: give back its arena's cache while the stream can
+ * still be waited for; blocks still allocated on it stay valid. */
+static void retire_arena(tide_allocator *a, tide_stream stream) {
+  pthread_mutex_lock(&a->arenas_mutex);
+  _tide_arena *arena = find_arena_locked(a, stream);
+  pthread_mutex_unlock(&a->arenas_mutex);
+  if (!arena) return;
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
+  _tide_lock_acquire(&arena->lock);
+  _tide_arena_process_events(arena, true);
+  _tide_arena_release_cached(arena);
+  arena->stream_gone = true;
+  _tide_lock_release(&arena->lock);
+  _tide_error_restore(&saved);
+}
+
 tide_status tide_stream_destroy(tide_allocator *a, tide_stream stream) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  if (!stream)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "the default stream cannot be destroyed");
+  retire_arena(a, stream);
   return (tide_status)a->backend.ops->stream_destroy(a->backend.ctx, stream);
 }
 

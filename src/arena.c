@@ -256,22 +256,21 @@ static void release_holes(_tide_arena *arena, const _tide_block *target, size_t 
 }
 
 /* A free block of at least `rounded` bytes from the bins, or from new
- * memory once the quick blocks are merged and nothing fits. Not in a bin. */
+ * memory when nothing fits. Not in a bin. */
 static int take_best_fit(_tide_arena *arena, size_t rounded, _tide_block **out) {
   struct tide_allocator *a = arena->alloc;
   _tide_pool *pool = &arena->pools[rounded <= TIDE_SMALL_SIZE ? _TIDE_SMALL : _TIDE_LARGE];
-  for (int attempt = 0; attempt < 2; attempt++) {
-    _tide_block *b = _tide_bins_best_fit(&pool->bins, rounded);
-    if (b && TIDE_UNLIKELY(a->conf.max_split_size != SIZE_MAX) &&
-        oversize_refused(a, b->size, rounded))
-      b = NULL;
-    if (b) {
-      _tide_pool_remove(arena, b);
-      *out = b;
-      return TIDE_OK;
-    }
-    if (!arena->nquick) break;
-    _tide_arena_flush_quick(arena);
+  /* Quick blocks merge first, so the choice is the best fit over all free
+   * memory, as if they had been merged when freed. */
+  _tide_arena_flush_quick(arena);
+  _tide_block *b = _tide_bins_best_fit(&pool->bins, rounded);
+  if (b && TIDE_UNLIKELY(a->conf.max_split_size != SIZE_MAX) &&
+      oversize_refused(a, b->size, rounded))
+    b = NULL;
+  if (b) {
+    _tide_pool_remove(arena, b);
+    *out = b;
+    return TIDE_OK;
   }
   maybe_collect_garbage(arena);
   if (a->conf.release_holes && a->conf.expandable_segments)
@@ -483,7 +482,9 @@ static bool holds_cache(const _tide_arena *arena) {
  * its own stream is free at once): unmapping must wait for it. */
 static int settle_stream(_tide_arena *arena) {
   const _tide_backend *be = &arena->alloc->backend;
-  int rc = be->ops->stream_synchronize(be->ctx, arena->stream);
+  /* A destroyed stream's work is ordered before the default stream's. */
+  tide_stream s = arena->stream_gone ? NULL : arena->stream;
+  int rc = be->ops->stream_synchronize(be->ctx, s);
   if (rc) _tide_error_prefix("cannot return cached memory of stream %p yet", (void *)arena->stream);
   return rc;
 }

@@ -284,8 +284,8 @@ typedef struct _tide_block_chunk {
 /* Blocks freed last, kept whole and unmerged: a request of exactly their
  * size (the commonest pattern: the same shapes every step) takes one back
  * without splitting or merging anything. A block of exactly the requested
- * size is a best fit, so this changes no placement decision; the blocks are
- * merged into the bins before any growth or release. */
+ * size is a best fit, so this changes no placement decision: any other
+ * request merges them into the bins first. */
 #define _TIDE_QUICK_SLOTS 8
 
 typedef struct _tide_arena {
@@ -293,6 +293,7 @@ typedef struct _tide_arena {
   unsigned nquick;
   _tide_block *quick[_TIDE_QUICK_SLOTS]; /* oldest first */
   tide_stream stream;
+  bool stream_gone;             /* destroyed through tide_stream_destroy */
   struct tide_allocator *alloc;
   _tide_pool pools[2];
   _tide_ptrmap live;

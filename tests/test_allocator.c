@@ -1,0 +1,524 @@
+/* test_allocator.c: unit tests of the device allocator on the host backend —
+ * sizes and rounding, bins, the live map, splitting and merging, fixed and
+ * expandable segments, stream-ordered reuse, limits, garbage collection,
+ * the out-of-memory path, statistics, the trace and the snapshot. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "core.h"
+
+#define MiB ((size_t)1 << 20)
+
+static tide_allocator *make(const char *conf) {
+  tide_config *c = NULL;
+  assert_int_equal(tide_config_new(&c), TIDE_OK);
+  assert_int_equal(tide_config_parse(c, "backend:host"), TIDE_OK);
+  if (conf) {
+    int rc = tide_config_parse(c, conf);
+    if (rc) fail_msg("config %s: %s", conf, tide_last_error());
+  }
+  tide_allocator *a = NULL;
+  int rc = tide_create(0, c, &a);
+  if (rc) fail_msg("tide_create: %s", tide_last_error());
+  tide_config_free(c);
+  return a;
+}
+
+static tide_stats stats_of(tide_allocator *a) {
+  tide_stats s;
+  assert_int_equal(tide_get_stats(a, &s), TIDE_OK);
+  return s;
+}
+
+static void destroy_clean(tide_allocator *a) {
+  assert_int_equal(tide_empty_cache(a), TIDE_OK);
+  tide_stats s = stats_of(a);
+  assert_int_equal(s.allocated_bytes[0].current, 0);
+  assert_int_equal(s.reserved_bytes[0].current, 0);
+  assert_int_equal(tide_host_bytes_in_use(a), 0);
+  assert_int_equal(tide_destroy(a), TIDE_OK);
+}
+
+/* ------------------------------------------------------------------------ */
+
+static void test_round_size(void **state) {
+  (void)state;
+  _tide_conf_values conf = {0};
+  assert_int_equal(_tide_round_size(&conf, 1), 512);
+  assert_int_equal(_tide_round_size(&conf, 512), 512);
+  assert_int_equal(_tide_round_size(&conf, 513), 1024);
+  assert_int_equal(_tide_round_size(&conf, 3 * MiB + 1), 3 * MiB + 512);
+  for (int i = 0; i < TIDE_ROUNDUP_INTERVALS; i++) conf.roundup_divisions[i] = 4;
+  /* Four steps between powers of two: 1280 -> 1536, 5 MiB + 1 -> 6 MiB. */
+  assert_int_equal(_tide_round_size(&conf, 1280), 1536);
+  assert_int_equal(_tide_round_size(&conf, 5 * MiB + 1), 6 * MiB);
+  assert_int_equal(_tide_round_size(&conf, 8 * MiB), 8 * MiB);
+  assert_int_equal(_tide_round_size(&conf, 1500), 1536);
+}
+
+static void test_fixed_segment_sizes(void **state) {
+  (void)state;
+  size_t g = 2 * MiB;
+  assert_int_equal(_tide_fixed_segment_size(512, g), 2 * MiB);
+  assert_int_equal(_tide_fixed_segment_size(1 * MiB, g), 2 * MiB);
+  assert_int_equal(_tide_fixed_segment_size(1 * MiB + 512, g), 20 * MiB);
+  assert_int_equal(_tide_fixed_segment_size(10 * MiB - 512, g), 20 * MiB);
+  assert_int_equal(_tide_fixed_segment_size(10 * MiB, g), 10 * MiB);
+  assert_int_equal(_tide_fixed_segment_size(31 * MiB, g), 32 * MiB);
+}
+
+static void test_bins_best_fit(void **state) {
+  (void)state;
+  static _tide_bins bins;
+  static _tide_segment seg;
+  _tide_block blocks[6];
+  size_t sizes[6] = {4096, 2048, 3 * MiB, 3 * MiB + 4096, 3 * MiB, 64 * MiB};
+  memset(&bins, 0, sizeof bins);
+  for (int i = 0; i < 6; i++) {
+    memset(&blocks[i], 0, sizeof blocks[i]);
+    blocks[i].size = sizes[i];
+    blocks[i].addr = (uintptr_t)(0x100000000ull - (uint64_t)i * 0x1000000ull);
+    blocks[i].segment = &seg;
+    _tide_bins_insert(&bins, &blocks[i]);
+  }
+  assert_ptr_equal(_tide_bins_best_fit(&bins, 1024), &blocks[1]);
+  assert_ptr_equal(_tide_bins_best_fit(&bins, 2560), &blocks[0]);
+  /* Two blocks of 3 MiB: the lower address wins. */
+  assert_ptr_equal(_tide_bins_best_fit(&bins, 2 * MiB), &blocks[4]);
+  assert_ptr_equal(_tide_bins_best_fit(&bins, 3 * MiB + 512), &blocks[3]);
+  assert_ptr_equal(_tide_bins_best_fit(&bins, 5 * MiB), &blocks[5]);
+  assert_null(_tide_bins_best_fit(&bins, 65 * MiB));
+  assert_ptr_equal(_tide_bins_largest(&bins), &blocks[5]);
+  _tide_bins_remove(&bins, &blocks[5]);
+  assert_null(_tide_bins_best_fit(&bins, 5 * MiB));
+  for (int i = 0; i < 5; i++) _tide_bins_remove(&bins, &blocks[i]);
+  assert_int_equal(bins.count, 0);
+  assert_null(_tide_bins_best_fit(&bins, 512));
+  /* Bins never decrease with size. */
+  for (size_t s = 512, last = 0; s < ((size_t)1 << 40); s += s / 7 + 512) {
+    uint32_t b = _tide_bin_of(s / 512 * 512);
+    assert_true(b >= last);
+    last = b;
+  }
+}
+
+static void test_ptrmap_against_reference(void **state) {
+  (void)state;
+  enum { N = 20000 };
+  _tide_ptrmap m;
+  static _tide_block blocks[N];
+  static bool in[N];
+  assert_int_equal(_tide_ptrmap_init(&m), TIDE_OK);
+  uint64_t x = 12345;
+  for (int step = 0; step < 200000; step++) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    int i = (int)((x >> 33) % N);
+    blocks[i].addr = 0x7f0000000000ull + (uintptr_t)i * 512u * 37u;
+    if (in[i]) {
+      assert_ptr_equal(_tide_ptrmap_remove(&m, blocks[i].addr), &blocks[i]);
+      in[i] = false;
+    } else {
+      assert_int_equal(_tide_ptrmap_reserve_one(&m), TIDE_OK);
+      _tide_ptrmap_put(&m, &blocks[i]);
+      in[i] = true;
+    }
+    if (step % 997 == 0) {
+      size_t count = 0;
+      for (int j = 0; j < N; j++) {
+        if (!blocks[j].addr) continue;
+        assert_ptr_equal(_tide_ptrmap_find(&m, blocks[j].addr), in[j] ? &blocks[j] : NULL);
+        count += in[j];
+      }
+      assert_int_equal(m.count, count);
+    }
+  }
+  _tide_ptrmap_destroy(&m);
+}
+
+/* ------------------------------------------------------------------------ */
+
+static void test_malloc_alignment_and_data(void **state) {
+  (void)state;
+  tide_allocator *a = make(NULL);
+  void *p[64];
+  for (int i = 0; i < 64; i++) {
+    size_t size = (size_t)(i * 7919 % 3000000) + 1;
+    p[i] = tide_malloc(a, size, NULL);
+    assert_non_null(p[i]);
+    assert_int_equal((uintptr_t)p[i] % 512, 0);
+    memset(p[i], i, size);
+  }
+  for (int i = 0; i < 64; i++) {
+    size_t size = (size_t)(i * 7919 % 3000000) + 1;
+    assert_int_equal(((unsigned char *)p[i])[size - 1], (unsigned char)i);
+    assert_int_equal(((unsigned char *)p[i])[0], (unsigned char)i);
+  }
+  for (int i = 0; i < 64; i++) assert_int_equal(tide_free(a, p[i], NULL), TIDE_OK);
+  destroy_clean(a);
+}
+
+static void test_split_and_merge_fixed(void **state) {
+  (void)state;
+  tide_allocator *a = make("expandable_segments:False");
+  char *x = tide_malloc(a, 4096, NULL), *y = tide_malloc(a, 4096, NULL);
+  char *z = tide_malloc(a, 4096, NULL);
+  /* One 2 MiB small segment, carved in address order. */
+  assert_ptr_equal(y, x + 4096);
+  assert_ptr_equal(z, y + 4096);
+  tide_stats s = stats_of(a);
+  assert_int_equal(s.reserved_bytes[TIDE_POOL_SMALL].current, 2 * MiB);
+  assert_int_equal(s.segments[0].current, 1);
+  assert_int_equal(s.allocated_bytes[0].current, 3 * 4096);
+  assert_int_equal(s.inactive_split_bytes[0].current, 2 * MiB - 3 * 4096);
+  /* Free the middle and the first: once merged, 8 KiB fits at x. */
+  assert_int_equal(tide_free(a, y, NULL), TIDE_OK);
+  assert_int_equal(tide_free(a, x, NULL), TIDE_OK);
+  char *w = tide_malloc(a, 8192, NULL);
+  assert_ptr_equal(w, x);
+  assert_int_equal(tide_free(a, w, NULL), TIDE_OK);
+  assert_int_equal(tide_free(a, z, NULL), TIDE_OK);
+  s = stats_of(a);
+  assert_int_equal(s.allocated_bytes[0].current, 0);
+  assert_int_equal(s.reserved_bytes[0].current, 2 * MiB);
+  destroy_clean(a);
+}
+
+static void test_fixed_large_segments(void **state) {
+  (void)state;
+  tide_allocator *a = make("expandable_segments:False");
+  void *p = tide_malloc(a, 5 * MiB, NULL);
+  tide_stats s = stats_of(a);
+  assert_int_equal(s.reserved_bytes[TIDE_POOL_LARGE].current, 20 * MiB);
+  /* 20 MiB - 5 MiB > 1 MiB: split, so a second 5 MiB fits the same segment. */
+  void *q = tide_malloc(a, 5 * MiB, NULL);
+  s = stats_of(a);
+  assert_int_equal(s.reserved_bytes[0].current, 20 * MiB);
+  assert_int_equal(s.segments[0].current, 1);
+  void *r = tide_malloc(a, 31 * MiB, NULL);
+  s = stats_of(a);
+  assert_int_equal(s.reserved_bytes[0].current, 52 * MiB);
+  tide_free(a, p, NULL);
+  tide_free(a, q, NULL);
+  tide_free(a, r, NULL);
+  assert_int_equal(tide_empty_cache(a), TIDE_OK);
+  s = stats_of(a);
+  assert_int_equal(s.segments[0].current, 0);
+  assert_int_equal(s.segments_released, 2);
+  destroy_clean(a);
+}
+
+static void test_expandable_maps_pages_on_demand(void **state) {
+  (void)state;
+  tide_allocator *a = make(NULL);
+  void *p = tide_malloc(a, 3 * MiB, NULL);
+  tide_stats s = stats_of(a);
+  assert_int_equal(s.pages_mapped, 2);
+  assert_int_equal(s.reserved_bytes[0].current, 4 * MiB);
+  /* The second block starts right after the first and maps one more page. */
+  char *q = tide_malloc(a, 2 * MiB, NULL);
+  assert_ptr_equal(q, (char *)p + 3 * MiB);
+  s = stats_of(a);
+  assert_int_equal(s.pages_mapped, 3);
+  assert_int_equal(s.reserved_bytes[0].current, 6 * MiB);
+  assert_int_equal(s.reserved_bytes[0].current, (int64_t)tide_host_bytes_in_use(a));
+  tide_free(a, p, NULL);
+  /* p's whole first page is free: empty_cache unmaps it; q's pages stay. */
+  assert_int_equal(tide_empty_cache(a), TIDE_OK);
+  s = stats_of(a);
+  assert_int_equal(s.pages_unmapped, 1);
+  assert_int_equal(s.reserved_bytes[0].current, 4 * MiB);
+  memset(q, 7, 2 * MiB);
+  tide_free(a, q, NULL);
+  destroy_clean(a);
+}
+
+static void test_quick_reuse_and_flush(void **state) {
+  (void)state;
+  tide_allocator *a = make(NULL);
+  void *x = tide_malloc(a, 1000, NULL);
+  void *keep = tide_malloc(a, 512, NULL);
+  tide_free(a, x, NULL);
+  /* The same size comes back at once, from the quick list. */
+  void *y = tide_malloc(a, 1000, NULL);
+  assert_ptr_equal(x, y);
+  tide_free(a, y, NULL);
+  tide_free(a, keep, NULL);
+  /* Another size merges the quick blocks first: the best fit is the whole
+   * free page again, from its start, and reserved does not grow. */
+  int64_t before = stats_of(a).reserved_bytes[0].current;
+  void *z = tide_malloc(a, 1 * MiB, NULL);
+  assert_ptr_equal(z, x);
+  assert_int_equal(stats_of(a).reserved_bytes[0].current, before);
+  tide_free(a, z, NULL);
+  destroy_clean(a);
+}
+
+static void test_stream_ordered_reuse(void **state) {
+  (void)state;
+  tide_allocator *a = make(NULL);
+  tide_stream side;
+  assert_int_equal(tide_stream_create(a, &side), TIDE_OK);
+  assert_int_equal(tide_host_stream_hold(a, side), TIDE_OK);
+  void *p = tide_malloc(a, 64 * 1024, NULL);
+  assert_int_equal(tide_record_stream(a, p, side), TIDE_OK);
+  assert_int_equal(tide_free(a, p, NULL), TIDE_OK);
+  tide_stats s = stats_of(a);
+  assert_int_equal(s.allocated_bytes[0].current, 0);
+  assert_int_equal(s.active_bytes[0].current, 64 * 1024);
+  assert_int_equal(s.active_blocks[0].current, 1);
+  /* While the side stream still works, the block must not come back. */
+  void *q = tide_malloc(a, 64 * 1024, NULL);
+  assert_ptr_not_equal(p, q);
+  /* empty_cache cannot wait for a held stream: the block stays pending. */
+  tide_empty_cache(a);
+  assert_int_equal(stats_of(a).active_blocks[0].current, 2);
+  assert_int_equal(tide_host_stream_release(a, side), TIDE_OK);
+  void *r = tide_malloc(a, 64 * 1024, NULL);
+  assert_ptr_equal(r, p);
+  s = stats_of(a);
+  assert_int_equal(s.active_bytes[0].current, 2 * 64 * 1024);
+  assert_int_equal(s.active_bytes[0].peak, 2 * 64 * 1024);
+  tide_free(a, q, NULL);
+  tide_free(a, r, NULL);
+  assert_int_equal(tide_stream_destroy(a, side), TIDE_OK);
+  destroy_clean(a);
+}
+
+static void test_free_on_other_stream(void **state) {
+  (void)state;
+  tide_allocator *a = make(NULL);
+  tide_stream side;
+  assert_int_equal(tide_stream_create(a, &side), TIDE_OK);
+  void *p = tide_malloc(a, 4096, NULL);
+  assert_int_equal(tide_host_stream_hold(a, side), TIDE_OK);
+  /* Freed on `side`: reusable only after side's queued work. */
+  assert_int_equal(tide_free(a, p, side), TIDE_OK);
+  void *q = tide_malloc(a, 4096, NULL);
+  assert_ptr_not_equal(p, q);
+  /* A double free is caught while the block waits. */
+  assert_int_equal(tide_free(a, p, NULL), TIDE_ERR_DOUBLE_FREE);
+  tide_host_stream_release(a, side);
+  void *r = tide_malloc(a, 4096, NULL);
+  assert_ptr_equal(r, p);
+  tide_free(a, q, NULL);
+  tide_free(a, r, NULL);
+  tide_stream_destroy(a, side);
+  destroy_clean(a);
+}
+
+static void test_arena_per_stream(void **state) {
+  (void)state;
+  tide_allocator *a = make(NULL);
+  tide_stream s1, s2;
+  tide_stream_create(a, &s1);
+  tide_stream_create(a, &s2);
+  void *p1 = tide_malloc(a, 4096, s1), *p2 = tide_malloc(a, 4096, s2);
+  tide_stream where = NULL;
+  size_t size = 0;
+  assert_int_equal(tide_block_info(a, p1, NULL, &size, &where), TIDE_OK);
+  assert_ptr_equal(where, s1);
+  assert_int_equal(size, 4096);
+  assert_int_equal(tide_block_info(a, p2, NULL, NULL, &where), TIDE_OK);
+  assert_ptr_equal(where, s2);
+  /* Each stream has its own small segment. */
+  assert_int_equal(stats_of(a).segments[0].current, 2);
+  assert_int_equal(stats_of(a).allocated_bytes[0].peak, 8192);
+  tide_free(a, p1, s1);
+  tide_free(a, p2, s2);
+  tide_stream_destroy(a, s1);
+  tide_stream_destroy(a, s2);
+  destroy_clean(a);
+}
+
+static void test_memory_limit(void **state) {
+  (void)state;
+  tide_allocator *a = make("memory_limit:64MiB");
+  void *p = tide_malloc(a, 40 * MiB, NULL);
+  assert_non_null(p);
+  assert_null(tide_malloc(a, 40 * MiB, NULL));
+  assert_int_equal(tide_last_status(), TIDE_ERR_OOM);
+  assert_non_null(strstr(tide_last_error(), "out of memory"));
+  assert_non_null(strstr(tide_last_error(), "memory limit"));
+  assert_int_equal(stats_of(a).num_ooms, 1);
+  assert_int_equal(tide_set_memory_limit(a, 0), TIDE_OK);
+  void *q = tide_malloc(a, 40 * MiB, NULL);
+  assert_non_null(q);
+  assert_int_equal(tide_set_memory_fraction(a, 0.0), TIDE_ERR_INVALID);
+  assert_int_equal(tide_set_memory_fraction(a, 0.5), TIDE_OK);
+  assert_int_equal(stats_of(a).memory_limit, 12 * (uint64_t)1 << 30);
+  tide_free(a, p, NULL);
+  tide_free(a, q, NULL);
+  destroy_clean(a);
+}
+
+static void test_oom_frees_cache_and_retries(void **state) {
+  (void)state;
+  tide_allocator *a = make("host_capacity:64MiB,expandable_segments:False");
+  void *p = tide_malloc(a, 40 * MiB, NULL);
+  assert_non_null(p);
+  tide_free(a, p, NULL);
+  /* 40 MiB stays cached; 50 MiB more does not fit without releasing it. */
+  void *q = tide_malloc(a, 50 * MiB, NULL);
+  assert_non_null(q);
+  tide_stats s = stats_of(a);
+  assert_int_equal(s.num_alloc_retries, 1);
+  assert_int_equal(s.num_ooms, 0);
+  assert_int_equal(s.reserved_bytes[0].current, 50 * MiB);
+  /* Nothing left to free: a real OOM with the whole story. */
+  assert_null(tide_malloc(a, 20 * MiB, NULL));
+  const char *msg = tide_last_error();
+  assert_int_equal(tide_last_status(), TIDE_ERR_OOM);
+  assert_non_null(strstr(msg, "tried to allocate 20.00 MiB"));
+  assert_non_null(strstr(msg, "Allocated 50.00 MiB"));
+  assert_non_null(strstr(msg, "reserved 50.00 MiB"));
+  assert_non_null(strstr(msg, "device free"));
+  assert_non_null(strstr(msg, "largest free block"));
+  assert_non_null(strstr(msg, "Try:"));
+  tide_free(a, q, NULL);
+  destroy_clean(a);
+}
+
+static void test_garbage_collection_threshold(void **state) {
+  (void)state;
+  tide_allocator *a =
+      make("memory_limit:100MiB,garbage_collection_threshold:0.5,expandable_segments:False");
+  void *p[4];
+  for (int i = 0; i < 4; i++) p[i] = tide_malloc(a, 12 * MiB, NULL);
+  for (int i = 0; i < 4; i++) tide_free(a, p[i], NULL);
+  assert_int_equal(stats_of(a).reserved_bytes[0].current, 48 * MiB);
+  /* Reserved is under half the limit: nothing is collected. */
+  void *q = tide_malloc(a, 30 * MiB, NULL);
+  assert_int_equal(stats_of(a).reserved_bytes[0].current, 78 * MiB);
+  /* Above it: cached segments go before growing, so no retry is needed. */
+  void *r = tide_malloc(a, 30 * MiB, NULL);
+  assert_non_null(r);
+  tide_stats s = stats_of(a);
+  assert_int_equal(s.num_alloc_retries, 0);
+  assert_true(s.reserved_bytes[0].current <= (int64_t)(72 * MiB));
+  tide_free(a, q, NULL);
+  tide_free(a, r, NULL);
+  destroy_clean(a);
+}
+
+static void test_max_split_size(void **state) {
+  (void)state;
+  tide_allocator *a = make("expandable_segments:False,max_split_size_mb:40");
+  void *big = tide_malloc(a, 100 * MiB, NULL);
+  tide_free(a, big, NULL);
+  /* A small request never takes an oversize block. */
+  void *small = tide_malloc(a, 30 * MiB, NULL);
+  assert_true((char *)small < (char *)big || (char *)small >= (char *)big + 100 * MiB);
+  /* A large request takes it only if it is not much larger (20 MiB). */
+  void *near = tide_malloc(a, 90 * MiB, NULL);
+  assert_ptr_equal(near, big);
+  assert_int_equal(stats_of(a).oversize_allocations, 1);
+  tide_free(a, near, NULL);
+  tide_free(a, small, NULL);
+  destroy_clean(a);
+}
+
+static void test_stats_and_peaks(void **state) {
+  (void)state;
+  tide_allocator *a = make(NULL);
+  void *p = tide_malloc(a, 1000, NULL), *q = tide_malloc(a, 3 * MiB, NULL);
+  tide_stats s = stats_of(a);
+  assert_int_equal(s.allocated_bytes[0].current, 1024 + 3 * MiB);
+  assert_int_equal(s.allocated_bytes[TIDE_POOL_SMALL].current, 1024);
+  assert_int_equal(s.allocated_bytes[TIDE_POOL_LARGE].current, 3 * MiB);
+  assert_int_equal(s.requested_bytes[0].current, 1000 + 3 * MiB);
+  assert_int_equal(s.allocations[0].current, 2);
+  assert_int_equal(s.num_allocs, 2);
+  tide_free(a, q, NULL);
+  s = stats_of(a);
+  assert_int_equal(s.allocated_bytes[0].peak, 1024 + 3 * MiB);
+  assert_int_equal(s.allocated_bytes[0].current, 1024);
+  assert_int_equal(tide_reset_peak_stats(a), TIDE_OK);
+  s = stats_of(a);
+  assert_int_equal(s.allocated_bytes[0].peak, 1024);
+  assert_int_equal(s.reserved_bytes[0].peak, s.reserved_bytes[0].current);
+  assert_int_equal(s.num_frees, 1);
+  tide_free(a, p, NULL);
+  destroy_clean(a);
+}
+
+static void test_trace_ring(void **state) {
+  (void)state;
+  tide_allocator *a = make("trace:4");
+  void *p = tide_malloc(a, 3 * MiB, NULL);
+  tide_free(a, p, NULL);
+  tide_trace_event ev[8];
+  size_t n = 0;
+  uint64_t dropped = 99;
+  assert_int_equal(tide_trace_read(a, ev, 8, &n, &dropped), TIDE_OK);
+  /* map, alloc, free */
+  assert_int_equal(n, 3);
+  assert_int_equal(dropped, 0);
+  assert_int_equal(ev[0].kind, TIDE_TRACE_MAP);
+  assert_int_equal(ev[1].kind, TIDE_TRACE_ALLOC);
+  assert_int_equal(ev[1].addr, (uintptr_t)p);
+  assert_int_equal(ev[2].kind, TIDE_TRACE_FREE);
+  assert_true(ev[1].seq < ev[2].seq);
+  tide_empty_cache(a); /* unmap + empty_cache: the ring of 4 overflows */
+  assert_int_equal(tide_trace_read(a, ev, 8, &n, &dropped), TIDE_OK);
+  assert_int_equal(n, 4);
+  assert_int_equal(dropped, 1);
+  assert_int_equal(ev[3].kind, TIDE_TRACE_EMPTY_CACHE);
+  destroy_clean(a);
+}
+
+static void test_snapshot_json(void **state) {
+  (void)state;
+  tide_allocator *a = make(NULL);
+  void *p = tide_malloc(a, 4096, NULL);
+  char *json = NULL;
+  size_t len = 0;
+  assert_int_equal(tide_snapshot_json(a, &json, &len), TIDE_OK);
+  assert_int_equal(strlen(json), len);
+  assert_non_null(strstr(json, "\"kind\": \"expandable\""));
+  assert_non_null(strstr(json, "\"state\": \"allocated\""));
+  assert_non_null(strstr(json, "\"requested\": 4096"));
+  tide_string_free(json);
+  tide_free(a, p, NULL);
+  destroy_clean(a);
+}
+
+static void test_destroy_reports_leaks(void **state) {
+  (void)state;
+  tide_allocator *a = make(NULL);
+  assert_non_null(tide_malloc(a, 4096, NULL));
+  assert_int_equal(tide_destroy(a), TIDE_ERR_STATE);
+  assert_non_null(strstr(tide_last_error(), "1 block"));
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_round_size),
+      cmocka_unit_test(test_fixed_segment_sizes),
+      cmocka_unit_test(test_bins_best_fit),
+      cmocka_unit_test(test_ptrmap_against_reference),
+      cmocka_unit_test(test_malloc_alignment_and_data),
+      cmocka_unit_test(test_split_and_merge_fixed),
+      cmocka_unit_test(test_fixed_large_segments),
+      cmocka_unit_test(test_expandable_maps_pages_on_demand),
+      cmocka_unit_test(test_quick_reuse_and_flush),
+      cmocka_unit_test(test_stream_ordered_reuse),
+      cmocka_unit_test(test_free_on_other_stream),
+      cmocka_unit_test(test_arena_per_stream),
+      cmocka_unit_test(test_memory_limit),
+      cmocka_unit_test(test_oom_frees_cache_and_retries),
+      cmocka_unit_test(test_garbage_collection_threshold),
+      cmocka_unit_test(test_max_split_size),
+      cmocka_unit_test(test_stats_and_peaks),
+      cmocka_unit_test(test_trace_ring),
+      cmocka_unit_test(test_snapshot_json),
+      cmocka_unit_test(test_destroy_reports_leaks),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
