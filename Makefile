@@ -21,7 +21,7 @@ SHELL := /bin/bash
 
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 PREFIX ?= /usr/local
-FRAMES ?= 64 128 256 512 1024
+FRAMES ?= 64 128 256 512 1024 2048 4096 10000
 # Extra cmake options for every build, e.g. CMAKE_ARGS=-DTIDE_TEST_TIMEOUT=600.
 CMAKE_ARGS ?=
 # The sanitizer builds use clang: its runtimes are the ones deps.sh installs,
@@ -93,17 +93,26 @@ test-tsan: deps
 	cmake -S . -B build-tsan $(SAN_CMAKE) -DCMAKE_C_FLAGS="$(TSAN_CFLAGS)" \
 	  -DTIDE_BUILD_EXAMPLES=OFF $(CMAKE_ARGS)
 	$(CMAKE_BUILD) build-tsan -j$(JOBS)
+	@cd build-tsan && ctest -N -L 'stress|threads' | grep -q 'Total Tests: [1-9]' || { \
+	  echo "test-tsan: no test is labelled stress or threads: name a tests/test_*.c" \
+	       "*stress* or *thread* to run it under ThreadSanitizer" >&2; exit 1; }
 	cd build-tsan && $(NO_ASLR) $(CTEST) -L 'stress|threads'
 
 # tests/gpu holds the GPU tests: a CMakeLists.txt that the root project adds
 # with -DTIDE_GPU_TESTS=ON (it enables CUDA, links tidalloc_static and labels
-# its tests "gpu"), or a Makefile with a `test` target that is given the
-# source tree and a built build/ (TIDALLOC_SRC, TIDALLOC_BUILD).
-gpu-test: deps
+# its tests "gpu", and "gpu-memcheck" for the same under compute-sanitizer),
+# or a Makefile with a `test` target that is given the source tree and a
+# built build/ (TIDALLOC_SRC, TIDALLOC_BUILD). `make gpu-test SANITIZE=1`
+# runs them under compute-sanitizer's memcheck. The GPU build needs only
+# cmake, a C compiler and the CUDA toolkit, so it skips the deps step (a GPU
+# machine may be offline) and leaves out the CPU tests, tools and examples.
+GPU_TEST_LABEL = $(if $(filter 1,$(SANITIZE)),^gpu-memcheck$$,^gpu$$)
+gpu-test:
 	@if [ -f tests/gpu/CMakeLists.txt ]; then \
-	  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIDE_GPU_TESTS=ON $(CMAKE_ARGS) && \
+	  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIDE_GPU_TESTS=ON \
+	    -DTIDE_BUILD_TESTS=OFF -DTIDE_BUILD_TOOLS=OFF -DTIDE_BUILD_EXAMPLES=OFF $(CMAKE_ARGS) && \
 	  $(CMAKE_BUILD) build-gpu -j$(JOBS) && \
-	  cd build-gpu && ctest --output-on-failure --no-tests=error -L gpu; \
+	  cd build-gpu && ctest --output-on-failure --no-tests=error -L '$(GPU_TEST_LABEL)'; \
 	elif [ -f tests/gpu/Makefile ]; then \
 	  $(MAKE) --no-print-directory build && \
 	  $(MAKE) -C tests/gpu test TIDALLOC_SRC="$(CURDIR)" TIDALLOC_BUILD="$(CURDIR)/build"; \
