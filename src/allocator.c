@@ -34,12 +34,15 @@ static bool valid(const tide_allocator *a) { return a && a->magic == _TIDE_MAGIC
 /* Creation                                                                  */
 /* ------------------------------------------------------------------------ */
 
+/* backend:cuda insists on a GPU; backend:auto takes one when the driver and a
+ * device are there, and the emulated device otherwise. */
 static int open_backend(tide_allocator *a) {
   int kind = a->conf.backend;
-  if (kind == TIDE_BACKEND_CUDA)
-    return _tide_error_set(TIDE_ERR_UNAVAILABLE,
-                           "backend:cuda was asked for, but this build of tidalloc has no CUDA "
-                           "backend; use backend:host (an emulated device) or backend:auto");
+  if (kind == TIDE_BACKEND_CUDA) return _tide_cuda_open(&a->conf, a->device, &a->backend);
+  if (kind == TIDE_BACKEND_AUTO) {
+    if (_tide_cuda_usable()) return _tide_cuda_open(&a->conf, a->device, &a->backend);
+    tide_clear_error(); /* no GPU here is not a failure of auto */
+  }
   return _tide_host_open(&a->conf, a->device, &a->backend);
 }
 
