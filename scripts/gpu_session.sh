@@ -1,0 +1,177 @@
+#!/usr/bin/env bash
+# gpu_session.sh: everything to run on a GPU machine, in one go, from the
+# repository root: the machine's description, a Release build, the CPU tests,
+# the GPU tests, the GPU tests under compute-sanitizer's memcheck, and the
+# benchmark runs added in the marked section below. Logs and a summary go to
+# $OUT (default out/gpu); the machine may be offline, so nothing is
+# installed: what is missing (cmocka, zlib) turns the parts that need it off,
+# and the summary says so.
+#   OUT=/some/dir scripts/gpu_session.sh
+# Files written (8 at most): summary.txt, system.txt, build.log, cpu_tests.log,
+# gpu_tests.log, gpu_memcheck.log, bench.log, bench.csv.
+# Exit status: 0 if every step passed.
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out=${OUT:-out/gpu}
+mkdir -p "$out"
+jobs=$(nproc 2>/dev/null || echo 8)
+start=$(date +%s)
+# The steps take about 5 minutes; a step that hangs is cut so that the whole
+# run stays under GPU_RUN_SECONDS (later steps get what is left).
+budget=${GPU_RUN_SECONDS:-540}
+summary=$out/summary.txt
+: >"$summary"
+failed=0
+
+elapsed() { echo $(($(date +%s) - start)); }
+note() { echo "$*" | tee -a "$summary"; }
+
+# step NAME LOG LIMIT command...: run it with output appended to LOG, at most
+# LIMIT seconds (cut to what the budget has left, at least 30 s), and record
+# the outcome in the summary.
+step() {
+  local name=$1 log=$2 limit=$3
+  shift 3
+  local left=$((budget - $(elapsed)))
+  ((left < 30)) && left=30
+  ((limit > left)) && limit=$left
+  local t0=$(date +%s)
+  echo "=== $name ($(date -u +%H:%M:%S), limit ${limit} s): $*" >>"$log"
+  timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+  local rc=$?
+  local secs=$(($(date +%s) - t0))
+  local what=ok
+  if ((rc == 124 || rc == 137)); then
+    what="TIMEOUT after ${limit} s"
+  elif ((rc != 0)); then
+    what="FAILED (exit $rc)"
+  fi
+  [[ $what == ok ]] || failed=1
+  note "$(printf '%-28s %-22s %4d s   log: %s' "$name" "$what" "$secs" "$(basename "$log")")"
+  return $rc
+}
+
+# ---------------------------------------------------------------------------
+# The machine
+# ---------------------------------------------------------------------------
+{
+  echo "date: $(date -u)"
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
+  echo "host: $(uname -a)"
+  echo "cpus: $jobs"
+  echo
+  nvidia-smi 2>&1 || echo "nvidia-smi failed"
+  echo
+  nvidia-smi -q -d MEMORY,COMPUTE,CLOCK 2>&1 | head -60
+  echo
+  for tool in nvcc cmake gcc compute-sanitizer python3 make readelf; do
+    printf '%-18s %s\n' "$tool" "$(command -v "$tool" || echo 'not found')"
+  done
+  nvcc --version 2>&1 | tail -2
+  cmake --version 2>&1 | head -1
+  gcc --version 2>&1 | head -1
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -1
+  ls -l /usr/lib/x86_64-linux-gnu/libcuda.so* 2>/dev/null
+} >"$out/system.txt" 2>&1
+cat "$out/system.txt"
+note "tidalloc GPU run, $(date -u), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+note "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+note ""
+
+# nvcc for CMake's CUDA language, wherever the toolkit is.
+if ! command -v nvcc >/dev/null; then
+  for dir in "${CUDA_HOME:-}" /usr/local/cuda; do
+    [[ -n $dir && -x $dir/bin/nvcc ]] && export PATH=$dir/bin:$PATH && break
+  done
+fi
+command -v nvcc >/dev/null && export CUDACXX=${CUDACXX:-$(command -v nvcc)}
+
+# ---------------------------------------------------------------------------
+# The Release build (build/) and its CPU tests
+# ---------------------------------------------------------------------------
+cmake_args=(-DCMAKE_BUILD_TYPE=Release)
+if [[ ! -e /usr/include/cmocka.h && ! -e /usr/local/include/cmocka.h ]]; then
+  cmake_args+=(-DTIDE_BUILD_TESTS=OFF)
+  note "note: cmocka is not installed: CPU tests are not built"
+fi
+if [[ ! -e /usr/include/zlib.h && ! -e /usr/local/include/zlib.h ]]; then
+  cmake_args+=(-DTIDE_BUILD_TOOLS=OFF)
+  note "note: zlib.h is not installed: the tidalloc command is not built (no benchmarks)"
+fi
+build_log=$out/build.log
+step "configure build/" "$build_log" 120 cmake -S . -B build "${cmake_args[@]}" &&
+  step "build build/" "$build_log" 240 cmake --build build -j"$jobs"
+built=$?
+grep -E "CUDA backend|mimalloc" "$build_log" | sed 's/^-- /  /' | tee -a "$summary"
+
+cpu_log=$out/cpu_tests.log
+if ((built == 0)) && [[ -x build/test_backend_cuda ]]; then
+  # The CUDA backend's own test first, in full: on this machine it runs the
+  # real driver (backend:cuda must work) as well as the fake one.
+  step "test_backend_cuda" "$cpu_log" 60 build/test_backend_cuda
+  grep -E "^GPU:|no usable GPU" "$cpu_log" | head -2 | sed 's/^/  /' | tee -a "$summary"
+  # The rest of the CPU tests, without the long stress test.
+  step "ctest build/ (not stress)" "$cpu_log" 150 \
+    bash -c 'cd build && ctest --output-on-failure -j"$1" -LE stress --timeout 120' _ "$jobs"
+  grep -E "tests passed|tests failed" "$cpu_log" | tail -1 | sed 's/^/  /' | tee -a "$summary"
+else
+  note "CPU tests: skipped (not built)"
+fi
+
+# ---------------------------------------------------------------------------
+# The GPU tests (build-gpu/), then the same under compute-sanitizer
+# ---------------------------------------------------------------------------
+gpu_test() { # SANITIZE=0|1
+  if command -v make >/dev/null; then
+    make --no-print-directory gpu-test JOBS="$jobs" SANITIZE="$1"
+  else
+    local label='^gpu$'
+    [[ $1 == 1 ]] && label='^gpu-memcheck$'
+    cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIDE_GPU_TESTS=ON \
+      -DTIDE_BUILD_TESTS=OFF -DTIDE_BUILD_TOOLS=OFF -DTIDE_BUILD_EXAMPLES=OFF &&
+      cmake --build build-gpu -j"$jobs" &&
+      (cd build-gpu && ctest --output-on-failure --no-tests=error -L "$label")
+  fi
+}
+export -f gpu_test
+export jobs
+
+# PASS/FAIL lines of a GPU log, counted, and its FAIL lines.
+gpu_counts() {
+  local log=$1
+  note "  $(grep -c '^PASS' "$log") PASS line(s), $(grep -c '^FAIL' "$log") FAIL line(s)"
+  grep -E '^FAIL|^INFO' "$log" | head -20 | sed 's/^/  /' | tee -a "$summary"
+}
+
+gpu_log=$out/gpu_tests.log
+step "make gpu-test" "$gpu_log" 240 bash -c 'gpu_test 0'
+gpu_counts "$gpu_log"
+
+memcheck_log=$out/gpu_memcheck.log
+if command -v compute-sanitizer >/dev/null || [[ -x /usr/local/cuda/bin/compute-sanitizer ]]; then
+  step "make gpu-test SANITIZE=1" "$memcheck_log" 300 bash -c 'gpu_test 1'
+  gpu_counts "$memcheck_log"
+  grep -E "ERROR SUMMARY" "$memcheck_log" | sort | uniq -c | sed 's/^/  /' | tee -a "$summary"
+else
+  note "memcheck: skipped (compute-sanitizer not found)"
+fi
+
+# ===========================================================================
+# BENCHMARKS: add benchmark runs here. Write their log to $bench_log and CSV
+# rows (workload,size,threads,allocator,ns_per_op) to $bench_csv; use `step`
+# so that each run is timed, bounded and summarized. For example:
+#   step "tidalloc micro (cuda)" "$bench_log" 120 \
+#     sh -c 'build/tidalloc micro --csv --conf backend:cuda >>"$0"' "$bench_csv"
+#   step "torch anchor build" "$bench_log" 120 bench/gpu/build.sh build/bench-gpu
+#   step "torch anchor" "$bench_log" 120 \
+#     sh -c 'build/bench-gpu/torch_anchor --csv | tail -n +2 >>"$0"' "$bench_csv"
+# ===========================================================================
+bench_log=$out/bench.log
+bench_csv=$out/bench.csv
+: # (no benchmark runs yet)
+# ===========================================================================
+
+note ""
+note "total: $(elapsed) s; $( ((failed)) && echo 'some steps FAILED' || echo 'every step passed')"
+exit "$failed"
