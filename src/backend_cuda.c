@@ -421,7 +421,9 @@ typedef struct cuda_device {
 
 /* Report a failed driver call: "CUDA device 0: <what>: cuMemCreate failed
  * with CUDA_ERROR_OUT_OF_MEMORY (out of memory)". Out of memory becomes
- * TIDE_ERR_OOM, every other failure TIDE_ERR_BACKEND. */
+ * TIDE_ERR_OOM, a handle the driver does not know (a destroyed stream, say)
+ * TIDE_ERR_INVALID, as on the host backend, and every other failure
+ * TIDE_ERR_BACKEND. */
 static int fail(const cuda_device *d, CUresult r, const char *call, const char *fmt, ...)
     TIDE_PRINTF(4, 5);
 static int fail(const cuda_device *d, CUresult r, const char *call, const char *fmt, ...) {
@@ -430,7 +432,9 @@ static int fail(const cuda_device *d, CUresult r, const char *call, const char *
   va_start(ap, fmt);
   vsnprintf(what, sizeof what, fmt, ap);
   va_end(ap);
-  tide_status status = r == CUDA_ERROR_OUT_OF_MEMORY ? TIDE_ERR_OOM : TIDE_ERR_BACKEND;
+  tide_status status = r == CUDA_ERROR_OUT_OF_MEMORY    ? TIDE_ERR_OOM
+                       : r == CUDA_ERROR_INVALID_HANDLE ? TIDE_ERR_INVALID
+                                                        : TIDE_ERR_BACKEND;
   const char *hint = "";
   if (r == CUDA_ERROR_DEINITIALIZED)
     hint = "; the CUDA driver is shutting down (is the allocator used from an exit handler?)";

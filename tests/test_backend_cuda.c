@@ -223,6 +223,7 @@ typedef struct f_stream {
   unsigned flags;
   bool capturing;
   bool held;
+  bool destroyed; /* a handle the driver no longer knows */
   uint64_t submitted, completed;
 } f_stream;
 
@@ -335,6 +336,7 @@ static const char *code_name(fres r, bool text) {
   case F_OUT_OF_MEMORY: return text ? "out of memory" : "CUDA_ERROR_OUT_OF_MEMORY";
   case F_NO_DEVICE: return text ? "no CUDA-capable device is detected" : "CUDA_ERROR_NO_DEVICE";
   case F_INVALID_CONTEXT: return text ? "invalid device context" : "CUDA_ERROR_INVALID_CONTEXT";
+  case F_INVALID_HANDLE: return text ? "invalid resource handle" : "CUDA_ERROR_INVALID_HANDLE";
   case F_NOT_READY: return text ? "device not ready" : "CUDA_ERROR_NOT_READY";
   case F_CAPTURE_UNSUPPORTED:
     return text ? "operation not permitted when stream is capturing"
@@ -680,6 +682,10 @@ static fres f_stream_synchronize(void *s) {
   fake_lock();
   if (!device_call("cuStreamSynchronize", true)) goto out;
   f_stream *st = stream_of(s);
+  if (st->destroyed) {
+    r = F_INVALID_HANDLE;
+    goto out;
+  }
   if (st->capturing || (!s && fake.legacy_implicit)) {
     problem(&fake.broken_captures, "cuStreamSynchronize of a capturing stream");
     r = F_CAPTURE_UNSUPPORTED;
@@ -1165,6 +1171,12 @@ static void test_fake_streams_and_events(void **state) {
   assert_message_has("default stream");
   assert_int_equal(ops->event_record(b.ctx, e, NULL), TIDE_ERR_NOT_READY);
   fake.legacy_implicit = false;
+
+  /* A handle the driver does not know is a bad argument, as on the host. */
+  fs->destroyed = true;
+  assert_int_equal(ops->stream_synchronize(b.ctx, s), TIDE_ERR_INVALID);
+  assert_message_has("CUDA_ERROR_INVALID_HANDLE");
+  fs->destroyed = false;
 
   assert_int_equal(ops->stream_destroy(b.ctx, NULL), TIDE_ERR_INVALID);
   assert_int_equal(ops->event_destroy(b.ctx, e), TIDE_OK);
