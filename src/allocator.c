@@ -150,6 +150,12 @@ static _tide_arena *find_arena_locked(tide_allocator *a, tide_stream stream) {
 
 static int add_arena_locked(tide_allocator *a, tide_stream stream, _tide_arena **out) {
   size_t n = atomic_load(&a->narenas);
+  /* An arena for a stream that does not exist could never give its cache
+   * back (nothing to synchronize): refuse it. */
+  const _tide_backend *be = &a->backend;
+  if (be->ops->stream_check && be->ops->stream_check(be->ctx, stream))
+    return _tide_error_set(TIDE_ERR_INVALID, "stream %p is not a stream of this device (unknown "
+                           "or destroyed): nothing was allocated", (void *)stream);
   if (n == a->arenas_cap) {
     size_t cap = a->arenas_cap ? a->arenas_cap * 2 : 8;
     _tide_arena **grown = realloc(a->arenas, cap * sizeof *grown);
@@ -167,7 +173,6 @@ static int add_arena_locked(tide_allocator *a, tide_stream stream, _tide_arena *
 static _tide_arena *arena_slow(tide_allocator *a, tide_stream stream, bool create) {
   pthread_mutex_lock(&a->arenas_mutex);
   _tide_arena *arena = find_arena_locked(a, stream);
-  if (arena && create) arena->stream_gone = false; /* the handle names a live stream again */
   if (!arena && create && add_arena_locked(a, stream, &arena)) arena = NULL;
   pthread_mutex_unlock(&a->arenas_mutex);
   if (arena) {
@@ -190,10 +195,10 @@ size_t _tide_arenas_snapshot(tide_allocator *a, _tide_arena ***out) {
   pthread_mutex_lock(&a->arenas_mutex);
   size_t n = atomic_load(&a->narenas);
   *out = malloc((n ? n : 1) * sizeof **out);
-  if (*out)
-    memcpy(*out, a->arenas, n * sizeof **out);
-  else
+  if (!*out)
     n = 0;
+  else if (n)
+    memcpy(*out, a->arenas, n * sizeof **out);
   pthread_mutex_unlock(&a->arenas_mutex);
   return n;
 }
@@ -472,25 +477,35 @@ tide_status tide_record_stream(tide_allocator *a, void *ptr, tide_stream stream)
   return with_block(a, ptr, add_stream, &stream);
 }
 
-typedef struct block_info_out {
-  void **base;
-  size_t *size;
-  tide_stream *stream;
-} block_info_out;
-
-static int read_block(_tide_arena *arena, _tide_block *b, void *arg) {
-  block_info_out *o = arg;
-  if (o->base) *o->base = (void *)b->addr;
-  if (o->size) *o->size = b->size;
-  if (o->stream) *o->stream = arena->stream;
-  return TIDE_OK;
+static tide_status block_info_interior(tide_allocator *a, uintptr_t addr, void **base,
+                                       size_t *size, tide_stream *stream) {
+  _tide_arena **arenas;
+  size_t n = _tide_arenas_snapshot(a, &arenas);
+  int rc = -1;
+  for (size_t i = 0; i < n && rc < 0; i++) {
+    _tide_lock_acquire(&arenas[i]->lock);
+    const _tide_block *b = _tide_arena_containing_block(arenas[i], addr);
+    if (b && b->state == _TIDE_ALLOCATED) {
+      if (base) *base = (void *)b->addr;
+      if (size) *size = b->size;
+      if (stream) *stream = arenas[i]->stream;
+      rc = TIDE_OK;
+    } else if (b) {
+      rc = _tide_arena_explain_pointer(arenas[i], addr);
+    }
+    _tide_lock_release(&arenas[i]->lock);
+  }
+  free(arenas);
+  if (rc < 0)
+    rc = _tide_error_set(TIDE_ERR_BAD_POINTER, "%p was not allocated by this tidalloc allocator",
+                         (void *)addr);
+  return (tide_status)rc;
 }
 
 tide_status tide_block_info(tide_allocator *a, const void *ptr, void **base, size_t *size,
                             tide_stream *stream) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
-  block_info_out o = {base, size, stream};
-  return with_block(a, ptr, read_block, &o);
+  return block_info_interior(a, (uintptr_t)ptr, base, size, stream);
 }
 
 tide_status tide_empty_cache(tide_allocator *a) {

@@ -280,6 +280,8 @@ static int take_best_fit(_tide_arena *arena, size_t rounded, _tide_block **out) 
 
 int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **out) {
   struct tide_allocator *a = arena->alloc;
+  /* Allocating on it means the handle names a live stream (again). */
+  if (TIDE_UNLIKELY(arena->stream_gone)) arena->stream_gone = false;
   if (TIDE_UNLIKELY(arena->npending)) _tide_arena_process_events(arena, false);
   if (TIDE_UNLIKELY(_tide_ptrmap_reserve_one(&arena->live) != TIDE_OK)) return TIDE_ERR_OOM;
   _tide_block *b = take_quick(arena, rounded);
@@ -353,8 +355,18 @@ static tide_stream recorded_stream(const _tide_block *b, unsigned i) {
   return i < _TIDE_INLINE_STREAMS ? b->streams[i] : b->more_streams[i - _TIDE_INLINE_STREAMS];
 }
 
+/* Order the free after `s` without an event: wait for it, or, when it no
+ * longer exists, for the default stream (its queued work came before). */
+static int wait_instead(_tide_arena *arena, tide_stream s) {
+  const _tide_backend *be = &arena->alloc->backend;
+  if (be->ops->stream_synchronize(be->ctx, s) == TIDE_OK) return TIDE_OK;
+  if (tide_last_status() != TIDE_ERR_INVALID) return tide_last_status();
+  return be->ops->stream_synchronize(be->ctx, NULL);
+}
+
 /* Record an event on each stream other than the arena's that used b, so
- * that b is reused only after them. All or nothing. */
+ * that b is reused only after them; a stream that cannot take an event is
+ * waited for instead. All or nothing. */
 static int record_events(_tide_arena *arena, _tide_block *b, tide_stream freed_on) {
   const _tide_backend *be = &arena->alloc->backend;
   unsigned want = b->nstreams + 1u;
@@ -374,10 +386,14 @@ static int record_events(_tide_arena *arena, _tide_block *b, tide_stream freed_o
     for (size_t j = start; j < arena->npending; j++) seen |= arena->pending[j].stream == s;
     if (seen) continue;
     _tide_event e;
-    if ((rc = take_event(arena, &e))) break;
+    if ((rc = take_event(arena, &e))) {
+      rc = wait_instead(arena, s);
+      continue;
+    }
     if ((rc = be->ops->event_record(be->ctx, e, s))) {
       give_event(arena, e);
-      break;
+      rc = wait_instead(arena, s);
+      continue;
     }
     arena->pending[arena->npending++] = (_tide_pending){.event = e, .block = b, .stream = s};
   }
@@ -422,8 +438,20 @@ static void count_pending(_tide_arena *arena, const _tide_block *b, int sign) {
   }
 }
 
+/* A free ordered on a stream that does not exist is a caller's mistake. */
+static int check_free_stream(_tide_arena *arena, tide_stream stream) {
+  const _tide_backend *be = &arena->alloc->backend;
+  if (stream == arena->stream || !be->ops->stream_check) return TIDE_OK;
+  if (be->ops->stream_check(be->ctx, stream) == TIDE_OK) return TIDE_OK;
+  return _tide_error_set(TIDE_ERR_INVALID, "cannot free on stream %p: it is not a stream of this "
+                         "device (unknown or destroyed); the block is still allocated",
+                         (void *)stream);
+}
+
 int _tide_arena_free(_tide_arena *arena, _tide_block *b, tide_stream stream) {
   if (TIDE_UNLIKELY(b->nstreams || stream != arena->stream)) {
+    int bad = check_free_stream(arena, stream);
+    if (bad) return bad;
     int rc = record_events(arena, b, stream);
     if (rc) {
       return _tide_error_set((tide_status)rc,
@@ -494,9 +522,13 @@ int _tide_arena_release_cached(_tide_arena *arena) {
   if (!holds_cache(arena)) return TIDE_OK;
   int rc = settle_stream(arena);
   if (rc) return rc;
+  /* Orphans first: a range may be unreserved only once nothing is mapped in it. */
+  int orphans = arena->norphans ? _tide_arena_retry_orphans(arena) : TIDE_OK;
   int small = _tide_pool_release_cached(arena, &arena->pools[_TIDE_SMALL]);
   int large = _tide_pool_release_cached(arena, &arena->pools[_TIDE_LARGE]);
-  int orphans = arena->norphans ? _tide_arena_retry_orphans(arena) : TIDE_OK;
+  /* What the backend refused just now gets one more try, and is reported
+   * if it is still held. */
+  if (arena->norphans) orphans = _tide_arena_retry_orphans(arena);
   return small ? small : large ? large : orphans;
 }
 
@@ -539,7 +571,7 @@ int _tide_arena_collect_garbage(_tide_arena *arena, size_t target) {
 /* Pointers that are not live blocks                                         */
 /* ------------------------------------------------------------------------ */
 
-static const _tide_block *containing_block(const _tide_arena *arena, uintptr_t addr) {
+const _tide_block *_tide_arena_containing_block(const _tide_arena *arena, uintptr_t addr) {
   for (int kind = 0; kind < 2; kind++)
     for (const _tide_segment *seg = arena->pools[kind].segments; seg; seg = seg->next) {
       if (addr < seg->base || addr >= seg->base + seg->size) continue;
@@ -551,7 +583,7 @@ static const _tide_block *containing_block(const _tide_arena *arena, uintptr_t a
 
 int _tide_arena_explain_pointer(_tide_arena *arena, uintptr_t addr) {
   _tide_arena_flush_quick(arena);
-  const _tide_block *b = containing_block(arena, addr);
+  const _tide_block *b = _tide_arena_containing_block(arena, addr);
   if (!b) return TIDE_OK;
   void *p = (void *)addr;
   switch (b->state) {

@@ -57,6 +57,8 @@ typedef struct _tide_backend_ops {
   int (*stream_create)(void *ctx, tide_stream *out);
   int (*stream_destroy)(void *ctx, tide_stream stream);
   int (*stream_synchronize)(void *ctx, tide_stream stream);
+  /* TIDE_OK if the stream exists (cheap; legal while it is being captured). */
+  int (*stream_check)(void *ctx, tide_stream stream);
   int (*event_create)(void *ctx, _tide_event *out);
   int (*event_destroy)(void *ctx, _tide_event event);
   int (*event_record)(void *ctx, _tide_event event, tide_stream stream);

@@ -756,6 +756,15 @@ static int host_stream_synchronize(void *ctx, tide_stream stream) {
   return TIDE_OK;
 }
 
+static int host_stream_check(void *ctx, tide_stream stream) {
+  host_device *d = ctx;
+  lock(d);
+  uint32_t slot;
+  bool known = stream_find(d, stream, "stream_check", false, &slot);
+  unlock(d);
+  return known ? TIDE_OK : TIDE_ERR_INVALID;
+}
+
 /* Event ids: (generation << 32) | (slot + 1), never NULL. */
 static bool event_find(host_device *d, _tide_event event, const char *op, uint32_t *slot) {
   uint64_t id = (uint64_t)(uintptr_t)event;
@@ -918,6 +927,7 @@ static const _tide_backend_ops host_ops = {
     .stream_create = host_stream_create,
     .stream_destroy = host_stream_destroy,
     .stream_synchronize = host_stream_synchronize,
+    .stream_check = host_stream_check,
     .event_create = host_event_create,
     .event_destroy = host_event_destroy,
     .event_record = host_event_record,

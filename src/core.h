@@ -338,6 +338,8 @@ int _tide_arena_process_events(_tide_arena *arena, bool wait);
 int _tide_arena_release_cached(_tide_arena *arena);
 /* Return cached memory, oldest first, until reserved falls to `target`. */
 int _tide_arena_collect_garbage(_tide_arena *arena, size_t target);
+/* The block of the arena whose range holds addr, or NULL. */
+const _tide_block *_tide_arena_containing_block(const _tide_arena *arena, uintptr_t addr);
 /* A user pointer that is not a live block: classify it for the message. */
 int _tide_arena_explain_pointer(_tide_arena *arena, uintptr_t addr);
 

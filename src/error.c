@@ -22,10 +22,13 @@ static void copy_text(char *dst, size_t len, const char *src) {
 }
 
 int _tide_error_set(tide_status status, const char *fmt, ...) {
+  /* Format aside first: the arguments may include the current message. */
+  char text[TIDE_ERROR_LEN];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(error_text, sizeof error_text, fmt, ap);
+  vsnprintf(text, sizeof text, fmt, ap);
   va_end(ap);
+  memcpy(error_text, text, sizeof error_text);
   error_status = status;
   return (int)status;
 }

@@ -96,6 +96,27 @@ static void drop_bytes(_tide_arena *arena, int pool, size_t bytes) {
   _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, -(int64_t)bytes);
 }
 
+/* Physical memory from the backend, counted as a device allocation. */
+static int create_handle(_tide_arena *arena, size_t size, _tide_handle *h) {
+  const _tide_backend *be = &arena->alloc->backend;
+  int rc = be->ops->create(be->ctx, size, h);
+  if (!rc) arena->stats.counters[_TIDE_CT_DEVICE_ALLOC]++;
+  return rc;
+}
+
+/* Give an unmapped handle back: its bytes leave the budget, or, if the
+ * backend refuses, it becomes an orphan that keeps them. */
+static bool release_handle(_tide_arena *arena, int pool, _tide_handle h, size_t size) {
+  const _tide_backend *be = &arena->alloc->backend;
+  if (be->ops->release(be->ctx, h)) {
+    _tide_orphan(arena, pool, 0, 0, h, size, 0, 0);
+    return false;
+  }
+  drop_bytes(arena, pool, size);
+  arena->stats.counters[_TIDE_CT_DEVICE_FREE]++;
+  return true;
+}
+
 /* ------------------------------------------------------------------------ */
 /* The unmapped list (address order)                                         */
 /* ------------------------------------------------------------------------ */
@@ -194,14 +215,10 @@ static void undo_fixed(_tide_arena *arena, int pool, uintptr_t addr, size_t size
     _tide_orphan(arena, pool, addr, size, h, size, addr, size);
     return;
   }
-  if (h) {
-    if (be->ops->release(be->ctx, h))
-      _tide_orphan(arena, pool, 0, 0, h, size, 0, 0);
-    else
-      drop_bytes(arena, pool, size);
-  } else {
+  if (h)
+    release_handle(arena, pool, h, size);
+  else
     drop_bytes(arena, pool, size);
-  }
   if (be->ops->unreserve(be->ctx, addr, size)) _tide_orphan(arena, pool, 0, 0, 0, 0, addr, size);
 }
 
@@ -224,7 +241,7 @@ static int grow_fixed(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_b
     drop_bytes(arena, pool->kind, seg_size);
     goto fail;
   }
-  if ((rc = be->ops->create(be->ctx, seg_size, &h)) ||
+  if ((rc = create_handle(arena, seg_size, &h)) ||
       (rc = be->ops->map(be->ctx, addr, seg_size, h))) {
     _tide_error_save(&saved);
     undo_fixed(arena, pool->kind, addr, seg_size, h, false);
@@ -249,7 +266,6 @@ static int grow_fixed(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_b
   b->segment = seg;
   b->state = _TIDE_FREE;
   segment_counted(arena, seg, +1);
-  arena->stats.counters[_TIDE_CT_DEVICE_ALLOC]++;
   _tide_trace(a, TIDE_TRACE_MAP, pool->kind + 1, addr, seg_size, arena->stream);
   *out = b;
   return TIDE_OK;
@@ -268,13 +284,7 @@ static int release_fixed(_tide_arena *arena, _tide_block *b) {
   int rc = be->ops->unmap(be->ctx, seg->base, seg->size);
   if (rc) return rc; /* nothing changed: the block stays free and cached */
   _tide_pool_remove(arena, b);
-  if (be->ops->release(be->ctx, seg->handle)) {
-    rc = tide_last_status();
-    _tide_orphan(arena, seg->pool, 0, 0, seg->handle, seg->size, 0, 0);
-  } else {
-    drop_bytes(arena, seg->pool, seg->size);
-    arena->stats.counters[_TIDE_CT_DEVICE_FREE]++;
-  }
+  if (!release_handle(arena, seg->pool, seg->handle, seg->size)) rc = tide_last_status();
   if (be->ops->unreserve(be->ctx, seg->base, seg->size)) {
     if (!rc) rc = tide_last_status();
     _tide_orphan(arena, seg->pool, 0, 0, 0, 0, seg->base, seg->size);
@@ -331,15 +341,8 @@ fail:
 
 /* Release pages [first, first+count) of a segment, already unmapped. */
 static void release_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count) {
-  const _tide_backend *be = &arena->alloc->backend;
-  size_t page = arena->alloc->page_size;
   for (size_t i = first; i < first + count; i++) {
-    if (be->ops->release(be->ctx, seg->pages[i])) {
-      _tide_orphan(arena, seg->pool, 0, 0, seg->pages[i], page, 0, 0);
-    } else {
-      drop_bytes(arena, seg->pool, page);
-      arena->stats.counters[_TIDE_CT_DEVICE_FREE]++;
-    }
+    release_handle(arena, seg->pool, seg->pages[i], arena->alloc->page_size);
     seg->pages[i] = 0;
   }
 }
@@ -375,13 +378,10 @@ static int map_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_
   if (rc) return rc;
   for (; done < count; done++) {
     _tide_handle h = 0;
-    if ((rc = be->ops->create(be->ctx, page, &h))) break;
+    if ((rc = create_handle(arena, page, &h))) break;
     if ((rc = be->ops->map(be->ctx, start + done * page, page, h))) {
       _tide_error_save(&saved);
-      if (be->ops->release(be->ctx, h))
-        _tide_orphan(arena, seg->pool, 0, 0, h, page, 0, 0);
-      else
-        drop_bytes(arena, seg->pool, page);
+      release_handle(arena, seg->pool, h, page);
       _tide_error_restore(&saved);
       count--; /* that page's bytes are accounted for */
       break;
@@ -397,7 +397,6 @@ static int map_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_
   }
   seg->mapped += count * page;
   arena->stats.counters[_TIDE_CT_PAGES_MAPPED] += count;
-  arena->stats.counters[_TIDE_CT_DEVICE_ALLOC] += count;
   _tide_trace(a, TIDE_TRACE_MAP, seg->pool + 1, start, count * page, arena->stream);
   return TIDE_OK;
 }
@@ -489,7 +488,17 @@ static int grow_expandable(_tide_arena *arena, _tide_pool *pool, size_t size, _t
 }
 
 int _tide_pool_grow(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_block **out) {
-  if (arena->alloc->conf.expandable_segments) return grow_expandable(arena, pool, size, out);
+  struct tide_allocator *a = arena->alloc;
+  size_t limit = atomic_load_explicit(&a->limit, memory_order_relaxed);
+  if (size > limit) {
+    char want[32], lim[32];
+    return _tide_error_set(TIDE_ERR_OOM, "%s is more than the device or memory limit allows (%s)",
+                           _tide_format_bytes(size, want, sizeof want),
+                           _tide_format_bytes(limit, lim, sizeof lim));
+  }
+  /* A mapping the backend refused to undo may sit where growth would map. */
+  if (TIDE_UNLIKELY(arena->norphans)) _tide_arena_retry_orphans(arena);
+  if (a->conf.expandable_segments) return grow_expandable(arena, pool, size, out);
   return grow_fixed(arena, pool, size, out);
 }
 
@@ -595,6 +604,14 @@ int _tide_release_block(_tide_arena *arena, _tide_block *b) {
   return fixed_and_whole(b) ? release_fixed(arena, b) : TIDE_OK;
 }
 
+static bool orphan_inside(const _tide_arena *arena, const _tide_segment *seg) {
+  for (size_t i = 0; i < arena->norphans; i++) {
+    uintptr_t at = arena->orphans[i].map_addr;
+    if (at && at >= seg->base && at < seg->base + seg->size) return true;
+  }
+  return false;
+}
+
 static void release_empty_segment(_tide_arena *arena, _tide_pool *pool, _tide_segment *seg) {
   const _tide_backend *be = &arena->alloc->backend;
   _tide_block *b = seg->first;
@@ -613,7 +630,7 @@ int _tide_pool_release_empty_segments(_tide_arena *arena, _tide_pool *pool) {
   for (_tide_segment *seg = pool->segments; seg; seg = next) {
     next = seg->next;
     if (seg->expandable && seg->mapped == 0 && seg->first->state == _TIDE_UNMAPPED &&
-        !seg->first->next)
+        !seg->first->next && !orphan_inside(arena, seg))
       release_empty_segment(arena, pool, seg);
   }
   return TIDE_OK;

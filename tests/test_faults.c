@@ -609,8 +609,9 @@ static void faults_undo_fixed(void **state) {
 /* Single failures, each a small reproducer of what the sweeps check         */
 /* ------------------------------------------------------------------------ */
 
-/* A free on another stream whose event cannot be created fails, keeps the
- * block, and says why: the backend's message must survive in it. */
+/* A free on another stream whose event cannot be created waits for that
+ * stream instead and succeeds; when waiting fails too, the free fails, keeps
+ * the block, and says why: the backend's message must survive in it. */
 static void faults_free_message_names_cause(void **state) {
   (void)state;
   tide_allocator *a = tu_create("host_capacity:1GiB");
@@ -619,13 +620,23 @@ static void faults_free_message_names_cause(void **state) {
   void *p = tide_malloc(a, TU_MiB, NULL);
   assert_non_null(p);
   tu_fill(p, TU_MiB, 1, TU_PATTERN_DEFAULT);
+  uint64_t syncs = tide_host_call_count(a, TIDE_OP_STREAM_SYNCHRONIZE);
   tu_assert_ok(tide_host_fail_call(a, TIDE_OP_EVENT_CREATE, 1));
-  tu_assert_status(tide_free(a, p, side), TIDE_ERR_BACKEND);
-  tu_assert_last_error(TIDE_ERR_BACKEND, "injected failure: event_create call 1");
-  tu_assert_last_error(TIDE_ERR_BACKEND, "still allocated");
-  tu_assert_ok(tide_block_info(a, p, NULL, NULL, NULL));
-  tu_assert_pattern(p, TU_MiB, 1, TU_PATTERN_DEFAULT);
   tu_assert_ok(tide_free(a, p, side));
+  assert_int_equal(tide_host_call_count(a, TIDE_OP_STREAM_SYNCHRONIZE), syncs + 1);
+  /* Waited for: the block is reusable at once. */
+  void *q = tide_malloc(a, TU_MiB, NULL);
+  assert_ptr_equal(q, p);
+  tu_fill(q, TU_MiB, 2, TU_PATTERN_DEFAULT);
+  tu_assert_ok(tide_host_fail_call(a, TIDE_OP_EVENT_CREATE, 1));
+  tu_assert_ok(tide_host_stream_hold(a, side));
+  tu_assert_status(tide_free(a, q, side), TIDE_ERR_NOT_READY);
+  tu_assert_last_error(TIDE_ERR_NOT_READY, "is held");
+  tu_assert_last_error(TIDE_ERR_NOT_READY, "still allocated");
+  tu_assert_ok(tide_block_info(a, q, NULL, NULL, NULL));
+  tu_assert_pattern(q, TU_MiB, 2, TU_PATTERN_DEFAULT);
+  tu_assert_ok(tide_host_stream_release(a, side));
+  tu_assert_ok(tide_free(a, q, side));
   tu_assert_ok(tide_empty_cache(a));
   assert_int_equal(tide_host_bytes_in_use(a), 0);
   tu_assert_ok(tide_stream_destroy(a, side));
