@@ -5,7 +5,9 @@
  * sometimes followed by tide_empty_cache (which unmaps free pages next to
  * live blocks); after every round a kernel checks every live block and
  * counts the words that changed. Live blocks must never overlap. Run for
- * expandable segments (2 MiB and 20 MiB pages) and for fixed segments. */
+ * expandable segments (2 MiB and 20 MiB pages) and for fixed segments.
+ * TIDE_GPU_SCALE=N divides the live targets by N (the memcheck run's kernels
+ * are slow). */
 #include "gpu_check.h"
 
 #define MAX_LIVE 4096
@@ -97,11 +99,14 @@ static void run_mode(const char *conf, const char *mode, uint64_t seed) {
   static const size_t targets[] = {4 * GPU_GiB, 1 * GPU_GiB,  8 * GPU_GiB, 512 * GPU_MiB,
                                    6 * GPU_GiB, 64 * GPU_MiB, 3 * GPU_GiB, 0};
   const int rounds = (int)(sizeof targets / sizeof *targets);
+  const char *env = getenv("TIDE_GPU_SCALE");
+  size_t scale = env && atoi(env) > 0 ? (size_t)atoi(env) : 1;
   for (int r = 0; r < rounds; r++) {
-    if (targets[r] > p.bytes)
-      grow_to(a, &p, targets[r], &rng, mode, r);
+    size_t target = targets[r] / scale;
+    if (target > p.bytes)
+      grow_to(a, &p, target, &rng, mode, r);
     else
-      shrink_to(a, &p, targets[r], &rng);
+      shrink_to(a, &p, target, &rng);
     verify(&p, bad, mode, r, "after resizing");
     if (r % 2 == 1) {
       tide_stats before = gpu_stats(a);
