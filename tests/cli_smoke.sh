@@ -1,0 +1,154 @@
+#!/bin/sh
+# cli_smoke.sh: runs the built tidalloc command end to end: info, micro's CSV
+# shape, replay of small traces whose peaks are computed by hand, and the
+# failures that must exit non-zero (corrupt, malformed or inconsistent traces,
+# bad options).
+# usage: cli_smoke.sh path/to/tidalloc
+set -u
+
+bin=${1:?usage: cli_smoke.sh path/to/tidalloc}
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT INT TERM
+failures=0
+
+fail() {
+  echo "FAIL: $*" >&2
+  failures=$((failures + 1))
+}
+
+# expect_status CODE DESCRIPTION -- command...: the exit status must be CODE
+# ("nonzero" for any failure).
+expect_status() {
+  want=$1 what=$2
+  shift 3
+  "$@" >"$dir/out" 2>"$dir/err"
+  got=$?
+  if [ "$want" = nonzero ]; then
+    [ "$got" -ne 0 ] || fail "$what: exited 0, wanted a failure"
+  elif [ "$got" -ne "$want" ]; then
+    fail "$what: exited $got, wanted $want; stderr: $(cat "$dir/err")"
+  fi
+}
+
+# key_of NAME: the value of `NAME value` in $dir/out.
+key_of() {
+  awk -v k="$1" '$1 == k { print $2 }' "$dir/out"
+}
+
+expect_key() {
+  got=$(key_of "$1")
+  [ "$got" = "$2" ] || fail "$3: $1 is '$got', wanted '$2'"
+}
+
+header='t_us,action,addr,size,stream'
+write_trace() { # write_trace NAME: stdin (CSV) -> $dir/NAME.csv.gz
+  gzip -c >"$dir/$1.csv.gz"
+}
+
+# --- top level ---------------------------------------------------------------
+expect_status 0 "--version" -- "$bin" --version
+grep -q '^tidalloc [0-9]' "$dir/out" || fail "--version printed '$(cat "$dir/out")'"
+expect_status 0 "--help" -- "$bin" --help
+grep -q 'replay' "$dir/out" || fail "--help does not list replay"
+expect_status 0 "help micro" -- "$bin" help micro
+grep -q 'usage: tidalloc micro' "$dir/out" || fail "help micro printed no usage"
+expect_status 2 "unknown command" -- "$bin" frobnicate
+expect_status 2 "no command" -- "$bin"
+
+# --- info --------------------------------------------------------------------
+expect_status 0 "info on the host backend" -- "$bin" info --conf backend:host
+grep -q '^backend: host' "$dir/out" || fail "info does not say backend: host"
+grep -q 'host_capacity' "$dir/out" || fail "info does not list the host_capacity option"
+grep -Eq '^ +backend +host +auto +code ' "$dir/out" ||
+  fail "info does not show backend host (default auto) from code"
+TIDALLOC_CONF=expandable_segments:false "$bin" info --conf backend:host >"$dir/out" 2>&1 ||
+  fail "info with TIDALLOC_CONF failed"
+grep -Eq '^ +expandable_segments +[^ ]+ +[^ ]+ +environment ' "$dir/out" ||
+  fail "info does not show expandable_segments as set by the environment"
+expect_status nonzero "info with a bad option" -- "$bin" info --conf no_such_key:1
+grep -q 'host_capacity' "$dir/out" || fail "info with a bad option printed no options"
+
+# --- micro -------------------------------------------------------------------
+expect_status 0 "micro --csv" -- "$bin" micro --csv --ops 20 --repeat 3 --conf backend:host
+first=$(head -n 1 "$dir/out")
+[ "$first" = "workload,size,threads,allocator,ns_per_op" ] || fail "micro header is '$first'"
+allocators=$(tail -n +2 "$dir/out" | cut -d, -f4 | sort -u | wc -l)
+rows=$(tail -n +2 "$dir/out" | wc -l)
+# 5 pair sizes + mixed, on 1 and 8 threads, for each allocator.
+[ "$rows" -eq $((12 * allocators)) ] || fail "micro printed $rows rows for $allocators allocators"
+for a in tidalloc glibc; do
+  grep -q ",$a," "$dir/out" || fail "micro has no $a rows"
+done
+bad_rows=$(tail -n +2 "$dir/out" | awk -F, '
+  !($1 == "pair" && $2 ~ /^(512|4096|1048576|8388608|67108864)$/) && !($1 == "mixed" && $2 == "mixed") { n++; next }
+  !($3 == 1 || $3 == 8) || !($5 + 0 > 0) { n++ }
+  END { print n + 0 }')
+[ "$bad_rows" -eq 0 ] || fail "micro printed $bad_rows rows with bad fields"
+expect_status 2 "micro --repeat 0" -- "$bin" micro --repeat 0
+
+# --- replay: peaks computed by hand -----------------------------------------
+# alloc 1 MiB, alloc 2 MiB, free the first, alloc 512 KiB: 3 MiB live at most.
+printf '%s\n%s\n%s\n%s\n%s\n' "$header" \
+  '1,alloc,4096,1048576,0' \
+  '2,alloc,8192,2097152,0' \
+  '3,free,4096,1048576,0' \
+  '4,alloc,4096,524288,0' | write_trace simple
+expect_status 0 "replay simple" -- "$bin" replay "$dir/simple.csv.gz"
+expect_key events 4 "replay simple"
+expect_key peak_live_bytes 3145728 "replay simple"
+expect_key peak_allocated_bytes 3145728 "replay simple"
+reserved=$(key_of peak_reserved_bytes)
+[ "${reserved:-0}" -ge 3145728 ] || fail "replay simple: peak_reserved_bytes '$reserved' < 3 MiB"
+ratio=$(key_of reserved_over_live)
+expected_ratio=$(awk -v r="${reserved:-0}" 'BEGIN { printf "%.4f", r / 3145728 }')
+[ "$ratio" = "$expected_ratio" ] || fail "replay simple: reserved_over_live $ratio != $expected_ratio"
+
+# Two streams, an address reused after its free, the same size freed with 0.
+printf '%s\n%s\n%s\n%s\n%s\n%s\n%s\n' "$header" \
+  '1,alloc,100,1000,0' \
+  '2,alloc,200,5000,7' \
+  '3,free,100,0,0' \
+  '4,alloc,100,3000,7' \
+  '5,alloc,300,512,0' \
+  '6,free,200,5000,7' | write_trace streams
+expect_status 0 "replay streams" -- "$bin" replay "$dir/streams.csv.gz"
+expect_key streams 2 "replay streams"
+expect_key peak_live_bytes 8512 "replay streams"
+expect_key unknown_frees 0 "replay streams"
+
+expect_status 0 "replay --csv" -- "$bin" replay --csv "$dir/simple.csv.gz"
+[ "$(head -n 1 "$dir/out")" = \
+  "trace,events,peak_live_bytes,peak_allocated_bytes,peak_reserved_bytes,reserved_over_live,seconds" ] ||
+  fail "replay --csv header is '$(head -n 1 "$dir/out")'"
+[ "$(tail -n +2 "$dir/out" | cut -d, -f1-3)" = "simple.csv.gz,4,3145728" ] ||
+  fail "replay --csv row is '$(tail -n +2 "$dir/out")'"
+
+# --- replay: what must fail --------------------------------------------------
+head -c 60 "$dir/simple.csv.gz" >"$dir/truncated.csv.gz"
+expect_status nonzero "replay of a truncated gzip file" -- "$bin" replay "$dir/truncated.csv.gz"
+printf 'not a gzip file at all, just some text of a broken download\n' >"$dir/garbage.csv.gz"
+dd if=/dev/urandom bs=1 count=200 2>/dev/null >>"$dir/garbage.csv.gz"
+expect_status nonzero "replay of a corrupt file" -- "$bin" replay "$dir/garbage.csv.gz"
+printf '%s\n%s\n%s\n' "$header" '1,alloc,4096,1048576,0' '2,alloc,8192,lots,0' | write_trace malformed
+expect_status nonzero "replay of a malformed line" -- "$bin" replay "$dir/malformed.csv.gz"
+grep -q 'malformed' "$dir/err" || fail "replay of a malformed line does not say so"
+printf '%s\n%s\n%s\n' "$header" '1,alloc,4096,1048576,0' '2,free,999,512,0' | write_trace unknown
+expect_status nonzero "replay of a free of an unknown address" -- "$bin" replay "$dir/unknown.csv.gz"
+expect_key unknown_frees 1 "replay unknown free"
+printf 't_us,what,addr\n1,alloc,4096\n' | write_trace noheader
+expect_status nonzero "replay without the header" -- "$bin" replay "$dir/noheader.csv.gz"
+expect_status nonzero "replay of a missing file" -- "$bin" replay "$dir/missing.csv.gz"
+# An allocation larger than the emulated device.
+printf '%s\n%s\n' "$header" '1,alloc,4096,1099511627776,0' | write_trace huge
+expect_status nonzero "replay of an allocation that cannot fit" -- \
+  "$bin" replay "$dir/huge.csv.gz" --conf host_capacity:64MiB
+grep -q 'allocating 1099511627776 bytes failed' "$dir/err" ||
+  fail "replay of an impossible allocation does not report it: $(cat "$dir/err")"
+expect_status nonzero "replay with a bad --conf" -- "$bin" replay "$dir/simple.csv.gz" --conf bogus
+expect_status 2 "replay without a file" -- "$bin" replay
+
+if [ "$failures" -ne 0 ]; then
+  echo "cli_smoke: $failures failures" >&2
+  exit 1
+fi
+echo "cli_smoke: all checks passed"
