@@ -163,6 +163,7 @@ typedef struct cuda_driver {
   CUresult (*stream_destroy)(CUstream);
   CUresult (*stream_synchronize)(CUstream);
   CUresult (*stream_is_capturing)(CUstream, CUstreamCaptureStatus *);
+  CUresult (*stream_get_ctx)(CUstream, CUcontext *);
   CUresult (*event_create)(CUevent *, unsigned int);
   CUresult (*event_destroy)(CUevent);
   CUresult (*event_record)(CUevent, CUstream);
@@ -201,6 +202,7 @@ static const driver_symbol proc_symbols[] = {
     SYMBOL("cuStreamDestroy", stream_destroy),
     SYMBOL("cuStreamSynchronize", stream_synchronize),
     SYMBOL("cuStreamIsCapturing", stream_is_capturing),
+    SYMBOL("cuStreamGetCtx", stream_get_ctx),
     SYMBOL("cuEventCreate", event_create),
     SYMBOL("cuEventDestroy", event_destroy),
     SYMBOL("cuEventRecord", event_record),
@@ -432,9 +434,10 @@ static int fail(const cuda_device *d, CUresult r, const char *call, const char *
   va_start(ap, fmt);
   vsnprintf(what, sizeof what, fmt, ap);
   va_end(ap);
-  tide_status status = r == CUDA_ERROR_OUT_OF_MEMORY    ? TIDE_ERR_OOM
-                       : r == CUDA_ERROR_INVALID_HANDLE ? TIDE_ERR_INVALID
-                                                        : TIDE_ERR_BACKEND;
+  tide_status status = r == CUDA_ERROR_OUT_OF_MEMORY ? TIDE_ERR_OOM
+                       : r == CUDA_ERROR_INVALID_HANDLE || r == CUDA_ERROR_CONTEXT_IS_DESTROYED
+                           ? TIDE_ERR_INVALID
+                           : TIDE_ERR_BACKEND;
   const char *hint = "";
   if (r == CUDA_ERROR_DEINITIALIZED)
     hint = "; the CUDA driver is shutting down (is the allocator used from an exit handler?)";
@@ -811,6 +814,30 @@ static int cuda_stream_synchronize(void *ctx, tide_stream stream) {
   return TIDE_OK;
 }
 
+/* Whether `stream` is a stream of this device: its context must be ours
+ * (NULL and the special handles name the current context, ours inside the
+ * scope). Only a clear answer refuses it: a handle the driver does not know,
+ * or another context's stream; any other failure gives it the benefit of the
+ * doubt. A property query, legal during capture. */
+static int cuda_stream_check(void *ctx, tide_stream stream) {
+  cuda_device *d = ctx;
+  char text[48];
+  scope s;
+  int rc = enter(d, &s, "checking a stream");
+  if (rc) return rc;
+  CUcontext owner = NULL;
+  CUresult r = d->drv.stream_get_ctx(cu_stream(stream), &owner);
+  leave(d, &s);
+  if (r == CUDA_ERROR_INVALID_HANDLE || r == CUDA_ERROR_CONTEXT_IS_DESTROYED)
+    return fail(d, r, "cuStreamGetCtx", "checking %s", stream_text(stream, text, sizeof text));
+  if (r == CUDA_SUCCESS && owner != d->ctx)
+    return _tide_error_set(TIDE_ERR_INVALID,
+                           "CUDA device %d: %s belongs to another CUDA context (another device, "
+                           "or a context other than the device's primary one)",
+                           d->ordinal, stream_text(stream, text, sizeof text));
+  return TIDE_OK;
+}
+
 static int cuda_event_create(void *ctx, _tide_event *out) {
   cuda_device *d = ctx;
   if (!out) return _tide_error_set(TIDE_ERR_INVALID, "event_create: NULL output");
@@ -919,6 +946,7 @@ static const _tide_backend_ops cuda_ops = {
     .stream_create = cuda_stream_create,
     .stream_destroy = cuda_stream_destroy,
     .stream_synchronize = cuda_stream_synchronize,
+    .stream_check = cuda_stream_check,
     .event_create = cuda_event_create,
     .event_destroy = cuda_event_destroy,
     .event_record = cuda_event_record,

@@ -221,6 +221,7 @@ _Static_assert(sizeof(f_access) == 12, "CUmemAccessDesc is 12 bytes");
 
 typedef struct f_stream {
   unsigned flags;
+  void *ctx; /* the context it belongs to */
   bool capturing;
   bool held;
   bool destroyed; /* a handle the driver no longer knows */
@@ -652,7 +653,20 @@ static fres f_stream_create(void **s, unsigned flags) {
   if (!ok) return F_INVALID_CONTEXT;
   f_stream *st = calloc(1, sizeof *st);
   st->flags = flags;
+  st->ctx = ctx_stack[ctx_depth - 1];
   *s = st;
+  return F_SUCCESS;
+}
+
+static fres f_stream_get_ctx(void *s, void **ctx) {
+  if (!s) { /* the legacy stream: the current context's */
+    if (ctx_depth == 0) return F_INVALID_CONTEXT;
+    *ctx = ctx_stack[ctx_depth - 1];
+    return F_SUCCESS;
+  }
+  f_stream *st = s;
+  if (st->destroyed) return F_INVALID_HANDLE;
+  *ctx = st->ctx;
   return F_SUCCESS;
 }
 
@@ -801,6 +815,7 @@ static const struct {
     FN("cuStreamDestroy", f_stream_destroy),
     FN("cuStreamSynchronize", f_stream_synchronize),
     FN("cuStreamIsCapturing", f_stream_is_capturing),
+    FN("cuStreamGetCtx", f_stream_get_ctx),
     FN("cuEventCreate", f_event_create),
     FN("cuEventDestroy", f_event_destroy),
     FN("cuEventRecord", f_event_record),
@@ -1173,10 +1188,21 @@ static void test_fake_streams_and_events(void **state) {
   fake.legacy_implicit = false;
 
   /* A handle the driver does not know is a bad argument, as on the host. */
+  assert_int_equal(ops->stream_check(b.ctx, s), TIDE_OK);
+  assert_int_equal(ops->stream_check(b.ctx, NULL), TIDE_OK);
+  fs->capturing = true; /* a property query: fine during capture */
+  assert_int_equal(ops->stream_check(b.ctx, s), TIDE_OK);
+  fs->capturing = false;
   fs->destroyed = true;
   assert_int_equal(ops->stream_synchronize(b.ctx, s), TIDE_ERR_INVALID);
   assert_message_has("CUDA_ERROR_INVALID_HANDLE");
+  assert_int_equal(ops->stream_check(b.ctx, s), TIDE_ERR_INVALID);
   fs->destroyed = false;
+  /* A stream of another context is not this device's. */
+  fs->ctx = &user_ctx;
+  assert_int_equal(ops->stream_check(b.ctx, s), TIDE_ERR_INVALID);
+  assert_message_has("another CUDA context");
+  fs->ctx = &primary_ctx;
 
   assert_int_equal(ops->stream_destroy(b.ctx, NULL), TIDE_ERR_INVALID);
   assert_int_equal(ops->event_destroy(b.ctx, e), TIDE_OK);
@@ -1294,6 +1320,23 @@ static void test_fake_stream_ordered_free(void **state) {
   assert_fake_empty();
 }
 
+/* A stream of another context gets no arena: nothing is allocated on it. */
+static void test_fake_foreign_stream(void **state) {
+  (void)state;
+  use_fake(healthy());
+  tide_allocator *a = create_ok("backend:cuda");
+  f_stream foreign = {.flags = F_NON_BLOCKING, .ctx = &user_ctx};
+  assert_null(tide_malloc(a, MiB, (tide_stream)(void *)&foreign));
+  assert_int_equal(tide_last_status(), TIDE_ERR_INVALID);
+  assert_message_has("not a stream of this device");
+  void *p = tide_malloc(a, MiB, NULL);
+  assert_non_null(p);
+  assert_int_equal(tide_free(a, p, NULL), TIDE_OK);
+  assert_int_equal(tide_destroy(a), TIDE_OK);
+  assert_fake_clean();
+  assert_fake_empty();
+}
+
 typedef struct churner {
   tide_allocator *a;
   uint64_t seed;
@@ -1369,6 +1412,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_fake_allocator, teardown_fake),
       cmocka_unit_test_teardown(test_fake_out_of_memory, teardown_fake),
       cmocka_unit_test_teardown(test_fake_stream_ordered_free, teardown_fake),
+      cmocka_unit_test_teardown(test_fake_foreign_stream, teardown_fake),
       cmocka_unit_test_teardown(test_fake_allocator_from_threads, teardown_fake),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
