@@ -148,6 +148,18 @@ static _tide_arena *find_arena_locked(tide_allocator *a, tide_stream stream) {
   return NULL;
 }
 
+/* With one arena its own figures are the allocator's, at no cost. A second
+ * arena makes the allocator-wide allocated bytes a shared counter, started
+ * from the first arena's figures under its lock (arenas read the flag under
+ * their own lock, so no update is missed). */
+static void share_peak(tide_allocator *a, _tide_arena *first) {
+  _tide_lock_acquire(&first->lock);
+  atomic_store(&a->allocated.cur, first->stats.cur[_TIDE_ST_ALLOCATED][0]);
+  atomic_store(&a->allocated.peak, first->stats.peak[_TIDE_ST_ALLOCATED][0]);
+  atomic_store(&a->shared_peak, true);
+  _tide_lock_release(&first->lock);
+}
+
 static int add_arena_locked(tide_allocator *a, tide_stream stream, _tide_arena **out) {
   size_t n = atomic_load(&a->narenas);
   /* An arena for a stream that does not exist could never give its cache
@@ -165,6 +177,7 @@ static int add_arena_locked(tide_allocator *a, tide_stream stream, _tide_arena *
   }
   int rc = _tide_arena_create(a, stream, out);
   if (rc) return rc;
+  if (n == 1) share_peak(a, a->arenas[0]);
   a->arenas[n] = *out;
   atomic_store(&a->narenas, n + 1);
   return TIDE_OK;

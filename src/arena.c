@@ -179,7 +179,8 @@ static void count_allocation(_tide_arena *arena, const _tide_block *b, size_t si
   _tide_track_active(s);
   s->counters[_TIDE_CT_ALLOCS]++;
   if (TIDE_UNLIKELY(b->size >= arena->alloc->conf.max_split_size)) s->counters[_TIDE_CT_OVERSIZE]++;
-  _tide_global_add(&arena->alloc->allocated, (int64_t)b->size);
+  if (TIDE_UNLIKELY(atomic_load_explicit(&arena->alloc->shared_peak, memory_order_relaxed)))
+    _tide_global_add(&arena->alloc->allocated, (int64_t)b->size);
 }
 
 static void quick_remove(_tide_arena *arena, unsigned i) {
@@ -422,7 +423,8 @@ static void count_free(_tide_arena *arena, const _tide_block *b) {
   s->counters[_TIDE_CT_FREES]++;
   _tide_track_active(s);
   if (TIDE_UNLIKELY(b->size >= arena->alloc->conf.max_split_size)) s->counters[_TIDE_CT_OVERSIZE]--;
-  _tide_global_add(&arena->alloc->allocated, -(int64_t)b->size);
+  if (TIDE_UNLIKELY(atomic_load_explicit(&arena->alloc->shared_peak, memory_order_relaxed)))
+    _tide_global_add(&arena->alloc->allocated, -(int64_t)b->size);
 }
 
 static void count_pending(_tide_arena *arena, const _tide_block *b, int sign) {

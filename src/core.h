@@ -390,7 +390,8 @@ struct tide_allocator {
   size_t total_memory;          /* the device's */
   _Atomic size_t limit;         /* reserved may not exceed this */
   _tide_global_stat reserved;   /* all arenas: physical bytes held */
-  _tide_global_stat allocated;  /* all arenas: bytes handed out */
+  _tide_global_stat allocated;  /* all arenas: bytes handed out, once shared_peak is set */
+  atomic_bool shared_peak;      /* several arenas: keep `allocated` (read under arena locks) */
   pthread_mutex_t arenas_mutex; /* guards the arena table */
   _tide_arena **arenas;
   _Atomic size_t narenas;

@@ -55,7 +55,7 @@ int _tide_stats_collect(tide_allocator *a, tide_stats *out) {
     _tide_lock_release(&arenas[i]->lock);
   }
   free(arenas);
-  out->allocated_bytes[0].peak = atomic_load(&a->allocated.peak);
+  if (atomic_load(&a->shared_peak)) out->allocated_bytes[0].peak = atomic_load(&a->allocated.peak);
   out->reserved_bytes[0].current = atomic_load(&a->reserved.cur);
   out->reserved_bytes[0].peak = atomic_load(&a->reserved.peak);
   out->num_alloc_retries = atomic_load(&a->num_alloc_retries);
