@@ -7,7 +7,8 @@
 #   make test         build/ tests, then every test under ASan+UBSan (build-asan/),
 #                     then the tests labelled stress or threads under TSan (build-tsan/)
 #   make test-unit    only the first step; test-asan and test-tsan: the others
-#   make gpu-test     the GPU tests of tests/gpu (build-gpu/), on a machine with CUDA
+#   make gpu-test     the GPU tests of tests/gpu (build-gpu/), on a machine with CUDA;
+#                     SANITIZE=1: the same under compute-sanitizer memcheck
 #   make install      install into PREFIX (default /usr/local; DESTDIR is honoured)
 #   make format       clang-format every C file in place; format-check only checks
 #   make clean        remove the build directories
@@ -49,8 +50,8 @@ CMAKE_BUILD := env -u MAKEFLAGS -u MAKELEVEL -u MFLAGS cmake --build
 
 CTEST := ctest --output-on-failure --no-tests=error -j$(JOBS)
 
-.PHONY: all deps build run test test-unit test-asan test-tsan gpu-test install format \
-        format-check clean help
+.PHONY: all deps build run test test-unit test-asan test-tsan gpu-test gpu-test-cmake \
+        gpu-test-make gpu-test-empty gpu-test-none install format format-check clean help
 
 all: build
 
@@ -101,26 +102,33 @@ test-tsan: deps
 # tests/gpu holds the GPU tests: a CMakeLists.txt that the root project adds
 # with -DTIDE_GPU_TESTS=ON (it enables CUDA, links tidalloc_static and labels
 # its tests "gpu", and "gpu-memcheck" for the same under compute-sanitizer),
-# or a Makefile with a `test` target that is given the source tree and a
-# built build/ (TIDALLOC_SRC, TIDALLOC_BUILD). `make gpu-test SANITIZE=1`
-# runs them under compute-sanitizer's memcheck. The GPU build needs only
-# cmake, a C compiler and the CUDA toolkit, so it skips the deps step (a GPU
-# machine may be offline) and leaves out the CPU tests, tools and examples.
-GPU_TEST_LABEL = $(if $(filter 1,$(SANITIZE)),^gpu-memcheck$$,^gpu$$)
-gpu-test:
-	@if [ -f tests/gpu/CMakeLists.txt ]; then \
-	  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIDE_GPU_TESTS=ON \
-	    -DTIDE_BUILD_TESTS=OFF -DTIDE_BUILD_TOOLS=OFF -DTIDE_BUILD_EXAMPLES=OFF $(CMAKE_ARGS) && \
-	  $(CMAKE_BUILD) build-gpu -j$(JOBS) && \
-	  cd build-gpu && ctest --output-on-failure --no-tests=error -L '$(GPU_TEST_LABEL)'; \
-	elif [ -f tests/gpu/Makefile ]; then \
-	  $(MAKE) --no-print-directory build && \
-	  $(MAKE) -C tests/gpu test TIDALLOC_SRC="$(CURDIR)" TIDALLOC_BUILD="$(CURDIR)/build"; \
-	elif [ -d tests/gpu ]; then \
-	  echo "gpu-test: tests/gpu has neither a CMakeLists.txt nor a Makefile" >&2; exit 1; \
-	else \
-	  echo "gpu-test: no GPU tests yet (tests/gpu does not exist)" >&2; exit 1; \
-	fi
+# or a Makefile with a `test` target that is given the source tree and a built
+# build/ (TIDALLOC_SRC, TIDALLOC_BUILD). SANITIZE=1 runs the gpu-memcheck tests.
+# Only the compilers are installed here: CUDA is the machine's.
+SANITIZE ?= 0
+GPU_LABEL := $(if $(filter 1,$(SANITIZE)),^gpu-memcheck$$,^gpu$$)
+
+GPU_TESTS_KIND := $(if $(wildcard tests/gpu/CMakeLists.txt),cmake,$(if \
+                  $(wildcard tests/gpu/Makefile),make,$(if $(wildcard tests/gpu),empty,none)))
+
+gpu-test: gpu-test-$(GPU_TESTS_KIND)
+
+gpu-test-cmake:
+	@scripts/deps.sh gpu
+	cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIDE_GPU_TESTS=ON \
+	  -DTIDE_BUILD_TESTS=OFF -DTIDE_BUILD_TOOLS=OFF -DTIDE_BUILD_EXAMPLES=OFF $(CMAKE_ARGS)
+	$(CMAKE_BUILD) build-gpu -j$(JOBS)
+	cd build-gpu && ctest --output-on-failure --no-tests=error -L '$(GPU_LABEL)'
+
+gpu-test-make: build
+	$(MAKE) -C tests/gpu test TIDALLOC_SRC="$(CURDIR)" TIDALLOC_BUILD="$(CURDIR)/build" \
+	  SANITIZE=$(SANITIZE)
+
+gpu-test-empty:
+	@echo "gpu-test: tests/gpu has neither a CMakeLists.txt nor a Makefile" >&2; exit 1
+
+gpu-test-none:
+	@echo "gpu-test: no GPU tests yet (tests/gpu does not exist)" >&2; exit 1
 
 install: build
 	cmake --install build --prefix "$(PREFIX)"

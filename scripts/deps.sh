@@ -4,20 +4,41 @@
 # everything is present it only asks dpkg and returns at once.
 #   scripts/deps.sh          build, test and benchmark needs
 #   scripts/deps.sh format   clang-format as well
+#   scripts/deps.sh gpu      only what building the GPU tests needs besides CUDA
 set -euo pipefail
 
 # cmake, compilers, cmocka, zlib and mimalloc build the project; clang and its
 # runtimes build the sanitizer and fuzzing builds; python3 merges benchmark tables.
 packages=(cmake make gcc libc6-dev binutils pkg-config libcmocka-dev zlib1g-dev
           libmimalloc-dev clang valgrind python3)
-if [[ "${1:-}" == format ]]; then
-  packages+=(clang-format)
-fi
+case "${1:-}" in
+  format) packages+=(clang-format) ;;
+  gpu) packages=(cmake make gcc g++ libc6-dev) ;;
+  "") ;;
+  *) echo "usage: scripts/deps.sh [format|gpu]" >&2; exit 2 ;;
+esac
 
 log() { printf 'deps: %s\n' "$*" >&2; }
 
-# Packages of the list dpkg does not know as installed.
+# The command a package is installed for: found on PATH (a pip cmake, a
+# compiler built from source), it is as good as the package.
+declare -A command_of=([cmake]=cmake [make]=make [gcc]=gcc [g++]=g++ [binutils]=objdump
+                       [pkg-config]=pkg-config [clang]=clang [valgrind]=valgrind
+                       [python3]=python3 [clang-format]=clang-format)
+
+# Packages of the list that are neither installed (dpkg) nor on PATH.
 missing_packages() {
+  local pkg
+  for pkg in "$@"; do
+    if [[ -n "${command_of[$pkg]:-}" ]] && command -v "${command_of[$pkg]}" >/dev/null; then
+      continue
+    fi
+    missing_packages_dpkg_only "$pkg"
+  done
+}
+
+# Packages of the list dpkg does not know as installed.
+missing_packages_dpkg_only() {
   local pkg
   for pkg in "$@"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q ' installed$' || echo "$pkg"
@@ -37,11 +58,16 @@ install_packages() {
   fi
   log "installing: $*"
   if [[ $apt_updated == no ]]; then
-    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    # A failed update leaves the old lists, which may still do.
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq ||
+      log "apt-get update failed; trying with the package lists there are"
     apt_updated=yes
   fi
-  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
-    apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+  if ! "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
+    apt-get install -y -qq --no-install-recommends "$@" >/dev/null; then
+    log "could not install: $* (is the package archive reachable?)"
+    exit 1
+  fi
 }
 
 if ! command -v dpkg-query >/dev/null || ! command -v apt-get >/dev/null; then
@@ -57,11 +83,14 @@ if ((${#missing[@]})); then
   install_packages "${missing[@]}"
 fi
 
+[[ "${1:-}" == gpu ]] && exit 0
+
 # Only now is clang sure to be there to say which runtimes (libclang_rt.*: the
 # sanitizers and libFuzzer) it needs. Debian ships them in libclang-rt-N-dev
 # since clang 14, in libclang-common-N-dev (a dependency of clang) before.
+# A clang not from a package brings its own runtimes.
 clang_major=$(clang -dumpversion | cut -d. -f1)
-if ((clang_major >= 14)); then
+if ((clang_major >= 14)) && [[ -z $(missing_packages_dpkg_only clang) ]]; then
   mapfile -t missing < <(missing_packages "libclang-rt-$clang_major-dev")
   if ((${#missing[@]})); then
     install_packages "${missing[@]}"
