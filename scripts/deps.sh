@@ -41,7 +41,7 @@ missing_packages() {
 missing_packages_dpkg_only() {
   local pkg
   for pkg in "$@"; do
-    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q ' installed$' || echo "$pkg"
+    [[ $(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null) == *" installed" ]] || echo "$pkg"
   done
 }
 

@@ -42,9 +42,11 @@ cmake --build "$work/cmake-build"
 "$work/cmake-build/consumer_shared"
 "$work/cmake-build/consumer_static"
 # The shared consumer must load the installed library, not the build tree's.
-ldd "$work/cmake-build/consumer_shared" | grep -q "$prefix" || {
+# (ldd's output is kept whole: grep -q quitting early would break the pipe.)
+deps=$(ldd "$work/cmake-build/consumer_shared")
+grep -q "libtidalloc.so.* => $prefix/" <<<"$deps" || {
   echo "consumer_shared does not load libtidalloc from $prefix:" >&2
-  ldd "$work/cmake-build/consumer_shared" >&2
+  echo "$deps" >&2
   exit 1
 }
 
@@ -59,7 +61,7 @@ echo "version $(pkg-config --modversion tidalloc)"
 # shellcheck disable=SC2046,SC2086
 "$cc" $cflags "$here/consumer.c" -o "$work/pc_static" \
   $(pkg-config --static --cflags --libs tidalloc | sed 's/-ltidalloc\b/-l:libtidalloc.a/')
-if ldd "$work/pc_static" | grep -q libtidalloc; then
+if grep -q libtidalloc <<<"$(ldd "$work/pc_static")"; then
   echo "pc_static is linked to the shared libtidalloc" >&2
   exit 1
 fi
