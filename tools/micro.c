@@ -37,7 +37,8 @@ enum {
   MIXED_SLOTS = 64,
   SCRIPT_LENGTH = 4096, /* random steps of `mixed`, replayed in a ring */
   DEFAULT_REPEAT = 21,
-  MAX_THREADS = 8,
+  MAX_THREADS = 256,
+  MAX_THREAD_COUNTS = 16, /* entries of --threads */
 };
 #define MIN_BATCH_NS 20000000.0 /* calibrated batches last at least this */
 #define MIXED_MIN_SIZE 512.0
@@ -46,7 +47,7 @@ enum {
 
 static const size_t pair_sizes[] = {512, 4096, (size_t)1 << 20, (size_t)8 << 20,
                                     (size_t)64 << 20};
-static const int thread_counts[] = {1, 8};
+static const int default_thread_counts[] = {1, 8};
 
 /* ------------------------------------------------------------------------ */
 /* Anchors: allocators measured side by side. To add one (a GPU allocator,   */
@@ -458,17 +459,19 @@ static void print_table(const result *results, size_t n) {
 /* ------------------------------------------------------------------------ */
 
 static void print_help(void) {
-  printf("usage: tidalloc micro [--csv] [--conf STR] [--repeat N] [--ops N]\n"
+  printf("usage: tidalloc micro [--csv] [--conf STR] [--repeat N] [--ops N] [--threads LIST]\n"
          "\n"
          "Alloc+free latency of tidalloc (host backend unless --conf or TIDALLOC_CONF\n"
-         "choose another), glibc and mimalloc, on 1 and 8 threads (tidalloc: one stream\n"
-         "per thread). Workloads: `pair` (allocate and free one size: 512 B, 4 KiB,\n"
-         "1 MiB, 8 MiB, 64 MiB) and `mixed` (64 live slots, random sizes).\n"
+         "choose another), glibc and mimalloc, on 1 and 8 threads unless --threads says\n"
+         "otherwise (tidalloc: one stream per thread when several run). Workloads:\n"
+         "`pair` (allocate and free one size: 512 B, 4 KiB, 1 MiB, 8 MiB, 64 MiB) and\n"
+         "`mixed` (64 live slots, random sizes).\n"
          "\n"
          "  --csv        print workload,size,threads,allocator,ns_per_op\n"
          "  --conf STR   tidalloc options, \"key:value,...\"\n"
          "  --repeat N   timed batches per thread (default %d); the median is reported\n"
-         "  --ops N      ops per batch (default: enough for a batch to last 20 ms)\n",
+         "  --ops N      ops per batch (default: enough for a batch to last 20 ms)\n"
+         "  --threads L  thread counts to run, such as 1,2,4,8 (default 1,8)\n",
          DEFAULT_REPEAT);
 }
 
@@ -477,11 +480,33 @@ typedef struct micro_args {
   const char *conf;
   uint64_t repeat;
   uint64_t ops;
+  int threads[MAX_THREAD_COUNTS];
+  size_t thread_count;
 } micro_args;
+
+/* "1,2,8" into args->threads; false if it is not such a list. */
+static bool parse_thread_list(const char *text, micro_args *args) {
+  args->thread_count = 0;
+  char item[32];
+  while (*text != '\0') {
+    size_t len = strcspn(text, ",");
+    uint64_t n = 0;
+    if (len == 0 || len >= sizeof(item) || args->thread_count == MAX_THREAD_COUNTS) return false;
+    memcpy(item, text, len);
+    item[len] = '\0';
+    if (!cli_parse_u64(item, &n) || n == 0 || n > MAX_THREADS) return false;
+    args->threads[args->thread_count++] = (int)n;
+    text += len;
+    if (*text == ',' && *++text == '\0') return false; /* a trailing comma */
+  }
+  return args->thread_count > 0;
+}
 
 /* Returns -1 to go on, or the exit code. */
 static int parse_args(int argc, char **argv, micro_args *args) {
   *args = (micro_args){.repeat = DEFAULT_REPEAT};
+  args->thread_count = sizeof(default_thread_counts) / sizeof(default_thread_counts[0]);
+  memcpy(args->threads, default_thread_counts, sizeof(default_thread_counts));
   for (int i = 1; i < argc; i++) {
     const char *value = NULL;
     bool bad = false;
@@ -496,6 +521,12 @@ static int parse_args(int argc, char **argv, micro_args *args) {
       if (!bad && (!cli_parse_u64(value, &args->repeat) || args->repeat == 0 ||
                    args->repeat > 100000)) {
         cli_error("micro: --repeat wants a count from 1 to 100000, not '%s'", value);
+        return CLI_EXIT_USAGE;
+      }
+    } else if (cli_option_value(argc, argv, &i, "--threads", &value, &bad)) {
+      if (!bad && !parse_thread_list(value, args)) {
+        cli_error("micro: --threads wants a list such as 1,8 (each 1 to %d, at most %d), not "
+                  "'%s'", MAX_THREADS, MAX_THREAD_COUNTS, value);
         return CLI_EXIT_USAGE;
       }
     } else if (cli_option_value(argc, argv, &i, "--ops", &value, &bad)) {
@@ -521,7 +552,7 @@ int tide_cli_micro(int argc, char **argv) {
                   "are skipped\n");
 #endif
   const size_t size_count = sizeof(pair_sizes) / sizeof(pair_sizes[0]) + 1; /* + mixed */
-  const size_t thread_count = sizeof(thread_counts) / sizeof(thread_counts[0]);
+  const size_t thread_count = args.thread_count;
   const size_t total = size_count * thread_count * anchor_count;
   result *results = calloc(total, sizeof(result));
   if (results == NULL) {
@@ -537,7 +568,7 @@ int tide_cli_micro(int argc, char **argv) {
       uint64_t ops = args.ops;
       for (size_t t = 0; t < thread_count; t++) {
         cli_progress("micro", (double)n / (double)total);
-        int threads = thread_counts[t];
+        int threads = args.threads[t];
         bool calibrate_here = ops == 0 && threads != 1;
         if (calibrate_here) {
           result probe;
