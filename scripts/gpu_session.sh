@@ -7,8 +7,9 @@
 # installed: what is missing (cmocka, zlib) turns the parts that need it off,
 # and the summary says so.
 #   OUT=/some/dir scripts/gpu_session.sh
-# Files written (8 at most): summary.txt, system.txt, build.log, cpu_tests.log,
-# gpu_tests.log, gpu_memcheck.log, bench.log, bench.csv.
+# Files written (8 at most): summary.txt, system.txt, build.log (with the CPU
+# tests), gpu_tests.log, gpu_memcheck.log, bench.log, bench.csv, stream.csv.
+# GPU_TESTS=0 or GPU_BENCH=0 leave a part out; TRACE_DIR holds the traces.
 # Exit status: 0 if every step passed.
 set -uo pipefail
 
@@ -91,11 +92,13 @@ command -v nvcc >/dev/null && export CUDACXX=${CUDACXX:-$(command -v nvcc)}
 # The Release build (build/) and its CPU tests
 # ---------------------------------------------------------------------------
 cmake_args=(-DCMAKE_BUILD_TYPE=Release)
-if [[ ! -e /usr/include/cmocka.h && ! -e /usr/local/include/cmocka.h ]]; then
+# A header is there when the compiler finds it (C_INCLUDE_PATH counts).
+have_header() { echo "#include <$1>" | ${CC:-cc} -E -x c - >/dev/null 2>&1; }
+if ! have_header cmocka.h; then
   cmake_args+=(-DTIDE_BUILD_TESTS=OFF)
   note "note: cmocka is not installed: CPU tests are not built"
 fi
-if [[ ! -e /usr/include/zlib.h && ! -e /usr/local/include/zlib.h ]]; then
+if ! have_header zlib.h; then
   cmake_args+=(-DTIDE_BUILD_TOOLS=OFF)
   note "note: zlib.h is not installed: the tidalloc command is not built (no benchmarks)"
 fi
@@ -105,7 +108,7 @@ step "configure build/" "$build_log" 120 cmake -S . -B build "${cmake_args[@]}" 
 built=$?
 grep -E "CUDA backend|mimalloc" "$build_log" | sed 's/^-- /  /' | tee -a "$summary"
 
-cpu_log=$out/cpu_tests.log
+cpu_log=$build_log # one log for the build and the CPU tests: $OUT holds 8 files
 if ((built == 0)) && [[ -x build/test_backend_cuda ]]; then
   # The CUDA backend's own test first, in full: on this machine it runs the
   # real driver (backend:cuda must work) as well as the fake one.
@@ -144,6 +147,7 @@ gpu_counts() {
   grep -E '^FAIL|^INFO' "$log" | head -20 | sed 's/^/  /' | tee -a "$summary"
 }
 
+if [[ ${GPU_TESTS:-1} == 1 ]]; then
 gpu_log=$out/gpu_tests.log
 step "make gpu-test" "$gpu_log" 240 bash -c 'gpu_test 0'
 gpu_counts "$gpu_log"
@@ -155,6 +159,7 @@ if command -v compute-sanitizer >/dev/null || [[ -x /usr/local/cuda/bin/compute-
   grep -E "ERROR SUMMARY" "$memcheck_log" | sort | uniq -c | sed 's/^/  /' | tee -a "$summary"
 else
   note "memcheck: skipped (compute-sanitizer not found)"
+fi
 fi
 
 # ===========================================================================
@@ -169,9 +174,29 @@ fi
 # ===========================================================================
 bench_log=$out/bench.log
 bench_csv=$out/bench.csv
-: # (no benchmark runs yet)
-# ===========================================================================
-
+if [[ ${GPU_BENCH:-1} == 1 && -x build/tidalloc ]]; then
+  # The host-side anchors and tidalloc's cached path on this machine's CPUs,
+  # then tidalloc on the GPU, then PyTorch's allocator and cudaMallocAsync.
+  step "micro (host backend)" "$bench_log" 150 \
+    sh -c 'build/tidalloc micro --csv --conf backend:host >"$0"' "$bench_csv"
+  step "micro (cuda backend)" "$bench_log" 120 \
+    sh -c 'build/tidalloc micro --csv --conf backend:cuda | grep ",tidalloc," | sed "s/,tidalloc,/,tidalloc-cuda,/" >>"$0"' "$bench_csv"
+  step "torch anchor build" "$bench_log" 150 bench/gpu/build.sh build/bench-gpu &&
+    step "torch anchor" "$bench_log" 150 \
+      sh -c 'build/bench-gpu/torch_anchor | tail -n +2 >>"$0"' "$bench_csv"
+  for mode in True False; do
+    step "stream expandable=$mode" "$bench_log" 150 \
+      build/tidalloc stream --frames ${STREAM_FRAMES:-64 128 256 512 1024} \
+      --conf backend:cuda,expandable_segments:$mode --csv "build/stream_$mode.csv"
+  done
+  { head -1 build/stream_True.csv; tail -q -n +2 build/stream_True.csv build/stream_False.csv; } \
+    >"$out/stream.csv" 2>/dev/null
+  for t in gpt2 llama; do
+    trace=${TRACE_DIR:-shared/traces}/${t}_generate.csv.gz
+    [[ -f $trace ]] || continue
+    step "replay $t (cuda)" "$bench_log" 120 build/tidalloc replay "$trace" --conf backend:cuda
+  done
+fi
 note ""
 note "total: $(elapsed) s; $( ((failed)) && echo 'some steps FAILED' || echo 'every step passed')"
 exit "$failed"

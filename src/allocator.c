@@ -376,7 +376,7 @@ static tide_status free_slow(tide_allocator *a, uintptr_t addr, size_t size, boo
   int rc = TIDE_OK;
   for (size_t i = 0; i < n; i++) {
     _tide_lock_acquire(&arenas[i]->lock);
-    _tide_block *b = _tide_ptrmap_find(&arenas[i]->live, addr);
+    _tide_block *b = _tide_arena_live(arenas[i], addr);
     if (b) {
       if (sized && b->requested != size)
         rc = _tide_error_set(TIDE_ERR_INVALID,
@@ -411,7 +411,7 @@ static tide_status free_any(tide_allocator *a, void *ptr, size_t size, bool size
   _tide_arena *arena = arena_of(a, stream, false);
   if (TIDE_LIKELY(arena != NULL)) {
     _tide_lock_acquire(&arena->lock);
-    _tide_block *b = _tide_ptrmap_find(&arena->live, addr);
+    _tide_block *b = _tide_arena_live(arena, addr);
     if (TIDE_LIKELY(b && (!sized || b->requested == size))) {
       int rc = _tide_arena_free(arena, b, stream);
       _tide_lock_release(&arena->lock);
@@ -439,7 +439,7 @@ static tide_status with_block(tide_allocator *a, const void *ptr,
   int rc = -1;
   for (size_t i = 0; i < n && rc < 0; i++) {
     _tide_lock_acquire(&arenas[i]->lock);
-    _tide_block *b = _tide_ptrmap_find(&arenas[i]->live, addr);
+    _tide_block *b = _tide_arena_live(arenas[i], addr);
     if (b) rc = fn(arenas[i], b, arg);
     _tide_lock_release(&arenas[i]->lock);
   }

@@ -100,7 +100,7 @@ int _tide_arena_create(struct tide_allocator *a, tide_stream stream, _tide_arena
 
 size_t _tide_arena_destroy(_tide_arena *arena) {
   const _tide_backend *be = &arena->alloc->backend;
-  size_t unfreed = arena->live.count;
+  size_t unfreed = arena->live.count - arena->nquick;
   for (size_t i = 0; i < arena->npending; i++) {
     be->ops->event_destroy(be->ctx, arena->pending[i].event);
     if (--arena->pending[i].block->events == 0) unfreed++;
@@ -122,6 +122,18 @@ size_t _tide_arena_destroy(_tide_arena *arena) {
   free(arena->orphans);
   free(arena);
   return unfreed;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The allocator-wide allocated bytes                                        */
+/* ------------------------------------------------------------------------ */
+
+void _tide_arena_publish(_tide_arena *arena, int64_t delta) {
+  arena->unpublished += delta;
+  if (arena->unpublished < _TIDE_PUBLISH_BYTES && arena->unpublished > -_TIDE_PUBLISH_BYTES)
+    return;
+  _tide_global_add(&arena->alloc->allocated, arena->unpublished);
+  arena->unpublished = 0;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -180,7 +192,7 @@ static void count_allocation(_tide_arena *arena, const _tide_block *b, size_t si
   s->counters[_TIDE_CT_ALLOCS]++;
   if (TIDE_UNLIKELY(b->size >= arena->alloc->conf.max_split_size)) s->counters[_TIDE_CT_OVERSIZE]++;
   if (TIDE_UNLIKELY(atomic_load_explicit(&arena->alloc->shared_peak, memory_order_relaxed)))
-    _tide_global_add(&arena->alloc->allocated, (int64_t)b->size);
+    _tide_arena_publish(arena, (int64_t)b->size);
 }
 
 static void quick_remove(_tide_arena *arena, unsigned i) {
@@ -188,7 +200,8 @@ static void quick_remove(_tide_arena *arena, unsigned i) {
   for (; i < arena->nquick; i++) arena->quick[i] = arena->quick[i + 1];
 }
 
-/* The most recently freed quick block of exactly `rounded` bytes. */
+/* The most recently freed quick block of exactly `rounded` bytes. Quick
+ * blocks stay in the live map, so taking one back needs no map work. */
 static _tide_block *take_quick(_tide_arena *arena, size_t rounded) {
   for (unsigned i = arena->nquick; i-- > 0;) {
     _tide_block *b = arena->quick[i];
@@ -200,12 +213,18 @@ static _tide_block *take_quick(_tide_arena *arena, size_t rounded) {
   return NULL;
 }
 
+/* A quick block becomes an ordinary free block: out of the live map, merged. */
+static void unquick(_tide_arena *arena, _tide_block *b) {
+  count_cached(arena, b, -1);
+  _tide_ptrmap_remove(&arena->live, b->addr);
+  _tide_arena_free_block(arena, b);
+}
+
 void _tide_arena_flush_quick(_tide_arena *arena) {
   while (arena->nquick) {
     _tide_block *b = arena->quick[0];
     quick_remove(arena, 0);
-    count_cached(arena, b, -1);
-    _tide_arena_free_block(arena, b);
+    unquick(arena, b);
   }
 }
 
@@ -215,8 +234,7 @@ static void put_quick(_tide_arena *arena, _tide_block *b) {
   if (arena->nquick == _TIDE_QUICK_SLOTS) {
     _tide_block *oldest = arena->quick[0];
     quick_remove(arena, 0);
-    count_cached(arena, oldest, -1);
-    _tide_arena_free_block(arena, oldest);
+    unquick(arena, oldest);
   }
   b->state = _TIDE_QUICK;
   b->stamp = arena->clock;
@@ -284,16 +302,16 @@ int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **o
   /* Allocating on it means the handle names a live stream (again). */
   if (TIDE_UNLIKELY(arena->stream_gone)) arena->stream_gone = false;
   if (TIDE_UNLIKELY(arena->npending)) _tide_arena_process_events(arena, false);
-  if (TIDE_UNLIKELY(_tide_ptrmap_reserve_one(&arena->live) != TIDE_OK)) return TIDE_ERR_OOM;
   _tide_block *b = take_quick(arena, rounded);
   if (TIDE_UNLIKELY(!b)) {
+    if (_tide_ptrmap_reserve_one(&arena->live) != TIDE_OK) return TIDE_ERR_OOM;
     int rc = take_best_fit(arena, rounded, &b);
     if (rc) return rc;
     if (should_split(a, b, rounded)) split(arena, b, rounded);
+    _tide_ptrmap_put(&arena->live, b); /* room reserved above */
   }
   b->state = _TIDE_ALLOCATED;
   b->requested = size;
-  _tide_ptrmap_put(&arena->live, b); /* room reserved above */
   count_allocation(arena, b, size);
   arena->clock++;
   _tide_trace(a, TIDE_TRACE_ALLOC, b->segment->pool + 1, b->addr, b->size, arena->stream);
@@ -424,7 +442,7 @@ static void count_free(_tide_arena *arena, const _tide_block *b) {
   _tide_track_active(s);
   if (TIDE_UNLIKELY(b->size >= arena->alloc->conf.max_split_size)) s->counters[_TIDE_CT_OVERSIZE]--;
   if (TIDE_UNLIKELY(atomic_load_explicit(&arena->alloc->shared_peak, memory_order_relaxed)))
-    _tide_global_add(&arena->alloc->allocated, -(int64_t)b->size);
+    _tide_arena_publish(arena, -(int64_t)b->size);
 }
 
 static void count_pending(_tide_arena *arena, const _tide_block *b, int sign) {
@@ -463,15 +481,15 @@ int _tide_arena_free(_tide_arena *arena, _tide_block *b, tide_stream stream) {
     }
     forget_streams(b);
   }
-  _tide_ptrmap_remove(&arena->live, b->addr);
   count_free(arena, b);
   _tide_trace(arena->alloc, TIDE_TRACE_FREE, b->segment->pool + 1, b->addr, b->size, stream);
   if (b->events) {
+    _tide_ptrmap_remove(&arena->live, b->addr);
     b->state = _TIDE_PENDING;
     count_pending(arena, b, +1);
     return TIDE_OK;
   }
-  put_quick(arena, b);
+  put_quick(arena, b); /* stays in the live map */
   return TIDE_OK;
 }
 

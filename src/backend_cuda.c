@@ -821,6 +821,10 @@ static int cuda_stream_synchronize(void *ctx, tide_stream stream) {
  * doubt. A property query, legal during capture. */
 static int cuda_stream_check(void *ctx, tide_stream stream) {
   cuda_device *d = ctx;
+  /* The default stream always exists; asking the driver about the legacy
+   * stream counts as using it, which would break a capture on a blocking
+   * stream. */
+  if (!stream) return TIDE_OK;
   char text[48];
   scope s;
   int rc = enter(d, &s, "checking a stream");

@@ -86,6 +86,7 @@ _tide_block *_tide_bins_largest(const _tide_bins *bins);
 /* The live map: allocated blocks by address (ptrmap.c)                      */
 /* ------------------------------------------------------------------------ */
 
+/* Allocated blocks, and quick blocks (freed, kept whole for reuse). */
 typedef struct _tide_ptrmap {
   uintptr_t *keys;
   _tide_block **values;
@@ -307,7 +308,22 @@ typedef struct _tide_arena {
   size_t norphans, orphans_cap;
   uint64_t clock;               /* allocations so far: the gc clock */
   _tide_arena_stats stats;
+  int64_t unpublished;          /* allocated bytes not yet added to the allocator's */
 } _tide_arena;
+
+/* With several streams, each arena adds its allocated bytes to the shared
+ * allocator-wide counter once the change since the last addition reaches
+ * this many bytes: streams on different threads then rarely write a shared
+ * cache line, and the allocator-wide peak is within this much per stream of
+ * the exact figure (reads first add every arena's remainder). */
+#define _TIDE_PUBLISH_BYTES ((int64_t)2 << 20)
+void _tide_arena_publish(_tide_arena *arena, int64_t delta);
+/* The live (allocated) block at addr, or NULL: quick blocks, which share the
+ * live map, are not live. */
+static inline _tide_block *_tide_arena_live(_tide_arena *arena, uintptr_t addr) {
+  _tide_block *b = _tide_ptrmap_find(&arena->live, addr);
+  return b && b->state == _TIDE_ALLOCATED ? b : NULL;
+}
 
 int _tide_arena_create(struct tide_allocator *a, tide_stream stream, _tide_arena **out);
 /* Release everything the arena holds. Returns how many blocks were still
@@ -389,8 +405,11 @@ struct tide_allocator {
   bool plain_rounding;          /* no roundup_power2_divisions: sizes round to 512 B */
   size_t total_memory;          /* the device's */
   _Atomic size_t limit;         /* reserved may not exceed this */
-  _tide_global_stat reserved;   /* all arenas: physical bytes held */
-  _tide_global_stat allocated;  /* all arenas: bytes handed out, once shared_peak is set */
+  /* Shared counters, each on its own cache line so that writing them does
+   * not evict the read-mostly fields above from other cores. */
+  _Alignas(64) _tide_global_stat reserved; /* all arenas: physical bytes held */
+  _Alignas(64) _tide_global_stat allocated; /* all arenas, once shared_peak is set */
+  _Alignas(64) char after_counters;
   atomic_bool shared_peak;      /* several arenas: keep `allocated` (read under arena locks) */
   pthread_mutex_t arenas_mutex; /* guards the arena table */
   _tide_arena **arenas;

@@ -17,6 +17,13 @@ static void put(text *t, const char *fmt, ...) TIDE_PRINTF(2, 3);
 
 static void put(text *t, const char *fmt, ...) {
   if (t->failed) return;
+  if (!t->data) { /* a first buffer, so that data + len is always defined */
+    t->data = malloc(t->cap = 4096);
+    if (!t->data) {
+      t->failed = true;
+      return;
+    }
+  }
   for (;;) {
     va_list ap;
     va_start(ap, fmt);
