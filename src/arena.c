@@ -173,6 +173,101 @@ static void split(_tide_arena *arena, _tide_block *b, size_t rounded) {
   _tide_pool_insert(arena, rest);
 }
 
+/* Give the front `head` bytes of free block b back to the bins, keeping the
+ * rest in b. Without a record, b stays whole. */
+static bool split_head(_tide_arena *arena, _tide_block *b, size_t head) {
+  _tide_block *front = _tide_block_new(arena);
+  if (!front) return false;
+  front->addr = b->addr;
+  front->size = head;
+  front->segment = b->segment;
+  front->state = _TIDE_FREE;
+  front->stamp = b->stamp;
+  front->prev = b->prev;
+  front->next = b;
+  if (b->prev)
+    b->prev->next = front;
+  else
+    b->segment->first = front;
+  b->prev = front;
+  b->addr += head;
+  b->size -= head;
+  _tide_pool_insert(arena, front);
+  return true;
+}
+
+/* Placement inside a free block of an expandable segment, judged by pages.
+ * A block costs the pages only it keeps mapped ("lone": a page it shares
+ * with a live neighbour is paid for already); among places of equal cost,
+ * the one touching the fewest pages wins, so that when a neighbour dies its
+ * pages can go (a multi-page block flush against a short-lived neighbour
+ * would otherwise hold a partial page at each end); then the front. */
+typedef struct placement_cost {
+  size_t lone, touched;
+} placement_cost;
+
+static placement_cost cost_at(uintptr_t x, size_t size, uintptr_t base, size_t page,
+                              size_t left_page, size_t right_page) {
+  size_t first = (x - base) / page, last = (x + size - 1 - base) / page;
+  placement_cost c = {last - first + 1, last - first + 1};
+  if (left_page >= first && left_page <= last) c.lone--;
+  if (right_page >= first && right_page <= last && right_page != left_page) c.lone--;
+  return c;
+}
+
+static inline bool holds_live(const _tide_block *b) {
+  return b && b->state != _TIDE_FREE && b->state != _TIDE_UNMAPPED;
+}
+
+static inline uintptr_t page_up(uintptr_t x, uintptr_t base, size_t page) {
+  return base + (x - base + page - 1) / page * page;
+}
+
+static inline uintptr_t page_down(uintptr_t x, uintptr_t base, size_t page) {
+  return base + (x - base) / page * page;
+}
+
+/* The address for `size` bytes in free block f: flush against either end,
+ * or starting or ending on a page boundary near either end. */
+static uintptr_t best_offset(const _tide_block *f, size_t size, size_t page) {
+  uintptr_t base = f->segment->base, lo = f->addr, end = f->addr + f->size, hi = end - size;
+  size_t left_page = holds_live(f->prev) ? (lo - 1 - base) / page : SIZE_MAX;
+  size_t right_page = holds_live(f->next) ? (end - base) / page : SIZE_MAX;
+  const uintptr_t candidates[] = {
+      page_up(lo, base, page),
+      page_up(lo + size, base, page) - size,
+      hi,
+      page_down(hi, base, page),
+      page_down(end, base, page) - size,
+  };
+  uintptr_t best = lo;
+  placement_cost bc = cost_at(lo, size, base, page, left_page, right_page);
+  for (size_t i = 0; i < sizeof candidates / sizeof *candidates; i++) {
+    uintptr_t x = candidates[i];
+    if (x < lo || x > hi) continue;
+    placement_cost c = cost_at(x, size, base, page, left_page, right_page);
+    if (c.lone < bc.lone || (c.lone == bc.lone && c.touched < bc.touched)) {
+      best = x;
+      bc = c;
+    }
+  }
+  return best;
+}
+
+/* Hand out `rounded` bytes of free block b, the rest going back to the
+ * bins. When free pages are recycled (release_holes), large blocks of
+ * expandable segments go where they keep the fewest pages mapped: that bets
+ * on pages being unmapped as neighbours die, which only recycling does.
+ * Small blocks (below a page, many to a page) pack from the front, where
+ * they share pages best. */
+static void place(_tide_arena *arena, _tide_block *b, size_t rounded) {
+  if (b->segment->expandable && b->segment->pool == _TIDE_LARGE && arena->alloc->conf.release_holes) {
+    uintptr_t x = best_offset(b, rounded, arena->alloc->page_size);
+    if (x > b->addr && !split_head(arena, b, x - b->addr)) return;
+  }
+  if (b->size - rounded >= TIDE_MIN_BLOCK) split(arena, b, rounded);
+}
+
 static void maybe_collect_garbage(_tide_arena *arena) {
   struct tide_allocator *a = arena->alloc;
   double threshold = a->conf.gc_threshold;
@@ -246,12 +341,45 @@ static bool releasable(const _tide_block *b, size_t page);
 static int by_stamp(const void *x, const void *y);
 static int settle_stream(_tide_arena *arena);
 
-/* Before growing by `need` bytes, unmap whole free pages inside the
- * segments (oldest first), so that growth reuses physical memory instead of
- * adding to it. Free blocks that end at unmapped space are left alone:
- * growth extends them. */
-static void release_holes(_tide_arena *arena, const _tide_block *target, size_t need) {
+/* Free pages stay cached while reserved memory is within this fraction
+ * above the allocated peak (itself a floor for any allocator's reserved
+ * peak): unmapping them would save little, and every page unmapped and
+ * mapped again costs a backend round trip and a stream synchronization. */
+#define RELEASE_SLACK 0.01
+
+/* Bytes that growth by `rounded` bytes would map. */
+static size_t growth_bytes(_tide_pool *pool, size_t rounded, size_t page, _tide_growth *g) {
+  if (_tide_pool_plan_growth(pool, rounded, page, g) == TIDE_OK) return g->count * page;
+  return (rounded + page - 1) / page * page;
+}
+
+/* Bytes growth may add before reserved memory passes both its own peak and
+ * the slack above the allocated peak (negative when already past). */
+static int64_t growth_headroom(struct tide_allocator *a) {
+  int64_t ceiling = atomic_load(&a->reserved.peak);
+  int64_t slack = (int64_t)((double)atomic_load(&a->allocated.peak) * (1.0 + RELEASE_SLACK));
+  if (slack > ceiling) ceiling = slack;
+  return ceiling - atomic_load(&a->reserved.cur);
+}
+
+static bool next_to_growth(const _tide_block *b, const _tide_growth *g) {
+  return g->unmapped && (b == g->unmapped->prev || b == g->unmapped->next);
+}
+
+/* Before growth would raise reserved memory above its ceiling, unmap just
+ * as many whole free pages inside the segments (oldest first) as keep it
+ * there, so that growth reuses physical memory instead of adding to it.
+ * Below the ceiling nothing is unmapped: the pages stay cached for reuse,
+ * and every page unmapped would likely be mapped again (the peak is what
+ * the caller pays for). The free blocks the growth extends are left
+ * alone. */
+static void release_holes(_tide_arena *arena, _tide_pool *pool, size_t rounded) {
   struct tide_allocator *a = arena->alloc;
+  _tide_growth g;
+  size_t need = growth_bytes(pool, rounded, a->page_size, &g);
+  int64_t headroom = growth_headroom(a);
+  if (headroom >= (int64_t)need) return;
+  if (headroom > 0) need = (need - (size_t)headroom + a->page_size - 1) / a->page_size * a->page_size;
   size_t cap = arena->pools[0].bins.count + arena->pools[1].bins.count, n = 0;
   if (!cap) return;
   _tide_block **candidates = malloc(cap * sizeof *candidates);
@@ -259,7 +387,7 @@ static void release_holes(_tide_arena *arena, const _tide_block *target, size_t 
   for (int kind = 0; kind < 2; kind++)
     for (_tide_segment *seg = arena->pools[kind].segments; seg; seg = seg->next)
       for (_tide_block *b = seg->first; b; b = b->next)
-        if (b->state == _TIDE_FREE && seg->expandable && b != target &&
+        if (b->state == _TIDE_FREE && seg->expandable && !next_to_growth(b, &g) &&
             releasable(b, a->page_size) && n < cap)
           candidates[n++] = b;
   if (n && settle_stream(arena) == TIDE_OK) {
@@ -267,7 +395,7 @@ static void release_holes(_tide_arena *arena, const _tide_block *target, size_t 
     size_t released = 0;
     for (size_t i = 0; i < n && released < need; i++) {
       int64_t before = atomic_load(&a->reserved.cur);
-      if (_tide_release_block(arena, candidates[i])) break;
+      if (_tide_release_block(arena, candidates[i], need - released)) break;
       released += (size_t)(before - atomic_load(&a->reserved.cur));
     }
   }
@@ -293,7 +421,7 @@ static int take_best_fit(_tide_arena *arena, size_t rounded, _tide_block **out) 
   }
   maybe_collect_garbage(arena);
   if (a->conf.release_holes && a->conf.expandable_segments)
-    release_holes(arena, _tide_pool_growth_target(pool, rounded), rounded);
+    release_holes(arena, pool, rounded);
   return _tide_pool_grow(arena, pool, rounded, out);
 }
 
@@ -307,8 +435,8 @@ int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **o
     if (_tide_ptrmap_reserve_one(&arena->live) != TIDE_OK) return TIDE_ERR_OOM;
     int rc = take_best_fit(arena, rounded, &b);
     if (rc) return rc;
-    if (should_split(a, b, rounded)) split(arena, b, rounded);
-    _tide_ptrmap_put(&arena->live, b); /* room reserved above */
+    if (should_split(a, b, rounded)) place(arena, b, rounded);
+    _tide_ptrmap_put(&arena->live, b); /* room reserved above, at b's final address */
   }
   b->state = _TIDE_ALLOCATED;
   b->requested = size;
@@ -579,7 +707,7 @@ int _tide_arena_collect_garbage(_tide_arena *arena, size_t target) {
   qsort(candidates, n, sizeof *candidates, by_stamp);
   for (size_t i = 0; i < n && !rc; i++) {
     if ((size_t)atomic_load(&a->reserved.cur) <= target) break;
-    rc = _tide_release_block(arena, candidates[i]);
+    rc = _tide_release_block(arena, candidates[i], SIZE_MAX);
   }
   free(candidates);
   _tide_pool_release_empty_segments(arena, &arena->pools[_TIDE_SMALL]);

@@ -365,12 +365,19 @@ size_t _tide_fixed_segment_size(size_t rounded, size_t granularity);
 /* A free mapped block of at least `size` bytes made by new memory: a new
  * fixed segment, or pages mapped into an expandable one. Not in a bin. */
 int _tide_pool_grow(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_block **out);
-/* The free block growth by `size` bytes would extend (before the unmapped
- * block it would map), or NULL. */
-const _tide_block *_tide_pool_growth_target(_tide_pool *pool, size_t size);
-/* Unmap the whole pages inside a free block of an expandable segment, or
- * release the fixed segment it fills. */
-int _tide_release_block(_tide_arena *arena, _tide_block *b);
+/* Where growth by `size` bytes would map pages: the unmapped block, and the
+ * run of pages in it that, with the free blocks on either side, makes room
+ * for `size` bytes. Of all places, the one that maps the fewest pages (the
+ * lowest among equals). */
+typedef struct _tide_growth {
+  _tide_block *unmapped;
+  size_t first, count; /* page index in the segment, pages to map */
+} _tide_growth;
+/* TIDE_ERR_OOM (no message) when no unmapped block of the pool can hold it. */
+int _tide_pool_plan_growth(_tide_pool *pool, size_t size, size_t page, _tide_growth *out);
+/* Unmap the whole pages inside a free block of an expandable segment (at
+ * most `limit` bytes of them), or release the fixed segment it fills. */
+int _tide_release_block(_tide_arena *arena, _tide_block *b, size_t limit);
 /* Release every segment of the pool (allocator teardown). */
 void _tide_pool_teardown(_tide_arena *arena, _tide_pool *pool);
 /* Release every whole free page and fixed segment of the pool. */

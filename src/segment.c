@@ -5,8 +5,10 @@
  * virtual range as large as the device and maps pages into it only where
  * blocks need them; free pages are unmapped again when the cache is emptied.
  * Its blocks cover the whole range: mapped ones are free or in use, the rest
- * are unmapped blocks kept in address order, so that growth fills the lowest
- * hole first and the mapped part stays compact.
+ * are unmapped blocks kept in address order. Growth maps the fewest pages it
+ * can: next to the free block before a hole, or the one after it, or
+ * bridging both (the lowest such place among equals), so that partial pages
+ * already mapped are used before new ones.
  *
  * Every backend call here can fail. A failure leaves the segment as it was
  * before the call (undoing the steps already done), or, where the backend
@@ -401,40 +403,8 @@ static int map_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_
   return TIDE_OK;
 }
 
-/* Map the front of unmapped block `u` so that, with the free block before
- * it, `need` more bytes are free; return the merged free block. */
-static int map_into(_tide_arena *arena, _tide_pool *pool, _tide_block *u, size_t need,
-                    size_t request, _tide_block **out) {
-  _tide_segment *seg = u->segment;
-  size_t page = arena->alloc->page_size;
-  size_t bytes = round_up(need, page);
-  _tide_block *m = NULL;
-  if (bytes < u->size && !(m = _tide_block_new(arena)))
-    return _tide_error_set(TIDE_ERR_OOM, "out of host memory for block records");
-  int rc = map_pages(arena, seg, (u->addr - seg->base) / page, bytes / page, request);
-  if (rc) {
-    if (m) _tide_block_delete(arena, m);
-    return rc;
-  }
-  if (!m) {
-    unmapped_remove(pool, u);
-    m = u;
-  } else {
-    m->addr = u->addr;
-    m->size = bytes;
-    m->segment = seg;
-    m->prev = u->prev;
-    m->next = u;
-    if (u->prev)
-      u->prev->next = m;
-    else
-      seg->first = m;
-    u->prev = m;
-    u->addr += bytes;
-    u->size -= bytes;
-  }
-  m->state = _TIDE_FREE;
-  m->stamp = arena->clock;
+/* Merge free block `m` with the free blocks on either side of it. */
+static _tide_block *merge_free_neighbours(_tide_arena *arena, _tide_block *m) {
   if (m->prev && m->prev->state == _TIDE_FREE) {
     _tide_block *p = m->prev;
     _tide_pool_remove(arena, p);
@@ -452,39 +422,122 @@ static int map_into(_tide_arena *arena, _tide_pool *pool, _tide_block *u, size_t
     if (n->next) n->next->prev = m;
     _tide_block_delete(arena, n);
   }
-  *out = m;
+  return m;
+}
+
+/* Insert record `m` for [addr, addr+size) after block `after` (NULL: first
+ * of the segment), splitting it off the unmapped block that held it. */
+static void link_after(_tide_segment *seg, _tide_block *after, _tide_block *m, uintptr_t addr,
+                       size_t size) {
+  m->addr = addr;
+  m->size = size;
+  m->segment = seg;
+  m->prev = after;
+  m->next = after ? after->next : seg->first;
+  if (m->next) m->next->prev = m;
+  if (after)
+    after->next = m;
+  else
+    seg->first = m;
+}
+
+/* Map the pages of plan `g` and return the free block they join (merged
+ * with the free blocks around them). The unmapped block keeps what is left
+ * on either side, split in two when the pages lie in its middle. */
+static int map_planned(_tide_arena *arena, _tide_pool *pool, const _tide_growth *g,
+                       size_t request, _tide_block **out) {
+  _tide_block *u = g->unmapped;
+  _tide_segment *seg = u->segment;
+  size_t page = arena->alloc->page_size;
+  uintptr_t lo = seg->base + g->first * page, hi = lo + g->count * page;
+  uintptr_t end = u->addr + u->size;
+  bool head = lo > u->addr, tail = hi < end;
+  _tide_block *m = NULL, *t = NULL;
+  if ((head || tail) && !(m = _tide_block_new(arena)))
+    return _tide_error_set(TIDE_ERR_OOM, "out of host memory for block records");
+  if (head && tail && !(t = _tide_block_new(arena))) {
+    _tide_block_delete(arena, m);
+    return _tide_error_set(TIDE_ERR_OOM, "out of host memory for block records");
+  }
+  int rc = map_pages(arena, seg, g->first, g->count, request);
+  if (rc) {
+    if (m) _tide_block_delete(arena, m);
+    if (t) _tide_block_delete(arena, t);
+    return rc;
+  }
+  if (!m) { /* the whole unmapped block */
+    unmapped_remove(pool, u);
+    m = u;
+  } else if (!head) { /* its front */
+    link_after(seg, u->prev, m, lo, hi - lo);
+    u->addr = hi;
+    u->size = end - hi;
+  } else { /* its back, or its middle */
+    u->size = lo - u->addr;
+    link_after(seg, u, m, lo, hi - lo);
+    if (t) {
+      link_after(seg, m, t, hi, end - hi);
+      t->state = _TIDE_UNMAPPED;
+      unmapped_insert(pool, t);
+    }
+  }
+  m->state = _TIDE_FREE;
+  m->stamp = arena->clock;
+  *out = merge_free_neighbours(arena, m);
   return TIDE_OK;
 }
 
-/* The unmapped block growth would map for `size` bytes, or NULL. */
-static _tide_block *growth_candidate(_tide_pool *pool, size_t size) {
-  for (_tide_block *u = pool->unmapped; u; u = u->link_next) {
-    _tide_block *p = u->prev;
-    size_t before = (p && p->state == _TIDE_FREE) ? p->size : 0;
-    if (before < size && before + u->size >= size) return u;
-  }
-  return NULL;
+static size_t free_size(const _tide_block *b) {
+  return b && b->state == _TIDE_FREE ? b->size : 0;
 }
 
-const _tide_block *_tide_pool_growth_target(_tide_pool *pool, size_t size) {
-  _tide_block *u = growth_candidate(pool, size);
-  return u && u->prev && u->prev->state == _TIDE_FREE ? u->prev : NULL;
+/* The cheapest way to make `size` bytes free around unmapped block `u`:
+ * pages at its front (joining the free block before it), at its back
+ * (joining the free block after it), or all of it (joining both). Returns
+ * the number of pages, 0 when `size` does not fit there. */
+static size_t plan_at(_tide_block *u, size_t size, size_t page, _tide_growth *g) {
+  _tide_segment *seg = u->segment;
+  size_t left = free_size(u->prev), right = free_size(u->next), upages = u->size / page;
+  size_t first = (u->addr - seg->base) / page;
+  /* A free neighbour as large as `size` is one best fit refused (an
+   * oversize block): growth then adds a page to it. */
+  size_t front = left < size ? round_up(size - left, page) / page : 1;
+  size_t back = right < size ? round_up(size - right, page) / page : 1;
+  size_t count = 0;
+  if (front <= upages && front <= back) {
+    count = front;
+    g->first = first;
+  } else if (back <= upages) {
+    count = back;
+    g->first = first + upages - back;
+  } else if (left + u->size + right >= size) {
+    count = upages;
+    g->first = first;
+  }
+  g->unmapped = u;
+  g->count = count;
+  return count;
+}
+
+int _tide_pool_plan_growth(_tide_pool *pool, size_t size, size_t page, _tide_growth *out) {
+  *out = (_tide_growth){0};
+  for (_tide_block *u = pool->unmapped; u; u = u->link_next) {
+    _tide_growth g;
+    if (plan_at(u, size, page, &g) && (!out->count || g.count < out->count)) *out = g;
+  }
+  return out->count ? TIDE_OK : TIDE_ERR_OOM;
 }
 
 static int grow_expandable(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_block **out) {
-  for (int attempt = 0; attempt < 2; attempt++) {
-    _tide_block *u = growth_candidate(pool, size);
-    if (u) {
-      _tide_block *p = u->prev;
-      size_t before = (p && p->state == _TIDE_FREE) ? p->size : 0;
-      return map_into(arena, pool, u, size - before, size, out);
-    }
-    if (attempt == 0) {
-      int rc = new_expandable(arena, pool, size);
-      if (rc) return rc;
-    }
+  size_t page = arena->alloc->page_size;
+  _tide_growth g;
+  if (_tide_pool_plan_growth(pool, size, page, &g)) {
+    int rc = new_expandable(arena, pool, size);
+    if (rc) return rc;
+    if (_tide_pool_plan_growth(pool, size, page, &g))
+      return _tide_error_set(TIDE_ERR_OOM, "no virtual range can hold %zu bytes", size);
   }
-  return _tide_error_set(TIDE_ERR_OOM, "no virtual range can hold %zu bytes", size);
+  return map_planned(arena, pool, &g, size, out);
 }
 
 int _tide_pool_grow(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_block **out) {
@@ -502,10 +555,14 @@ int _tide_pool_grow(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_blo
   return grow_fixed(arena, pool, size, out);
 }
 
-/* Unmap the whole pages inside free block `b` of an expandable segment. The
- * block splits into a free head, the unmapped middle (merged with unmapped
- * neighbours) and a free tail. `resume` gets the block after all of them. */
-static int release_expandable(_tide_arena *arena, _tide_block *b, _tide_block **resume) {
+/* Unmap the whole pages inside free block `b` of an expandable segment, at
+ * most `limit` bytes of them. The block splits into a free head, the
+ * unmapped middle (merged with unmapped neighbours) and a free tail. A
+ * limited release takes the pages next to unmapped space, so that the hole
+ * grows instead of a new one opening. `resume` gets the block after all of
+ * them. */
+static int release_expandable(_tide_arena *arena, _tide_block *b, size_t limit,
+                              _tide_block **resume) {
   struct tide_allocator *a = arena->alloc;
   const _tide_backend *be = &a->backend;
   _tide_segment *seg = b->segment;
@@ -516,6 +573,14 @@ static int release_expandable(_tide_arena *arena, _tide_block *b, _tide_block **
   uintptr_t hi = seg->base + round_down(end - seg->base, page);
   *resume = b->next;
   if (hi <= lo) return TIDE_OK;
+  if (hi - lo > limit) {
+    size_t keep = hi - lo - round_down(limit, page);
+    if (keep == hi - lo) return TIDE_OK;
+    if (b->prev && b->prev->state == _TIDE_UNMAPPED)
+      hi -= keep;
+    else
+      lo += keep;
+  }
 
   _tide_block *head = _tide_block_new(arena), *tail = _tide_block_new(arena);
   if (!head || !tail) {
@@ -595,11 +660,11 @@ static bool fixed_and_whole(const _tide_block *b) {
   return !b->segment->expandable && !b->prev && !b->next;
 }
 
-int _tide_release_block(_tide_arena *arena, _tide_block *b) {
+int _tide_release_block(_tide_arena *arena, _tide_block *b, size_t limit) {
   if (b->state != _TIDE_FREE) return TIDE_OK;
   if (b->segment->expandable) {
     _tide_block *resume;
-    return release_expandable(arena, b, &resume);
+    return release_expandable(arena, b, limit, &resume);
   }
   return fixed_and_whole(b) ? release_fixed(arena, b) : TIDE_OK;
 }
@@ -650,7 +715,7 @@ int _tide_pool_release_cached(_tide_arena *arena, _tide_pool *pool) {
       for (_tide_block *b = seg->first, *resume; b; b = resume) {
         resume = b->next;
         if (b->state != _TIDE_FREE) continue;
-        int brc = release_expandable(arena, b, &resume);
+        int brc = release_expandable(arena, b, SIZE_MAX, &resume);
         if (brc && !rc) rc = brc;
       }
     }
