@@ -527,9 +527,9 @@ static const option options[] = {
      "0 or bytes up to 4096TiB with an optional unit B, KiB, MiB, GiB, TiB (KB, MB, GB, TB "
      "mean the same), such as 512MiB",
      parse_memory_limit, format_memory_limit},
-    {"release_holes", "False",
-     "when a segment must grow, first move whole free pages from holes inside it instead of "
-     "taking new memory",
+    {"release_holes", "True",
+     "when growing would raise reserved memory past its peak, first unmap whole free pages "
+     "inside the segments, so physical memory is reused instead of added",
      "True or False (also true/false/1/0)", parse_release_holes, format_release_holes},
     {"trace", "0", "events kept in the trace ring, read with tide_trace_read (0: off)",
      "a whole number from 0 to 16777216", parse_trace, format_trace},

@@ -216,12 +216,13 @@ static void test_fixed_large_segments(void **state) {
 
 static void test_expandable_maps_pages_on_demand(void **state) {
   (void)state;
-  tide_allocator *a = make(NULL);
+  tide_allocator *a = make("release_holes:False");
   void *p = tide_malloc(a, 3 * MiB, NULL);
   tide_stats s = stats_of(a);
   assert_int_equal(s.pages_mapped, 2);
   assert_int_equal(s.reserved_bytes[0].current, 4 * MiB);
-  /* The second block starts right after the first and maps one more page. */
+  /* Packed from the front: the second block starts right after the first
+   * and maps one more page. */
   char *q = tide_malloc(a, 2 * MiB, NULL);
   assert_ptr_equal(q, (char *)p + 3 * MiB);
   s = stats_of(a);
@@ -234,6 +235,26 @@ static void test_expandable_maps_pages_on_demand(void **state) {
   s = stats_of(a);
   assert_int_equal(s.pages_unmapped, 1);
   assert_int_equal(s.reserved_bytes[0].current, 4 * MiB);
+  memset(q, 7, 2 * MiB);
+  tide_free(a, q, NULL);
+  destroy_clean(a);
+}
+
+static void test_page_aware_placement(void **state) {
+  (void)state;
+  tide_allocator *a = make("release_holes:True");
+  void *p = tide_malloc(a, 3 * MiB, NULL);
+  /* A page-sized block goes where it keeps one page to itself (page
+   * aligned) rather than straddling two pages behind p. */
+  char *q = tide_malloc(a, 2 * MiB, NULL);
+  assert_ptr_equal(q, (char *)p + 4 * MiB);
+  assert_int_equal(stats_of(a).pages_mapped, 3);
+  tide_free(a, p, NULL);
+  /* p's two pages are p's alone: both go back, q's page stays. */
+  assert_int_equal(tide_empty_cache(a), TIDE_OK);
+  tide_stats s = stats_of(a);
+  assert_int_equal(s.pages_unmapped, 2);
+  assert_int_equal(s.reserved_bytes[0].current, 2 * MiB);
   memset(q, 7, 2 * MiB);
   tide_free(a, q, NULL);
   destroy_clean(a);
@@ -507,6 +528,7 @@ int main(void) {
       cmocka_unit_test(test_split_and_merge_fixed),
       cmocka_unit_test(test_fixed_large_segments),
       cmocka_unit_test(test_expandable_maps_pages_on_demand),
+      cmocka_unit_test(test_page_aware_placement),
       cmocka_unit_test(test_quick_reuse_and_flush),
       cmocka_unit_test(test_stream_ordered_reuse),
       cmocka_unit_test(test_free_on_other_stream),

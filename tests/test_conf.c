@@ -72,7 +72,7 @@ static void test_defaults(void **state) {
   assert_true(v->gc_threshold == 0.0);
   assert_true(v->memory_fraction == 1.0);
   assert_int_equal(v->memory_limit, 0);
-  assert_false(v->release_holes);
+  assert_true(v->release_holes);
   assert_int_equal(v->trace_capacity, 0);
   assert_int_equal(v->host_capacity, 24 * TIDE_GiB);
   assert_int_equal(v->host_granularity, 2 * TIDE_MiB);
@@ -84,7 +84,7 @@ static void test_defaults(void **state) {
   assert_string_equal(get(config, "memory_fraction"), "1.0");
   assert_string_equal(get(config, "host_capacity"), "24GiB");
   assert_string_equal(get(config, "host_granularity"), "2MiB");
-  assert_string_equal(get(config, "release_holes"), "False");
+  assert_string_equal(get(config, "release_holes"), "True");
   tide_config_free(config);
 }
 
@@ -211,7 +211,7 @@ static void test_values_reach_the_struct(void **state) {
   assert_int_equal(tide_config_parse(config,
                                      "backend:host,expandable_segments:False,page_size_mb:20,"
                                      "max_split_size_mb:200,garbage_collection_threshold:0.75,"
-                                     "memory_fraction:0.5,memory_limit:3GiB,release_holes:True,"
+                                     "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
                                      "trace:100,host_capacity:8GiB,host_granularity:64KiB,"
                                      "host_devices:4,roundup_power2_divisions:8"),
                    TIDE_OK);
@@ -223,7 +223,7 @@ static void test_values_reach_the_struct(void **state) {
   assert_true(v->gc_threshold == 0.75);
   assert_true(v->memory_fraction == 0.5);
   assert_int_equal(v->memory_limit, 3 * TIDE_GiB);
-  assert_true(v->release_holes);
+  assert_false(v->release_holes);
   assert_int_equal(v->trace_capacity, 100);
   assert_int_equal(v->host_capacity, 8 * TIDE_GiB);
   assert_int_equal(v->host_granularity, 64 * TIDE_KiB);
