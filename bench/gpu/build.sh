@@ -63,16 +63,18 @@ if [[ -z $cudart || ! -e $cudart ]]; then
   echo "torch_anchor: PyTorch does not load libcudart dynamically; using $cudart" >&2
 fi
 
-# Headers of that runtime: beside it (pip's nvidia/<package>/include, where
-# the other CUDA packages' headers lie too), else the toolkit's.
-cuda_inc=$(dirname "$cudart")/../include
+# Headers of that runtime: the toolkit's when there is one (pip's wheels can
+# ship cuda_runtime.h without the crt/ headers it includes), else beside the
+# runtime (pip's nvidia/<package>/include, with the other packages' headers).
+cuda_inc=$cuda_home/include
 extra_inc=()
-if [[ -e $cuda_inc/cuda_runtime_api.h && $cudart == */nvidia/* ]]; then
-  for dir in "$(dirname "$cudart")"/../../*/include; do
-    [[ -d $dir ]] && extra_inc+=(-isystem "$dir")
-  done
-elif [[ ! -e $cuda_inc/cuda_runtime_api.h ]]; then
-  cuda_inc=$cuda_home/include
+if [[ ! -e $cuda_inc/crt/host_config.h ]]; then
+  cuda_inc=$(dirname "$cudart")/../include
+  if [[ $cudart == */nvidia/* ]]; then
+    for dir in "$(dirname "$cudart")"/../../*/include; do
+      [[ -d $dir ]] && extra_inc+=(-isystem "$dir")
+    done
+  fi
 fi
 [[ -e $cuda_inc/cuda_runtime_api.h ]] || die "no cuda_runtime_api.h found (set CUDA_HOME)"
 
