@@ -72,8 +72,10 @@ tide_status tide_create(int device, const tide_config *config, tide_allocator **
   if (!out) return _tide_error_set(TIDE_ERR_INVALID, "tide_create: out is NULL");
   *out = NULL;
   if (device < 0) return _tide_error_set(TIDE_ERR_INVALID, "tide_create: device %d < 0", device);
-  tide_allocator *a = calloc(1, sizeof *a);
+  size_t bytes = (sizeof(tide_allocator) + 63) / 64 * 64;
+  tide_allocator *a = aligned_alloc(64, bytes); /* its shared counters own their lines */
   if (!a) return _tide_error_set(TIDE_ERR_OOM, "out of host memory for an allocator");
+  memset(a, 0, bytes);
   int rc = TIDE_OK;
   if (config) {
     a->config = _tide_config_clone(config);

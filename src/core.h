@@ -412,12 +412,13 @@ struct tide_allocator {
   bool plain_rounding;          /* no roundup_power2_divisions: sizes round to 512 B */
   size_t total_memory;          /* the device's */
   _Atomic size_t limit;         /* reserved may not exceed this */
+  atomic_bool shared_peak;      /* several arenas: keep `allocated` (read under arena locks) */
   /* Shared counters, each on its own cache line so that writing them does
-   * not evict the read-mostly fields above from other cores. */
+   * not evict the read-mostly fields above from other cores (the allocator
+   * is allocated 64-byte aligned for this). */
   _Alignas(64) _tide_global_stat reserved; /* all arenas: physical bytes held */
   _Alignas(64) _tide_global_stat allocated; /* all arenas, once shared_peak is set */
   _Alignas(64) char after_counters;
-  atomic_bool shared_peak;      /* several arenas: keep `allocated` (read under arena locks) */
   pthread_mutex_t arenas_mutex; /* guards the arena table */
   _tide_arena **arenas;
   _Atomic size_t narenas;
