@@ -353,11 +353,21 @@ static size_t growth_bytes(_tide_pool *pool, size_t rounded, size_t page, _tide_
   return (rounded + page - 1) / page * page;
 }
 
+/* The allocator's allocated peak. The shared counter holds it only once a
+ * second stream has an arena; until then the one arena's own peak is it. */
+static int64_t allocated_peak(const _tide_arena *arena) {
+  struct tide_allocator *a = arena->alloc;
+  if (atomic_load_explicit(&a->shared_peak, memory_order_relaxed))
+    return atomic_load(&a->allocated.peak);
+  return arena->stats.peak[_TIDE_ST_ALLOCATED][0];
+}
+
 /* Bytes growth may add before reserved memory passes both its own peak and
  * the slack above the allocated peak (negative when already past). */
-static int64_t growth_headroom(struct tide_allocator *a) {
+static int64_t growth_headroom(const _tide_arena *arena) {
+  struct tide_allocator *a = arena->alloc;
   int64_t ceiling = atomic_load(&a->reserved.peak);
-  int64_t slack = (int64_t)((double)atomic_load(&a->allocated.peak) * (1.0 + RELEASE_SLACK));
+  int64_t slack = (int64_t)((double)allocated_peak(arena) * (1.0 + RELEASE_SLACK));
   if (slack > ceiling) ceiling = slack;
   return ceiling - atomic_load(&a->reserved.cur);
 }
@@ -377,7 +387,7 @@ static void release_holes(_tide_arena *arena, _tide_pool *pool, size_t rounded) 
   struct tide_allocator *a = arena->alloc;
   _tide_growth g;
   size_t need = growth_bytes(pool, rounded, a->page_size, &g);
-  int64_t headroom = growth_headroom(a);
+  int64_t headroom = growth_headroom(arena);
   if (headroom >= (int64_t)need) return;
   if (headroom > 0) need = (need - (size_t)headroom + a->page_size - 1) / a->page_size * a->page_size;
   size_t cap = arena->pools[0].bins.count + arena->pools[1].bins.count, n = 0;

@@ -260,6 +260,34 @@ static void test_page_aware_placement(void **state) {
   destroy_clean(a);
 }
 
+/* With one stream, free pages stay mapped while growth keeps reserved
+ * memory within the release slack (1%) above the allocated peak: the
+ * allocator-wide allocated peak must be known before a second stream
+ * shares it. */
+static void test_release_waits_for_slack_with_one_stream(void **state) {
+  (void)state;
+  tide_allocator *a = make("release_holes:True");
+  void *first = tide_malloc(a, 2 * MiB, NULL);
+  void *big = tide_malloc(a, 400 * MiB, NULL);
+  assert_int_equal(stats_of(a).reserved_bytes[0].current, 402 * MiB);
+  /* first's page becomes whole and free; 4 MiB more fit under 1.01 x 402
+   * MiB, so growth maps two pages and unmaps none. */
+  tide_free(a, first, NULL);
+  void *more = tide_malloc(a, 4 * MiB, NULL);
+  tide_stats s = stats_of(a);
+  assert_int_equal(s.pages_unmapped, 0);
+  assert_int_equal(s.reserved_bytes[0].current, 406 * MiB);
+  /* Past the slack, the old free page is recycled instead of added to. */
+  void *last = tide_malloc(a, 4 * MiB, NULL);
+  s = stats_of(a);
+  assert_int_equal(s.pages_unmapped, 1);
+  assert_int_equal(s.reserved_bytes[0].current, 408 * MiB);
+  tide_free(a, big, NULL);
+  tide_free(a, more, NULL);
+  tide_free(a, last, NULL);
+  destroy_clean(a);
+}
+
 static void test_quick_reuse_and_flush(void **state) {
   (void)state;
   tide_allocator *a = make(NULL);
@@ -529,6 +557,7 @@ int main(void) {
       cmocka_unit_test(test_fixed_large_segments),
       cmocka_unit_test(test_expandable_maps_pages_on_demand),
       cmocka_unit_test(test_page_aware_placement),
+      cmocka_unit_test(test_release_waits_for_slack_with_one_stream),
       cmocka_unit_test(test_quick_reuse_and_flush),
       cmocka_unit_test(test_stream_ordered_reuse),
       cmocka_unit_test(test_free_on_other_stream),
