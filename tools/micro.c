@@ -471,7 +471,8 @@ static void print_help(void) {
          "  --conf STR   tidalloc options, \"key:value,...\"\n"
          "  --repeat N   timed batches per thread (default %d); the median is reported\n"
          "  --ops N      ops per batch (default: enough for a batch to last 20 ms)\n"
-         "  --threads L  thread counts to run, such as 1,2,4,8 (default 1,8)\n",
+         "  --threads L  thread counts to run, such as 1,2,4,8 (default 1,8)\n"
+         "  --only L     allocators to run, such as tidalloc,glibc (default all)\n",
          DEFAULT_REPEAT);
 }
 
@@ -482,7 +483,20 @@ typedef struct micro_args {
   uint64_t ops;
   int threads[MAX_THREAD_COUNTS];
   size_t thread_count;
+  const char *only; /* comma-separated allocator names, NULL: all */
 } micro_args;
+
+/* Whether `name` is in the comma-separated list (NULL: every name is). */
+static bool selected(const char *list, const char *name) {
+  if (list == NULL) return true;
+  size_t len = strlen(name);
+  for (const char *at = list; *at != '\0';) {
+    size_t item = strcspn(at, ",");
+    if (item == len && strncmp(at, name, len) == 0) return true;
+    at += item + (at[item] == ',');
+  }
+  return false;
+}
 
 /* "1,2,8" into args->threads; false if it is not such a list. */
 static bool parse_thread_list(const char *text, micro_args *args) {
@@ -529,6 +543,14 @@ static int parse_args(int argc, char **argv, micro_args *args) {
                   "'%s'", MAX_THREADS, MAX_THREAD_COUNTS, value);
         return CLI_EXIT_USAGE;
       }
+    } else if (cli_option_value(argc, argv, &i, "--only", &value, &bad)) {
+      args->only = value;
+      bool known = false;
+      for (size_t a = 0; a < anchor_count; a++) known |= selected(value, anchors[a].name);
+      if (!bad && !known) {
+        cli_error("micro: --only names no allocator this build has: '%s'", value);
+        return CLI_EXIT_USAGE;
+      }
     } else if (cli_option_value(argc, argv, &i, "--ops", &value, &bad)) {
       if (!bad && (!cli_parse_u64(value, &args->ops) || args->ops == 0)) {
         cli_error("micro: --ops wants a positive count, not '%s'", value);
@@ -563,6 +585,7 @@ int tide_cli_micro(int argc, char **argv) {
   for (size_t s = 0; s < size_count; s++) {
     size_t size = s < size_count - 1 ? pair_sizes[s] : 0;
     for (size_t a = 0; a < anchor_count; a++) {
+      if (!selected(args.only, anchors[a].name)) continue;
       /* The batch one thread needs for 20 ms serves the other thread counts
        * too, so that contention shows as longer batches. */
       uint64_t ops = args.ops;
@@ -575,11 +598,11 @@ int tide_cli_micro(int argc, char **argv) {
           if (!measure(&anchors[a], args.conf, size, 1, 0, 1, &probe)) goto failed;
           ops = probe.ops;
         }
-        if (!measure(&anchors[a], args.conf, size, threads, ops, (int)args.repeat,
-                     &results[n])) {
+        result *slot = &results[(s * anchor_count + a) * thread_count + t];
+        if (!measure(&anchors[a], args.conf, size, threads, ops, (int)args.repeat, slot)) {
           goto failed;
         }
-        ops = results[n].ops;
+        ops = slot->ops;
         n++;
       }
     }
@@ -596,7 +619,8 @@ int tide_cli_micro(int argc, char **argv) {
   for (size_t s = 0; s < size_count; s++) {
     for (size_t t = 0; t < thread_count; t++) {
       for (size_t a = 0; a < anchor_count; a++) {
-        ordered[m++] = results[(s * anchor_count + a) * thread_count + t];
+        const result *r = &results[(s * anchor_count + a) * thread_count + t];
+        if (r->allocator != NULL) ordered[m++] = *r; /* left out by --only otherwise */
       }
     }
   }
