@@ -189,6 +189,18 @@ TIDE_API tide_status tide_stream_create(tide_allocator *alloc, tide_stream *out)
 TIDE_API tide_status tide_stream_destroy(tide_allocator *alloc, tide_stream stream);
 TIDE_API tide_status tide_stream_synchronize(tide_allocator *alloc, tide_stream stream);
 
+/* Copy `bytes` bytes from `src` to `dst`, ordered on `stream`. Either side
+ * may be device memory (of any device the addresses are known to) or host
+ * memory; with device or pinned memory on both sides the copy is
+ * asynchronous: it is queued on `stream` and the call returns at once, so
+ * synchronize the stream before the CPU reads the destination. The ranges
+ * must not overlap. 0 bytes is a no-op. On CUDA it is cuMemcpyAsync (unified
+ * addressing); on the host backend the copy is done at once, even on a held
+ * stream, and a range that reaches into emulated device memory must be
+ * mapped, or the copy is refused. */
+TIDE_API tide_status tide_memcpy(tide_allocator *alloc, void *dst, const void *src, size_t bytes,
+                                 tide_stream stream);
+
 /* ------------------------------------------------------------------------ */
 /* Statistics, snapshots and the trace                                      */
 /* ------------------------------------------------------------------------ */
@@ -270,6 +282,49 @@ TIDE_API tide_status tide_trace_read(tide_allocator *alloc, tide_trace_event *ou
                                      size_t *n, uint64_t *dropped);
 
 /* ------------------------------------------------------------------------ */
+/* Pinned host memory                                                       */
+/* ------------------------------------------------------------------------ */
+
+/* A cache of pinned (page-locked) host memory for asynchronous copies to and
+ * from the device, such as outputs offloaded every frame. Each allocator has
+ * one. Sizes are rounded up to a power of two of at least 4 KiB (pinning
+ * works in whole pages), and each size keeps its own free list; cached
+ * blocks go back to the system only through tide_pinned_empty_cache, the
+ * out-of-memory path or tide_destroy. On CUDA the memory comes from
+ * cuMemHostAlloc (portable, mapped into the device's address space, so that
+ * kernels may read it too); on the host backend from mmap.
+ *
+ * Reuse is ordered by streams as for device memory: a block freed on the
+ * stream it was allocated on is reused at once by later requests on that
+ * stream, and by requests on other streams once the work queued on its
+ * stream before the free is done. A block freed on another stream, or
+ * recorded on other streams, waits for their queued work first. The CPU is
+ * not a stream: before writing into a block with the CPU, make sure the work
+ * queued earlier on its stream is done (a block just reused on the same
+ * stream may still be the target of the previous owner's copy). */
+
+/* At least `size` bytes of pinned host memory for use on `stream`, aligned
+ * to 4 KiB. NULL on failure: size 0 or too large (TIDE_ERR_INVALID), an
+ * unknown stream (TIDE_ERR_INVALID), or no pinned memory even after freeing
+ * every cached block and retrying (TIDE_ERR_OOM, with a message). */
+TIDE_API void *tide_pinned_malloc(tide_allocator *alloc, size_t size, tide_stream stream);
+/* Free a pinned block; `stream` as in tide_free. A NULL ptr is a no-op. */
+TIDE_API tide_status tide_pinned_free(tide_allocator *alloc, void *ptr, tide_stream stream);
+/* Mark a pinned block as used on another stream, as tide_record_stream. */
+TIDE_API tide_status tide_pinned_record_stream(tide_allocator *alloc, void *ptr,
+                                               tide_stream stream);
+/* Return every cached pinned block to the system, waiting first for blocks
+ * whose streams still use them. Blocks in use stay. */
+TIDE_API tide_status tide_pinned_empty_cache(tide_allocator *alloc);
+/* The pinned pool's figures, in the device's struct: allocated, requested,
+ * active (allocated plus freed blocks waiting on streams), reserved (pinned
+ * bytes held, cached included), allocations, active blocks and segments
+ * (each block is one pinned allocation of the backend). The small pool holds
+ * the blocks of up to 1 MiB, the large pool the others; inactive_split
+ * figures, pages and the memory limit are 0 (blocks are never split). */
+TIDE_API tide_status tide_pinned_get_stats(tide_allocator *alloc, tide_stats *out);
+
+/* ------------------------------------------------------------------------ */
 /* Devices and the backend                                                  */
 /* ------------------------------------------------------------------------ */
 
@@ -310,6 +365,9 @@ typedef enum tide_backend_op {
   TIDE_OP_EVENT_QUERY,
   TIDE_OP_EVENT_SYNCHRONIZE,
   TIDE_OP_MEM_INFO,
+  TIDE_OP_HOST_ALLOC,
+  TIDE_OP_HOST_FREE,
+  TIDE_OP_COPY,
   TIDE_OP_COUNT
 } tide_backend_op;
 

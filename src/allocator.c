@@ -1,6 +1,7 @@
 /* allocator.c: the device allocator behind the public API — creation, the
  * arena of each stream, malloc and free, the memory limit and the
- * out-of-memory path, streams, and the host backend's controls.
+ * out-of-memory path, streams, copies, the entry points of the pinned pool
+ * (pinned.c), and the host backend's controls.
  *
  * The fast path of tide_malloc/tide_free is: find the stream's arena in a
  * per-thread cache, take its lock, best fit (or merge) in its bins, update
@@ -12,6 +13,7 @@
 #include <string.h>
 
 #include "core.h"
+#include "pinned.h"
 
 static _Atomic uint64_t next_allocator_id = 1;
 
@@ -89,6 +91,7 @@ tide_status tide_create(int device, const tide_config *config, tide_allocator **
   if ((rc = open_backend(a))) goto fail;
   if ((rc = read_device(a))) goto fail_backend;
   if ((rc = _tide_trace_init(&a->trace, a->conf.trace_capacity))) goto fail_backend;
+  if ((rc = _tide_pinned_create(a, &a->pinned))) goto fail_trace;
   atomic_init(&a->limit, limit_of(a, a->conf.memory_fraction, a->conf.memory_limit));
   pthread_mutex_init(&a->arenas_mutex, NULL);
   pthread_mutex_init(&a->reclaim_mutex, NULL);
@@ -96,6 +99,8 @@ tide_status tide_create(int device, const tide_config *config, tide_allocator **
   a->magic = _TIDE_MAGIC;
   *out = a;
   return TIDE_OK;
+fail_trace:
+  _tide_trace_destroy(&a->trace);
 fail_backend:
   a->backend.ops->destroy(a->backend.ctx);
 fail:
@@ -110,6 +115,7 @@ tide_status tide_destroy(tide_allocator *a) {
   size_t n = atomic_load(&a->narenas);
   for (size_t i = 0; i < n; i++) unfreed += _tide_arena_destroy(a->arenas[i]);
   free(a->arenas);
+  unfreed += _tide_pinned_destroy(a->pinned);
   a->backend.ops->destroy(a->backend.ctx);
   _tide_trace_destroy(&a->trace);
   tide_config_free(a->config);
@@ -564,6 +570,7 @@ tide_status tide_stream_destroy(tide_allocator *a, tide_stream stream) {
   if (!stream)
     return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "the default stream cannot be destroyed");
   retire_arena(a, stream);
+  _tide_pinned_stream_gone(a->pinned, stream);
   return (tide_status)a->backend.ops->stream_destroy(a->backend.ctx, stream);
 }
 
@@ -571,6 +578,66 @@ tide_status tide_stream_synchronize(tide_allocator *a, tide_stream stream) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   return (tide_status)a->backend.ops->stream_synchronize(a->backend.ctx, stream);
 }
+
+tide_status tide_memcpy(tide_allocator *a, void *dst, const void *src, size_t bytes,
+                        tide_stream stream) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  if (bytes == 0) return TIDE_OK;
+  uintptr_t to = (uintptr_t)dst, from = (uintptr_t)src;
+  if (!dst || !src)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_memcpy(%zu bytes): the %s is NULL",
+                                        bytes, dst ? "source" : "destination");
+  if (bytes > TIDE_MAX_ALLOC || to + bytes < to || from + bytes < from)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID,
+                                        "tide_memcpy(%p <- %p): %zu bytes are more than any "
+                                        "device holds, or run past the end of the address space",
+                                        dst, src, bytes);
+  if (to < from + bytes && from < to + bytes)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID,
+                                        "tide_memcpy(%p <- %p, %zu bytes): the ranges overlap, "
+                                        "and a copy between overlapping ranges is undefined; "
+                                        "copy through a block of its own", dst, src, bytes);
+  const _tide_backend *be = &a->backend;
+  int rc = be->ops->copy(be->ctx, dst, src, bytes, stream);
+  if (rc) _tide_error_prefix("tide_memcpy(%p <- %p, %zu bytes) failed", dst, src, bytes);
+  return (tide_status)rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Pinned host memory (pinned.c)                                             */
+/* ------------------------------------------------------------------------ */
+
+void *tide_pinned_malloc(tide_allocator *a, size_t size, tide_stream stream) {
+  CHECK_ALLOCATOR(a, NULL);
+  return _tide_pinned_malloc(a->pinned, size, stream);
+}
+
+tide_status tide_pinned_free(tide_allocator *a, void *ptr, tide_stream stream) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  return (tide_status)_tide_pinned_free(a->pinned, ptr, stream);
+}
+
+tide_status tide_pinned_record_stream(tide_allocator *a, void *ptr, tide_stream stream) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  return (tide_status)_tide_pinned_record_stream(a->pinned, ptr, stream);
+}
+
+tide_status tide_pinned_empty_cache(tide_allocator *a) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  return (tide_status)_tide_pinned_empty_cache(a->pinned);
+}
+
+tide_status tide_pinned_get_stats(tide_allocator *a, tide_stats *out) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  if (!out)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_pinned_get_stats: out is NULL");
+  _tide_pinned_stats(a->pinned, out);
+  return TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The device                                                                */
+/* ------------------------------------------------------------------------ */
 
 tide_status tide_get_info(tide_allocator *a, tide_info *out) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);

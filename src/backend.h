@@ -20,8 +20,16 @@
  *   [addr, addr+size) is unmapped; size is the handle's whole size. The same
  *   handle may be mapped at several addresses (ring buffers use this).
  * - set_access: [addr, addr+size) is fully mapped; after it the device (and on
- *   the host backend, the CPU) may read and write the range.
+ *   the host backend, the CPU) may read and write the range. On CUDA, with
+ *   peer_access, every peer device that can access this one's memory may
+ *   too (the backend finds them when it opens).
  * - unmap: exactly one earlier mapping (its address and size).
+ * - host_alloc: pinned host memory of at least `size` bytes (size > 0),
+ *   page-aligned, readable and writable by the CPU and usable in copies;
+ *   TIDE_ERR_OOM when there is no more. host_free: a pointer host_alloc
+ *   returned, once.
+ * - copy: `bytes` > 0, the ranges do not overlap; ordered on `stream` (the
+ *   host backend copies at once).
  * - streams: NULL is the default stream. Events recorded on a stream complete
  *   once the work queued on it before the record is done; event_query answers
  *   TIDE_OK (done) or TIDE_ERR_NOT_READY. */
@@ -53,6 +61,10 @@ typedef struct _tide_backend_ops {
   int (*map)(void *ctx, uintptr_t addr, size_t size, _tide_handle handle);
   int (*set_access)(void *ctx, uintptr_t addr, size_t size);
   int (*unmap)(void *ctx, uintptr_t addr, size_t size);
+
+  int (*host_alloc)(void *ctx, size_t size, void **out);
+  int (*host_free)(void *ctx, void *ptr);
+  int (*copy)(void *ctx, void *dst, const void *src, size_t bytes, tide_stream stream);
 
   int (*stream_create)(void *ctx, tide_stream *out);
   int (*stream_destroy)(void *ctx, tide_stream stream);

@@ -10,8 +10,20 @@
  *
  * How it meets the driver:
  * - Memory: cuMemAddressReserve / cuMemCreate (pinned, on the device) /
- *   cuMemMap / cuMemSetAccess (read-write for this device) / cuMemUnmap /
- *   cuMemRelease / cuMemAddressFree, at the minimum granularity.
+ *   cuMemMap / cuMemSetAccess / cuMemUnmap / cuMemRelease / cuMemAddressFree,
+ *   at the minimum granularity.
+ * - Access: read-write for this device and, with peer_access (the default),
+ *   for every other device that cuDeviceCanAccessPeer says can reach this
+ *   one's memory, in one cuMemSetAccess call. The runtime's peer switches
+ *   (cudaDeviceEnablePeerAccess) do not cover memory mapped this way, so
+ *   without it a kernel on another GPU could not touch our blocks. The
+ *   peers are found once, when the backend opens.
+ * - Pinned host memory: cuMemHostAlloc (portable and device-mapped, as
+ *   PyTorch's host allocator asks) / cuMemFreeHost. Copies: cuMemcpyAsync,
+ *   which with unified addressing finds the direction from the pointers.
+ *   These entry points and cuDeviceCanAccessPeer are optional: a driver
+ *   without them still serves device memory, and the call that needs one
+ *   says that the driver lacks it.
  * - Context: the device's primary context, retained while the backend is
  *   open, so that memory and streams are shared with the CUDA runtime (and
  *   PyTorch). A call makes it current only if the calling thread has another
@@ -169,6 +181,11 @@ typedef struct cuda_driver {
   CUresult (*event_record)(CUevent, CUstream);
   CUresult (*event_query)(CUevent);
   CUresult (*event_synchronize)(CUevent);
+  /* Optional: NULL when the driver lacks them. */
+  CUresult (*device_can_access_peer)(int *, CUdevice, CUdevice);
+  CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+  CUresult (*mem_host_alloc)(void **, size_t, unsigned int);
+  CUresult (*mem_free_host)(void *);
 } cuda_driver;
 
 typedef struct driver_symbol {
@@ -208,6 +225,12 @@ static const driver_symbol proc_symbols[] = {
     SYMBOL("cuEventRecord", event_record),
     SYMBOL("cuEventQuery", event_query),
     SYMBOL("cuEventSynchronize", event_synchronize),
+};
+static const driver_symbol optional_symbols[] = {
+    SYMBOL("cuDeviceCanAccessPeer", device_can_access_peer),
+    SYMBOL("cuMemcpyAsync", memcpy_async),
+    SYMBOL("cuMemHostAlloc", mem_host_alloc),
+    SYMBOL("cuMemFreeHost", mem_free_host),
 };
 #undef SYMBOL
 
@@ -338,6 +361,15 @@ static bool find_proc_symbols(cuda_driver *drv, char *why, size_t len) {
   return true;
 }
 
+/* What the driver lacks stays NULL; the calls that need it say so. */
+static void find_optional_symbols(cuda_driver *drv) {
+  for (size_t i = 0; i < sizeof optional_symbols / sizeof optional_symbols[0]; i++) {
+    void *fn = NULL;
+    if (get_proc(drv, optional_symbols[i].name, &fn) != CUDA_SUCCESS) fn = NULL;
+    set_entry(drv, optional_symbols[i].offset, fn);
+  }
+}
+
 static bool count_devices(cuda_driver *drv, char *why, size_t len) {
   char err[160];
   CUresult r = drv->device_get_count(&drv->device_count);
@@ -369,7 +401,9 @@ static bool load(cuda_driver *drv, char *why, size_t len) {
              r == CUDA_ERROR_NO_DEVICE ? ": no GPU is visible to this process" : "");
     return false;
   }
-  return find_proc_symbols(drv, why, len) && count_devices(drv, why, len);
+  if (!find_proc_symbols(drv, why, len)) return false;
+  find_optional_symbols(drv);
+  return count_devices(drv, why, len);
 }
 
 /* The driver, loaded on first use; NULL with the reason set if it cannot be. */
@@ -416,6 +450,9 @@ typedef struct cuda_device {
   int ordinal;
   CUcontext ctx; /* the primary context, retained */
   size_t granularity;
+  /* Who may read and write our memory: this device, then its peers. */
+  CUmemAccessDesc *access;
+  size_t naccess;
   pthread_mutex_t shifted_lock;
   shifted_range *shifted;
   size_t nshifted, shifted_cap;
@@ -697,22 +734,29 @@ static int cuda_map(void *ctx, uintptr_t addr, size_t size, _tide_handle handle)
   return TIDE_OK;
 }
 
+/* "device 0", or "device 0 and its peers 1, 3 (peer_access:True; ...)". */
+static const char *access_text(const cuda_device *d, char *buf, size_t len) {
+  size_t used = (size_t)snprintf(buf, len, "device %d", d->ordinal);
+  for (size_t i = 1; i < d->naccess && used < len; i++)
+    used += (size_t)snprintf(buf + used, len - used, "%s%d", i == 1 ? " and its peers " : ", ",
+                             d->access[i].location.id);
+  if (d->naccess > 1 && used < len)
+    snprintf(buf + used, len - used,
+             " (peer_access:True; set peer_access:False if the peers need not reach it)");
+  return buf;
+}
+
 static int cuda_set_access(void *ctx, uintptr_t addr, size_t size) {
   cuda_device *d = ctx;
-  char a[32];
-  CUmemAccessDesc desc;
-  memset(&desc, 0, sizeof desc);
-  desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  desc.location.id = d->ordinal;
-  desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  char a[32], who[256];
   scope s;
   int rc = enter(d, &s, "making memory accessible");
   if (rc) return rc;
-  CUresult r = d->drv.mem_set_access((CUdeviceptr)addr, size, &desc, 1);
+  CUresult r = d->drv.mem_set_access((CUdeviceptr)addr, size, d->access, d->naccess);
   leave(d, &s);
   if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuMemSetAccess", "making %s at %p readable and writable",
-                bytes_text(size, a), (void *)addr);
+    return fail(d, r, "cuMemSetAccess", "making %s at %p readable and writable by %s",
+                bytes_text(size, a), (void *)addr, access_text(d, who, sizeof who));
   return TIDE_OK;
 }
 
@@ -729,10 +773,6 @@ static int cuda_unmap(void *ctx, uintptr_t addr, size_t size) {
   return TIDE_OK;
 }
 
-/* ------------------------------------------------------------------------ */
-/* Streams and events                                                        */
-/* ------------------------------------------------------------------------ */
-
 static CUstream cu_stream(tide_stream stream) { return (CUstream)(void *)stream; }
 
 static const char *stream_text(tide_stream stream, char *buf, size_t len) {
@@ -740,6 +780,68 @@ static const char *stream_text(tide_stream stream, char *buf, size_t len) {
   snprintf(buf, len, "stream %p", (void *)stream);
   return buf;
 }
+
+/* ------------------------------------------------------------------------ */
+/* Pinned host memory and copies                                             */
+/* ------------------------------------------------------------------------ */
+
+static int driver_lacks(const cuda_device *d, const char *call, const char *what) {
+  return _tide_error_set(TIDE_ERR_UNAVAILABLE,
+                         "CUDA device %d: %s needs %s, which the NVIDIA driver (CUDA %d.%d) does "
+                         "not provide; update the driver",
+                         d->ordinal, what, call, d->drv.version / 1000, d->drv.version % 1000 / 10);
+}
+
+static int cuda_host_alloc(void *ctx, size_t size, void **out) {
+  cuda_device *d = ctx;
+  char a[32];
+  if (!out) return _tide_error_set(TIDE_ERR_INVALID, "host_alloc: NULL output");
+  if (!d->drv.mem_host_alloc) return driver_lacks(d, "cuMemHostAlloc", "pinned host memory");
+  void *p = NULL;
+  scope s;
+  int rc = enter(d, &s, "allocating pinned host memory");
+  if (rc) return rc;
+  CUresult r =
+      d->drv.mem_host_alloc(&p, size, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
+  leave(d, &s);
+  if (r != CUDA_SUCCESS)
+    return fail(d, r, "cuMemHostAlloc", "allocating %s of pinned host memory", bytes_text(size, a));
+  *out = p;
+  return TIDE_OK;
+}
+
+static int cuda_host_free(void *ctx, void *ptr) {
+  cuda_device *d = ctx;
+  if (!d->drv.mem_free_host) return driver_lacks(d, "cuMemFreeHost", "freeing pinned memory");
+  scope s;
+  int rc = enter(d, &s, "freeing pinned host memory");
+  if (rc) return rc;
+  CUresult r = d->drv.mem_free_host(ptr);
+  leave(d, &s);
+  if (r != CUDA_SUCCESS)
+    return fail(d, r, "cuMemFreeHost", "freeing pinned host memory at %p", ptr);
+  return TIDE_OK;
+}
+
+static int cuda_copy(void *ctx, void *dst, const void *src, size_t bytes, tide_stream stream) {
+  cuda_device *d = ctx;
+  char a[32], text[48];
+  if (!d->drv.memcpy_async) return driver_lacks(d, "cuMemcpyAsync", "copying");
+  scope s;
+  int rc = enter(d, &s, "copying memory");
+  if (rc) return rc;
+  CUresult r = d->drv.memcpy_async((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, bytes,
+                                   cu_stream(stream));
+  leave(d, &s);
+  if (r != CUDA_SUCCESS)
+    return fail(d, r, "cuMemcpyAsync", "copying %s from %p to %p on %s", bytes_text(bytes, a), src,
+                dst, stream_text(stream, text, sizeof text));
+  return TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Streams and events                                                        */
+/* ------------------------------------------------------------------------ */
 
 /* TIDE_OK if waiting for `stream` cannot disturb a graph capture; otherwise
  * TIDE_ERR_NOT_READY with the reason. Inside a scope. */
@@ -928,6 +1030,7 @@ static void cuda_destroy(void *ctx) {
   if (!d) return;
   /* Errors are ignored: at process exit the driver may already be gone. */
   if (d->ctx) d->drv.primary_ctx_release(d->dev);
+  free(d->access);
   free(d->shifted);
   pthread_mutex_destroy(&d->shifted_lock);
   free(d);
@@ -947,6 +1050,9 @@ static const _tide_backend_ops cuda_ops = {
     .map = cuda_map,
     .set_access = cuda_set_access,
     .unmap = cuda_unmap,
+    .host_alloc = cuda_host_alloc,
+    .host_free = cuda_host_free,
+    .copy = cuda_copy,
     .stream_create = cuda_stream_create,
     .stream_destroy = cuda_stream_destroy,
     .stream_synchronize = cuda_stream_synchronize,
@@ -1003,8 +1109,42 @@ static int open_device(cuda_device *d) {
   return TIDE_OK;
 }
 
+static CUmemAccessDesc read_write(int ordinal) {
+  CUmemAccessDesc desc;
+  memset(&desc, 0, sizeof desc);
+  desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  desc.location.id = ordinal;
+  desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return desc;
+}
+
+/* Whether device `ordinal` can map our memory: peer access to us, and the
+ * virtual memory management our mappings are made with. A failed query
+ * only means "no": the device keeps its own access either way. */
+static bool peer_can_access(const cuda_device *d, int ordinal) {
+  CUdevice peer;
+  int can = 0, vmm = 0;
+  if (d->drv.device_get(&peer, ordinal) != CUDA_SUCCESS) return false;
+  if (d->drv.device_can_access_peer(&can, peer, d->dev) != CUDA_SUCCESS || !can) return false;
+  if (d->drv.device_get_attribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                                  peer) != CUDA_SUCCESS)
+    return false;
+  return vmm != 0;
+}
+
+/* The access descriptors set_access hands the driver: ours first. */
+static int find_peers(cuda_device *d, bool peer_access) {
+  int count = d->drv.device_count > 0 ? d->drv.device_count : 1;
+  d->access = calloc((size_t)count, sizeof *d->access);
+  if (!d->access) return _tide_error_set(TIDE_ERR_OOM, "CUDA backend: out of host memory");
+  d->access[d->naccess++] = read_write(d->ordinal);
+  if (!peer_access || !d->drv.device_can_access_peer) return TIDE_OK;
+  for (int i = 0; i < count; i++)
+    if (i != d->ordinal && peer_can_access(d, i)) d->access[d->naccess++] = read_write(i);
+  return TIDE_OK;
+}
+
 int _tide_cuda_open(const _tide_conf_values *conf, int device, _tide_backend *out) {
-  (void)conf;
   if (!out) return _tide_error_set(TIDE_ERR_INVALID, "CUDA backend: NULL output");
   const cuda_driver *drv = driver_get();
   if (!drv) return TIDE_ERR_UNAVAILABLE;
@@ -1020,6 +1160,7 @@ int _tide_cuda_open(const _tide_conf_values *conf, int device, _tide_backend *ou
   d->ordinal = device;
   pthread_mutex_init(&d->shifted_lock, NULL);
   int rc = open_device(d);
+  if (!rc) rc = find_peers(d, conf ? conf->peer_access : true);
   if (rc) {
     cuda_destroy(d);
     return rc;

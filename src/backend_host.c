@@ -15,6 +15,16 @@
  * - Streams complete their work at once unless held; a held stream keeps
  *   every event recorded on it pending until it is released (as if a long
  *   kernel ran). Ids of streams and events are slot numbers plus generations.
+ * - Pinned host memory (host_alloc) is plain page-aligned anonymous memory,
+ *   counted against nothing: the emulated device's capacity is device memory.
+ *   Its ranges are remembered, so host_free knows their sizes.
+ * - copy() copies at once, even on a held stream: holding models work that
+ *   takes long, and a copy ordered on it would only be finished early, which
+ *   no correct caller can tell. A range that reaches into reserved address
+ *   space must be mapped (else the copy is refused as the driver would), and
+ *   one that reaches into pinned memory must stay inside one allocation;
+ *   other ranges are ordinary host memory.
+ * - Peer access: there is only one address space, so there is nothing to do.
  * - Every operation counts its calls and may be told to fail its n-th call.
  *
  * One mutex guards the tables; call counters and fault triggers are atomics. */
@@ -62,6 +72,9 @@ static const char *const op_names[TIDE_OP_COUNT] = {
     [TIDE_OP_EVENT_QUERY] = "event_query",
     [TIDE_OP_EVENT_SYNCHRONIZE] = "event_synchronize",
     [TIDE_OP_MEM_INFO] = "mem_info",
+    [TIDE_OP_HOST_ALLOC] = "host_alloc",
+    [TIDE_OP_HOST_FREE] = "host_free",
+    [TIDE_OP_COPY] = "copy",
 };
 
 const char *tide_backend_op_name(tide_backend_op op) {
@@ -136,6 +149,7 @@ typedef struct host_device {
 
   range_table reserved;
   range_table mapped;
+  range_table pinned; /* host_alloc's allocations */
 
   host_stream *streams; /* slot 0: the default stream */
   size_t stream_count, stream_cap;
@@ -887,6 +901,102 @@ static int host_event_synchronize(void *ctx, _tide_event event) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* Pinned host memory and copies                                            */
+/* ------------------------------------------------------------------------ */
+
+static size_t system_page(void) { return (size_t)sysconf(_SC_PAGESIZE); }
+
+static int host_host_alloc(void *ctx, size_t size, void **out) {
+  host_device *d = ctx;
+  char a[32];
+  int rc = enter(d, TIDE_OP_HOST_ALLOC);
+  if (rc) return rc;
+  if (!out) return _tide_error_set(TIDE_ERR_INVALID, "host_alloc: NULL output");
+  size_t page = system_page();
+  if (size == 0 || size > SIZE_MAX - page)
+    return _tide_error_set(TIDE_ERR_INVALID, "host_alloc: size %zu is 0 or too large", size);
+  size_t bytes = (size + page - 1) / page * page;
+  lock(d);
+  if (!range_make_room(&d->pinned)) {
+    unlock(d);
+    return oom_tables("pinned memory");
+  }
+  void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    int err = errno;
+    unlock(d);
+    return _tide_error_set(err == ENOMEM ? TIDE_ERR_OOM : TIDE_ERR_BACKEND,
+                           "host_alloc: could not allocate %s of pinned host memory: %s",
+                           bytes_text(bytes, a), strerror(err));
+  }
+  range_insert(&d->pinned, (host_range){.addr = (uintptr_t)p, .size = bytes});
+  unlock(d);
+  *out = p;
+  return TIDE_OK;
+}
+
+static int host_host_free(void *ctx, void *ptr) {
+  host_device *d = ctx;
+  int rc = enter(d, TIDE_OP_HOST_FREE);
+  if (rc) return rc;
+  lock(d);
+  size_t i = range_find_le(&d->pinned, (uintptr_t)ptr);
+  if (!ptr || i == SIZE_MAX || d->pinned.items[i].addr != (uintptr_t)ptr) {
+    unlock(d);
+    return _tide_error_set(TIDE_ERR_BACKEND,
+                           "host_free: %p is not pinned memory that host_alloc returned (or it "
+                           "was freed already)",
+                           ptr);
+  }
+  munmap(ptr, d->pinned.items[i].size);
+  range_remove(&d->pinned, i);
+  unlock(d);
+  return TIDE_OK;
+}
+
+/* Whether a copy may touch [addr, addr+size): device memory must be mapped,
+ * pinned memory must not be overrun. Under the lock. */
+static bool copy_range_ok(host_device *d, const char *side, uintptr_t addr, size_t size) {
+  if (range_overlaps(&d->reserved, addr, size)) {
+    if (range_containing(&d->reserved, addr, size) == SIZE_MAX ||
+        !range_covered(&d->mapped, addr, size)) {
+      _tide_error_set(TIDE_ERR_BACKEND,
+                      "copy: the %s [0x%llx, +%zu) reaches into device address space that is "
+                      "not mapped (an illegal address on a GPU)",
+                      side, (unsigned long long)addr, size);
+      return false;
+    }
+  }
+  if (range_overlaps(&d->pinned, addr, size) &&
+      range_containing(&d->pinned, addr, size) == SIZE_MAX) {
+    _tide_error_set(TIDE_ERR_BACKEND,
+                    "copy: the %s [0x%llx, +%zu) runs past the end of its pinned allocation", side,
+                    (unsigned long long)addr, size);
+    return false;
+  }
+  return true;
+}
+
+static int host_copy(void *ctx, void *dst, const void *src, size_t bytes, tide_stream stream) {
+  host_device *d = ctx;
+  int rc = enter(d, TIDE_OP_COPY);
+  if (rc) return rc;
+  uintptr_t to = (uintptr_t)dst, from = (uintptr_t)src;
+  if (!dst || !src || bytes == 0 || to + bytes < to || from + bytes < from)
+    return _tide_error_set(TIDE_ERR_INVALID, "copy: NULL pointer, 0 bytes or a range that wraps");
+  if (to < from + bytes && from < to + bytes)
+    return _tide_error_set(TIDE_ERR_INVALID, "copy: the ranges overlap");
+  lock(d);
+  uint32_t slot;
+  bool ok = stream_find(d, stream, "copy", false, &slot) &&
+            copy_range_ok(d, "destination", to, bytes) && copy_range_ok(d, "source", from, bytes);
+  /* Under the lock, so that no unmap can take the pages away meanwhile. */
+  if (ok) memcpy(dst, src, bytes);
+  unlock(d);
+  return ok ? TIDE_OK : tide_last_status();
+}
+
+/* ------------------------------------------------------------------------ */
 /* Opening and destroying                                                   */
 /* ------------------------------------------------------------------------ */
 
@@ -896,12 +1006,15 @@ static void host_destroy(void *ctx) {
   /* Unmapping a reservation takes the mappings inside it along. */
   for (size_t i = 0; i < d->reserved.count; i++)
     munmap((void *)d->reserved.items[i].addr, d->reserved.items[i].size);
+  for (size_t i = 0; i < d->pinned.count; i++)
+    munmap((void *)d->pinned.items[i].addr, d->pinned.items[i].size);
   if (d->memfd >= 0) close(d->memfd);
   free(d->unit_bits);
   free(d->handles);
   free(d->free_handles.items);
   free(d->reserved.items);
   free(d->mapped.items);
+  free(d->pinned.items);
   free(d->streams);
   free(d->free_streams.items);
   free(d->events);
@@ -924,6 +1037,9 @@ static const _tide_backend_ops host_ops = {
     .map = host_map,
     .set_access = host_set_access,
     .unmap = host_unmap,
+    .host_alloc = host_host_alloc,
+    .host_free = host_host_free,
+    .copy = host_copy,
     .stream_create = host_stream_create,
     .stream_destroy = host_stream_destroy,
     .stream_synchronize = host_stream_synchronize,

@@ -490,6 +490,14 @@ static void format_host_devices(const _tide_conf_values *v, char *buf, size_t le
   snprintf(buf, len, "%d", v->host_devices);
 }
 
+static bool parse_peer_access(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  return parse_bool(s, &v->peer_access, why, why_len);
+}
+
+static void format_peer_access(const _tide_conf_values *v, char *buf, size_t len) {
+  format_bool(v->peer_access, buf, len);
+}
+
 static const option options[] = {
     {"backend", "auto",
      "device backend: cuda, host (an emulated device in host memory), or auto (cuda where a "
@@ -531,6 +539,11 @@ static const option options[] = {
      "when growing would raise reserved memory past its peak, first unmap whole free pages "
      "inside the segments, so physical memory is reused instead of added",
      "True or False (also true/false/1/0)", parse_release_holes, format_release_holes},
+    {"peer_access", "True",
+     "CUDA: every other GPU that can access this one's memory (cuDeviceCanAccessPeer) may read "
+     "and write the allocator's blocks, so kernels on several GPUs can share them; the host "
+     "backend has one address space and ignores it",
+     "True or False (also true/false/1/0)", parse_peer_access, format_peer_access},
     {"trace", "0", "events kept in the trace ring, read with tide_trace_read (0: off)",
      "a whole number from 0 to 16777216", parse_trace, format_trace},
     {"host_capacity", "24GiB", "memory of each emulated device of the host backend",
@@ -547,7 +560,7 @@ static const option options[] = {
 
 /* PyTorch allocator keys without a tidalloc counterpart, with a hint where a
  * tidalloc option does the same. */
-#define PINNED "; remove it (tidalloc does not allocate pinned host memory)"
+#define PINNED "; remove it (tidalloc's pinned pool, tide_pinned_malloc, has no such setting)"
 static const struct {
   const char *key;
   const char *hint;

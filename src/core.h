@@ -428,6 +428,7 @@ struct tide_allocator {
   _Atomic uint64_t num_ooms;
   _Atomic uint64_t num_sync_all_streams;
   _tide_trace_ring trace;
+  struct _tide_pinned *pinned;  /* the pinned host memory pool (pinned.c) */
 };
 
 /* Reserve physical budget under the memory limit; give it back. */

@@ -96,6 +96,7 @@ typedef struct _tide_conf_values {
   size_t host_capacity;              /* bytes of the emulated device */
   size_t host_granularity;           /* the emulated device's mapping granularity */
   int host_devices;                  /* emulated devices */
+  bool peer_access;                  /* CUDA: every GPU that can reach ours may use it */
 } _tide_conf_values;
 
 /* The values of a config (tide_config is opaque outside conf.c). */
