@@ -21,7 +21,7 @@ static _Atomic uint64_t next_allocator_id = 1;
 /* Validation                                                                */
 /* ------------------------------------------------------------------------ */
 
-static bool valid(const tide_allocator *a) { return a && a->magic == _TIDE_MAGIC; }
+static bool valid(const tide_allocator *a) { return _tide_allocator_valid(a); }
 
 #define CHECK_ALLOCATOR(a, fail)                                                              \
   do {                                                                                        \

@@ -431,6 +431,12 @@ struct tide_allocator {
   struct _tide_pinned *pinned;  /* the pinned host memory pool (pinned.c) */
 };
 
+/* A live allocator: not NULL, aligned as allocators are (a stray pointer
+ * must not be read at a misaligned address), and with its magic number. */
+static inline bool _tide_allocator_valid(const struct tide_allocator *a) {
+  return a && (uintptr_t)a % _Alignof(struct tide_allocator) == 0 && a->magic == _TIDE_MAGIC;
+}
+
 /* Reserve physical budget under the memory limit; give it back. */
 int _tide_budget_take(struct tide_allocator *a, size_t bytes, size_t request);
 void _tide_budget_give(struct tide_allocator *a, size_t bytes);

@@ -73,7 +73,7 @@ static void put_segment(text *t, const _tide_arena *arena, const _tide_segment *
 }
 
 tide_status tide_snapshot_json(tide_allocator *a, char **out, size_t *len) {
-  if (!a || a->magic != _TIDE_MAGIC || !out)
+  if (!_tide_allocator_valid(a) || !out)
     return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_snapshot_json: bad argument");
   tide_stats st;
   _tide_stats_collect(a, &st);

@@ -76,14 +76,14 @@ int _tide_stats_collect(tide_allocator *a, tide_stats *out) {
 }
 
 tide_status tide_get_stats(tide_allocator *a, tide_stats *out) {
-  if (!a || a->magic != _TIDE_MAGIC || !out)
+  if (!_tide_allocator_valid(a) || !out)
     return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_get_stats: %s is NULL or invalid",
                                         out ? "the allocator" : "out");
   return (tide_status)_tide_stats_collect(a, out);
 }
 
 tide_status tide_reset_peak_stats(tide_allocator *a) {
-  if (!a || a->magic != _TIDE_MAGIC)
+  if (!_tide_allocator_valid(a))
     return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_reset_peak_stats: bad allocator");
   _tide_arena **arenas;
   size_t n = _tide_arenas_snapshot(a, &arenas);

@@ -43,7 +43,7 @@ void _tide_trace_push_slow(tide_allocator *a, tide_trace_kind kind, int pool, ui
 
 tide_status tide_trace_read(tide_allocator *a, tide_trace_event *out, size_t cap, size_t *n,
                             uint64_t *dropped) {
-  if (!a || a->magic != _TIDE_MAGIC || !n || (cap && !out))
+  if (!_tide_allocator_valid(a) || !n || (cap && !out))
     return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_trace_read: bad argument");
   _tide_trace_ring *ring = &a->trace;
   *n = 0;

@@ -656,6 +656,8 @@ static int call_op_once(op_fixture *x, tide_backend_op op) {
   tide_stream s = NULL;
   _tide_event e = NULL;
   size_t fb = 0, tb = 0;
+  void *host = NULL;
+  char bytes_from[64] = {1}, bytes_to[64];
   int rc = TIDE_ERR_STATE;
   switch (op) {
   case TIDE_OP_RESERVE:
@@ -720,6 +722,16 @@ static int call_op_once(op_fixture *x, tide_backend_op op) {
   case TIDE_OP_EVENT_QUERY: rc = o->event_query(c, x->event); break;
   case TIDE_OP_EVENT_SYNCHRONIZE: rc = o->event_synchronize(c, x->event); break;
   case TIDE_OP_MEM_INFO: rc = o->mem_info(c, &fb, &tb); break;
+  case TIDE_OP_HOST_ALLOC:
+    rc = o->host_alloc(c, 4096, &host);
+    if (rc == TIDE_OK) assert_int_equal(o->host_free(c, host), TIDE_OK);
+    break;
+  case TIDE_OP_HOST_FREE:
+    assert_int_equal(o->host_alloc(c, 4096, &host), TIDE_OK);
+    rc = o->host_free(c, host);
+    if (rc != TIDE_OK) assert_int_equal(o->host_free(c, host), TIDE_OK);
+    break;
+  case TIDE_OP_COPY: rc = o->copy(c, bytes_to, bytes_from, sizeof bytes_to, x->stream); break;
   case TIDE_OP_ANY:
   case TIDE_OP_COUNT: break;
   }
@@ -729,7 +741,7 @@ static int call_op_once(op_fixture *x, tide_backend_op op) {
 /* Whether call_op_once cleans up after a failure with a second call of op. */
 static bool cleanup_repeats(tide_backend_op op) {
   return op == TIDE_OP_UNRESERVE || op == TIDE_OP_RELEASE || op == TIDE_OP_UNMAP ||
-         op == TIDE_OP_STREAM_DESTROY || op == TIDE_OP_EVENT_DESTROY;
+         op == TIDE_OP_STREAM_DESTROY || op == TIDE_OP_EVENT_DESTROY || op == TIDE_OP_HOST_FREE;
 }
 
 static void op_fixture_open(op_fixture *x) {

@@ -52,7 +52,7 @@ static const char *const all_keys[] = {
     "backend",        "expandable_segments", "page_size_mb",
     "max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold",
     "memory_fraction", "memory_limit",        "release_holes",
-    "trace",          "host_capacity",       "host_granularity",
+    "peer_access",     "trace",          "host_capacity",       "host_granularity",
     "host_devices",
 };
 #define KEY_COUNT (sizeof all_keys / sizeof all_keys[0])
@@ -212,7 +212,7 @@ static void test_values_reach_the_struct(void **state) {
                                      "backend:host,expandable_segments:False,page_size_mb:20,"
                                      "max_split_size_mb:200,garbage_collection_threshold:0.75,"
                                      "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
-                                     "trace:100,host_capacity:8GiB,host_granularity:64KiB,"
+                                     "peer_access:False,trace:100,host_capacity:8GiB,host_granularity:64KiB,"
                                      "host_devices:4,roundup_power2_divisions:8"),
                    TIDE_OK);
   const _tide_conf_values *v = _tide_config_values(config);
@@ -224,6 +224,7 @@ static void test_values_reach_the_struct(void **state) {
   assert_true(v->memory_fraction == 0.5);
   assert_int_equal(v->memory_limit, 3 * TIDE_GiB);
   assert_false(v->release_holes);
+  assert_false(v->peer_access);
   assert_int_equal(v->trace_capacity, 100);
   assert_int_equal(v->host_capacity, 8 * TIDE_GiB);
   assert_int_equal(v->host_granularity, 64 * TIDE_KiB);
