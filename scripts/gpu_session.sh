@@ -180,7 +180,7 @@ if [[ ${GPU_BENCH:-1} == 1 && -x build/tidalloc ]]; then
   step "micro (host backend)" "$bench_log" 150 \
     sh -c 'build/tidalloc micro --csv --conf backend:host >"$0"' "$bench_csv"
   step "micro (cuda backend)" "$bench_log" 120 \
-    sh -c 'build/tidalloc micro --csv --conf backend:cuda | grep ",tidalloc," | sed "s/,tidalloc,/,tidalloc-cuda,/" >>"$0"' "$bench_csv"
+    sh -c 'build/tidalloc micro --csv --only tidalloc --conf backend:cuda | grep ",tidalloc," | sed "s/,tidalloc,/,tidalloc-cuda,/" >>"$0"' "$bench_csv"
   step "torch anchor build" "$bench_log" 150 bench/gpu/build.sh build/bench-gpu &&
     step "torch anchor" "$bench_log" 150 \
       sh -c 'build/bench-gpu/torch_anchor | tail -n +2 >>"$0"' "$bench_csv"
