@@ -575,9 +575,7 @@ static void count_free(_tide_arena *arena, const _tide_block *b) {
   int kind = b->segment->pool;
   _tide_stat_down(s, _TIDE_ST_ALLOCATED, kind, (int64_t)b->size);
   _tide_stat_down(s, _TIDE_ST_REQUESTED, kind, (int64_t)b->requested);
-  _tide_stat_down(s, _TIDE_ST_ALLOCATIONS, kind, 1);
-  s->counters[_TIDE_CT_FREES]++;
-  _tide_track_active(s);
+  _tide_stat_down(s, _TIDE_ST_ALLOCATIONS, kind, 1); /* active only falls: no peak */
   if (TIDE_UNLIKELY(b->size >= arena->alloc->conf.max_split_size)) s->counters[_TIDE_CT_OVERSIZE]--;
   if (TIDE_UNLIKELY(atomic_load_explicit(&arena->alloc->shared_peak, memory_order_relaxed)))
     _tide_arena_publish(arena, -(int64_t)b->size);

@@ -37,7 +37,8 @@ static void add_arena(tide_stats *out, const _tide_arena_stats *s) {
     out->active_blocks[p].peak += max64(s->peak[_TIDE_ST_ALLOCATIONS][p], s->active_peak[1][p]);
   }
   out->num_allocs += s->counters[_TIDE_CT_ALLOCS];
-  out->num_frees += s->counters[_TIDE_CT_FREES];
+  /* Every allocation not live any more was freed once: no counter needed. */
+  out->num_frees += s->counters[_TIDE_CT_ALLOCS] - (uint64_t)s->cur[_TIDE_ST_ALLOCATIONS][0];
   out->pages_mapped += s->counters[_TIDE_CT_PAGES_MAPPED];
   out->pages_unmapped += s->counters[_TIDE_CT_PAGES_UNMAPPED];
   out->segments_created += s->counters[_TIDE_CT_SEGMENTS_CREATED];
