@@ -22,7 +22,7 @@ SHELL := /bin/bash
 
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 PREFIX ?= /usr/local
-FRAMES ?= 64 128 256 512 1024 2048 4096 10000
+FRAMES ?= 64 128 256 512 1024
 # Extra cmake options for every build, e.g. CMAKE_ARGS=-DTIDE_TEST_TIMEOUT=600.
 CMAKE_ARGS ?=
 # The sanitizer builds use clang: its runtimes are the ones deps.sh installs,

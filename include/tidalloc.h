@@ -40,15 +40,15 @@ extern "C" {
 
 typedef enum tide_status {
   TIDE_OK = 0,
-  TIDE_ERR_OOM = 1,          /* out of memory: device, memory limit or host capacity */
-  TIDE_ERR_INVALID = 2,      /* a bad argument (size, handle, stream, NULL) */
-  TIDE_ERR_BAD_POINTER = 3,  /* a pointer this allocator never handed out, or an interior one */
-  TIDE_ERR_DOUBLE_FREE = 4,  /* a pointer that was already freed */
-  TIDE_ERR_CONFIG = 5,       /* a bad configuration key or value */
-  TIDE_ERR_STATE = 6,        /* the call is not allowed now (after shutdown, config after use) */
-  TIDE_ERR_BACKEND = 7,      /* the device backend failed */
-  TIDE_ERR_UNAVAILABLE = 8,  /* the backend asked for cannot be used on this machine */
-  TIDE_ERR_NOT_READY = 9,    /* work is still pending (a query answer, not a failure) */
+  TIDE_ERR_OOM = 1,         /* out of memory: device, memory limit or host capacity */
+  TIDE_ERR_INVALID = 2,     /* a bad argument (size, handle, stream, NULL) */
+  TIDE_ERR_BAD_POINTER = 3, /* a pointer this allocator never handed out, or an interior one */
+  TIDE_ERR_DOUBLE_FREE = 4, /* a pointer that was already freed */
+  TIDE_ERR_CONFIG = 5,      /* a bad configuration key or value */
+  TIDE_ERR_STATE = 6,       /* the call is not allowed now (after shutdown, config after use) */
+  TIDE_ERR_BACKEND = 7,     /* the device backend failed */
+  TIDE_ERR_UNAVAILABLE = 8, /* the backend asked for cannot be used on this machine */
+  TIDE_ERR_NOT_READY = 9,   /* work is still pending (a query answer, not a failure) */
 } tide_status;
 
 /* The name of a status code ("TIDE_ERR_OOM"). Never NULL. */
@@ -83,7 +83,7 @@ typedef enum tide_conf_source {
  * config and stay valid until it is changed or freed. */
 typedef struct tide_option_info {
   const char *key;
-  const char *value;   /* the current value, formatted */
+  const char *value; /* the current value, formatted */
   const char *default_value;
   const char *meaning; /* one line */
   tide_conf_source source;
@@ -230,20 +230,20 @@ typedef struct tide_stats {
   tide_stat active_blocks[TIDE_POOL_KINDS];  /* allocations plus blocks waiting on streams */
   tide_stat inactive_split[TIDE_POOL_KINDS]; /* free split blocks */
   tide_stat segments[TIDE_POOL_KINDS];       /* fixed and expandable segments */
-  uint64_t num_allocs;          /* successful tide_malloc calls */
-  uint64_t num_frees;           /* successful frees */
-  uint64_t pages_mapped;        /* pages mapped into expandable segments */
-  uint64_t pages_unmapped;      /* pages unmapped from them */
+  uint64_t num_allocs;                       /* successful tide_malloc calls */
+  uint64_t num_frees;                        /* successful frees */
+  uint64_t pages_mapped;                     /* pages mapped into expandable segments */
+  uint64_t pages_unmapped;                   /* pages unmapped from them */
   uint64_t segments_created;
   uint64_t segments_released;
-  uint64_t num_alloc_retries;   /* allocations that freed cached memory and retried */
-  uint64_t num_ooms;            /* allocations that failed for lack of memory */
-  uint64_t num_sync_all_streams;/* times the allocator waited for pending streams */
-  uint64_t num_device_alloc;    /* backend calls that created physical memory */
-  uint64_t num_device_free;     /* backend calls that released it */
-  uint64_t oversize_allocations;/* live allocations of at least max_split_size */
-  uint64_t memory_limit;        /* bytes reserved memory may reach (0: the device's) */
-  uint64_t reserved_u64[8];     /* for future use; zero */
+  uint64_t num_alloc_retries;    /* allocations that freed cached memory and retried */
+  uint64_t num_ooms;             /* allocations that failed for lack of memory */
+  uint64_t num_sync_all_streams; /* times the allocator waited for pending streams */
+  uint64_t num_device_alloc;     /* backend calls that created physical memory */
+  uint64_t num_device_free;      /* backend calls that released it */
+  uint64_t oversize_allocations; /* live allocations of at least max_split_size */
+  uint64_t memory_limit;         /* bytes reserved memory may reach (0: the device's) */
+  uint64_t reserved_u64[8];      /* for future use; zero */
 } tide_stats;
 
 TIDE_API tide_status tide_get_stats(tide_allocator *alloc, tide_stats *out);
@@ -257,10 +257,10 @@ TIDE_API void tide_string_free(char *text);
 
 typedef enum tide_trace_kind {
   TIDE_TRACE_ALLOC = 0,
-  TIDE_TRACE_FREE = 1,     /* the user freed a block (it may still wait on streams) */
-  TIDE_TRACE_MAP = 2,      /* pages mapped into a segment, or a fixed segment created */
-  TIDE_TRACE_UNMAP = 3,    /* pages unmapped, or a fixed segment released */
-  TIDE_TRACE_OOM = 4,      /* an allocation failed for lack of memory */
+  TIDE_TRACE_FREE = 1,  /* the user freed a block (it may still wait on streams) */
+  TIDE_TRACE_MAP = 2,   /* pages mapped into a segment, or a fixed segment created */
+  TIDE_TRACE_UNMAP = 3, /* pages unmapped, or a fixed segment released */
+  TIDE_TRACE_OOM = 4,   /* an allocation failed for lack of memory */
   TIDE_TRACE_EMPTY_CACHE = 5,
 } tide_trace_kind;
 
@@ -336,8 +336,8 @@ typedef struct tide_info {
   int device_count;
   uint64_t total_memory;
   uint64_t free_memory;
-  uint64_t granularity;    /* the backend's mapping granularity */
-  uint64_t page_size;      /* the page size expandable segments map */
+  uint64_t granularity; /* the backend's mapping granularity */
+  uint64_t page_size;   /* the page size expandable segments map */
 } tide_info;
 
 TIDE_API tide_status tide_get_info(tide_allocator *alloc, tide_info *out);

@@ -7,14 +7,14 @@
 #   scripts/run_stream.sh
 # Environment:
 #   TIDALLOC   the command (default build/tidalloc)
-#   FRAMES     frame counts of the sweep (default "64 128 ... 10000", the benchmark's)
+#   FRAMES     frame counts of the sweep (default 64 .. 1024; the benchmark sweeps up to 10000)
 #   STREAM_CONF  extra options for both runs (default host_capacity:141GiB)
 #   OUT        where the CSV files go (default out)
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 tidalloc=${TIDALLOC:-build/tidalloc}
-frames=${FRAMES:-64 128 256 512 1024 2048 4096 10000}
+frames=${FRAMES:-64 128 256 512 1024}
 conf=${STREAM_CONF:-host_capacity:141GiB}
 out=${OUT:-out}
 

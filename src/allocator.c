@@ -23,13 +23,15 @@ static _Atomic uint64_t next_allocator_id = 1;
 
 static bool valid(const tide_allocator *a) { return _tide_allocator_valid(a); }
 
-#define CHECK_ALLOCATOR(a, fail)                                                              \
-  do {                                                                                        \
-    if (TIDE_UNLIKELY(!valid(a))) {                                                           \
-      _tide_error_set(TIDE_ERR_INVALID, "%s: not a live tidalloc allocator (NULL, destroyed " \
-                      "or corrupted handle)", __func__);                                      \
-      return fail;                                                                            \
-    }                                                                                         \
+#define CHECK_ALLOCATOR(a, fail)                                                                   \
+  do {                                                                                             \
+    if (TIDE_UNLIKELY(!valid(a))) {                                                                \
+      _tide_error_set(TIDE_ERR_INVALID,                                                            \
+                      "%s: not a live tidalloc allocator (NULL, destroyed "                        \
+                      "or corrupted handle)",                                                      \
+                      __func__);                                                                   \
+      return fail;                                                                                 \
+    }                                                                                              \
   } while (0)
 
 /* ------------------------------------------------------------------------ */
@@ -174,8 +176,10 @@ static int add_arena_locked(tide_allocator *a, tide_stream stream, _tide_arena *
    * back (nothing to synchronize): refuse it. */
   const _tide_backend *be = &a->backend;
   if (be->ops->stream_check && be->ops->stream_check(be->ctx, stream))
-    return _tide_error_set(TIDE_ERR_INVALID, "stream %p is not a stream of this device (unknown "
-                           "or destroyed): nothing was allocated", (void *)stream);
+    return _tide_error_set(TIDE_ERR_INVALID,
+                           "stream %p is not a stream of this device (unknown "
+                           "or destroyed): nothing was allocated",
+                           (void *)stream);
   if (n == a->arenas_cap) {
     size_t cap = a->arenas_cap ? a->arenas_cap * 2 : 8;
     _tide_arena **grown = realloc(a->arenas, cap * sizeof *grown);
@@ -245,9 +249,9 @@ int _tide_budget_take(tide_allocator *a, size_t bytes, size_t request) {
                                                   memory_order_relaxed, memory_order_relaxed));
   int64_t now = cur + (int64_t)bytes;
   int64_t peak = atomic_load_explicit(&a->reserved.peak, memory_order_relaxed);
-  while (now > peak && !atomic_compare_exchange_weak_explicit(&a->reserved.peak, &peak, now,
-                                                              memory_order_relaxed,
-                                                              memory_order_relaxed)) {
+  while (now > peak &&
+         !atomic_compare_exchange_weak_explicit(&a->reserved.peak, &peak, now, memory_order_relaxed,
+                                                memory_order_relaxed)) {
   }
   return TIDE_OK;
 }
@@ -261,7 +265,8 @@ tide_status tide_set_memory_fraction(tide_allocator *a, double fraction) {
   if (!(fraction > 0.0 && fraction <= 1.0))
     return _tide_error_set(TIDE_ERR_INVALID,
                            "memory fraction %g is outside (0, 1]: give the share of the "
-                           "device's memory reserved memory may reach", fraction);
+                           "device's memory reserved memory may reach",
+                           fraction);
   a->conf.memory_fraction = fraction;
   atomic_store(&a->limit, limit_of(a, fraction, a->conf.memory_limit));
   return TIDE_OK;
@@ -389,7 +394,8 @@ static tide_status free_slow(tide_allocator *a, uintptr_t addr, size_t size, boo
       if (sized && b->requested != size)
         rc = _tide_error_set(TIDE_ERR_INVALID,
                              "tide_free_sized(%p): size %zu given, but %zu bytes were asked "
-                             "for; nothing was freed", (void *)addr, size, b->requested);
+                             "for; nothing was freed",
+                             (void *)addr, size, b->requested);
       else
         rc = _tide_arena_free(arenas[i], b, stream);
       _tide_lock_release(&arenas[i]->lock);
@@ -407,8 +413,8 @@ static tide_status free_slow(tide_allocator *a, uintptr_t addr, size_t size, boo
   if (rc) return (tide_status)rc;
   return (tide_status)_tide_error_set(TIDE_ERR_BAD_POINTER,
                                       "%p was not allocated by this tidalloc allocator (device "
-                                      "%d): it is outside all of its segments", (void *)addr,
-                                      a->device);
+                                      "%d): it is outside all of its segments",
+                                      (void *)addr, a->device);
 }
 
 static tide_status free_any(tide_allocator *a, void *ptr, size_t size, bool sized,
@@ -468,8 +474,8 @@ static int add_stream(_tide_arena *arena, _tide_block *b, void *arg) {
   tide_stream s = *(tide_stream *)arg;
   if (s == arena->stream) return TIDE_OK;
   for (unsigned i = 0; i < b->nstreams; i++) {
-    tide_stream have = i < _TIDE_INLINE_STREAMS ? b->streams[i]
-                                                : b->more_streams[i - _TIDE_INLINE_STREAMS];
+    tide_stream have =
+        i < _TIDE_INLINE_STREAMS ? b->streams[i] : b->more_streams[i - _TIDE_INLINE_STREAMS];
     if (have == s) return TIDE_OK;
   }
   if (b->nstreams < _TIDE_INLINE_STREAMS) {
@@ -498,8 +504,8 @@ tide_status tide_record_stream(tide_allocator *a, void *ptr, tide_stream stream)
   return with_block(a, ptr, add_stream, &stream);
 }
 
-static tide_status block_info_interior(tide_allocator *a, uintptr_t addr, void **base,
-                                       size_t *size, tide_stream *stream) {
+static tide_status block_info_interior(tide_allocator *a, uintptr_t addr, void **base, size_t *size,
+                                       tide_stream *stream) {
   _tide_arena **arenas;
   size_t n = _tide_arenas_snapshot(a, &arenas);
   int rc = -1;
@@ -544,7 +550,8 @@ tide_status tide_empty_cache(tide_allocator *a) {
 
 tide_status tide_stream_create(tide_allocator *a, tide_stream *out) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
-  if (!out) return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_stream_create: out is NULL");
+  if (!out)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_stream_create: out is NULL");
   return (tide_status)a->backend.ops->stream_create(a->backend.ctx, out);
 }
 
@@ -596,7 +603,8 @@ tide_status tide_memcpy(tide_allocator *a, void *dst, const void *src, size_t by
     return (tide_status)_tide_error_set(TIDE_ERR_INVALID,
                                         "tide_memcpy(%p <- %p, %zu bytes): the ranges overlap, "
                                         "and a copy between overlapping ranges is undefined; "
-                                        "copy through a block of its own", dst, src, bytes);
+                                        "copy through a block of its own",
+                                        dst, src, bytes);
   const _tide_backend *be = &a->backend;
   int rc = be->ops->copy(be->ctx, dst, src, bytes, stream);
   if (rc) _tide_error_prefix("tide_memcpy(%p <- %p, %zu bytes) failed", dst, src, bytes);
@@ -662,8 +670,10 @@ tide_status tide_get_info(tide_allocator *a, tide_info *out) {
 
 static int need_host(tide_allocator *a, const char *what) {
   if (a->backend.is_host) return TIDE_OK;
-  return _tide_error_set(TIDE_ERR_UNAVAILABLE, "%s works only on the host backend (this "
-                         "allocator uses %s)", what, a->backend.ops->name);
+  return _tide_error_set(TIDE_ERR_UNAVAILABLE,
+                         "%s works only on the host backend (this "
+                         "allocator uses %s)",
+                         what, a->backend.ops->name);
 }
 
 tide_status tide_host_stream_hold(tide_allocator *a, tide_stream stream) {

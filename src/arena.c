@@ -19,8 +19,7 @@
 
 _tide_block *_tide_block_new(_tide_arena *arena) {
   if (TIDE_UNLIKELY(!arena->spare)) {
-    _tide_block_chunk *chunk =
-        calloc(1, sizeof *chunk + BLOCKS_PER_CHUNK * sizeof(_tide_block));
+    _tide_block_chunk *chunk = calloc(1, sizeof *chunk + BLOCKS_PER_CHUNK * sizeof(_tide_block));
     if (!chunk) return NULL;
     chunk->next = arena->chunks;
     arena->chunks = chunk;
@@ -130,8 +129,7 @@ size_t _tide_arena_destroy(_tide_arena *arena) {
 
 void _tide_arena_publish(_tide_arena *arena, int64_t delta) {
   arena->unpublished += delta;
-  if (arena->unpublished < _TIDE_PUBLISH_BYTES && arena->unpublished > -_TIDE_PUBLISH_BYTES)
-    return;
+  if (arena->unpublished < _TIDE_PUBLISH_BYTES && arena->unpublished > -_TIDE_PUBLISH_BYTES) return;
   _tide_global_add(&arena->alloc->allocated, arena->unpublished);
   arena->unpublished = 0;
 }
@@ -150,8 +148,7 @@ static bool oversize_refused(const struct tide_allocator *a, size_t block, size_
 
 static bool should_split(const struct tide_allocator *a, const _tide_block *b, size_t rounded) {
   size_t remaining = b->size - rounded;
-  if (b->segment->pool == _TIDE_SMALL || b->segment->expandable)
-    return remaining >= TIDE_MIN_BLOCK;
+  if (b->segment->pool == _TIDE_SMALL || b->segment->expandable) return remaining >= TIDE_MIN_BLOCK;
   return rounded < a->conf.max_split_size && remaining > TIDE_SMALL_SIZE;
 }
 
@@ -234,11 +231,8 @@ static uintptr_t best_offset(const _tide_block *f, size_t size, size_t page) {
   size_t left_page = holds_live(f->prev) ? (lo - 1 - base) / page : SIZE_MAX;
   size_t right_page = holds_live(f->next) ? (end - base) / page : SIZE_MAX;
   const uintptr_t candidates[] = {
-      page_up(lo, base, page),
-      page_up(lo + size, base, page) - size,
-      hi,
-      page_down(hi, base, page),
-      page_down(end, base, page) - size,
+      page_up(lo, base, page),   page_up(lo + size, base, page) - size, hi,
+      page_down(hi, base, page), page_down(end, base, page) - size,
   };
   uintptr_t best = lo;
   placement_cost bc = cost_at(lo, size, base, page, left_page, right_page);
@@ -261,7 +255,8 @@ static uintptr_t best_offset(const _tide_block *f, size_t size, size_t page) {
  * Small blocks (below a page, many to a page) pack from the front, where
  * they share pages best. */
 static void place(_tide_arena *arena, _tide_block *b, size_t rounded) {
-  if (b->segment->expandable && b->segment->pool == _TIDE_LARGE && arena->alloc->conf.release_holes) {
+  if (b->segment->expandable && b->segment->pool == _TIDE_LARGE &&
+      arena->alloc->conf.release_holes) {
     uintptr_t x = best_offset(b, rounded, arena->alloc->page_size);
     if (x > b->addr && !split_head(arena, b, x - b->addr)) return;
   }
@@ -389,17 +384,22 @@ static void release_holes(_tide_arena *arena, _tide_pool *pool, size_t rounded) 
   size_t need = growth_bytes(pool, rounded, a->page_size, &g);
   int64_t headroom = growth_headroom(arena);
   if (headroom >= (int64_t)need) return;
-  if (headroom > 0) need = (need - (size_t)headroom + a->page_size - 1) / a->page_size * a->page_size;
+  if (headroom > 0)
+    need = (need - (size_t)headroom + a->page_size - 1) / a->page_size * a->page_size;
   size_t cap = arena->pools[0].bins.count + arena->pools[1].bins.count, n = 0;
   if (!cap) return;
   _tide_block **candidates = malloc(cap * sizeof *candidates);
   if (!candidates) return;
-  for (int kind = 0; kind < 2; kind++)
-    for (_tide_segment *seg = arena->pools[kind].segments; seg; seg = seg->next)
-      for (_tide_block *b = seg->first; b; b = b->next)
-        if (b->state == _TIDE_FREE && seg->expandable && !next_to_growth(b, &g) &&
-            releasable(b, a->page_size) && n < cap)
-          candidates[n++] = b;
+  /* Free blocks come from the bins: walking every block of the segments
+   * would cost as much as the program has live blocks, at every growth. */
+  for (int kind = 0; kind < 2; kind++) {
+    size_t end = n + _tide_bins_collect(&arena->pools[kind].bins, candidates + n, cap - n);
+    for (size_t i = n; i < end; i++) {
+      _tide_block *b = candidates[i];
+      if (b->segment->expandable && !next_to_growth(b, &g) && releasable(b, a->page_size))
+        candidates[n++] = b; /* keep: n <= i, so the list compacts in place */
+    }
+  }
   if (n && settle_stream(arena) == TIDE_OK) {
     qsort(candidates, n, sizeof *candidates, by_stamp);
     size_t released = 0;
@@ -430,8 +430,7 @@ static int take_best_fit(_tide_arena *arena, size_t rounded, _tide_block **out) 
     return TIDE_OK;
   }
   maybe_collect_garbage(arena);
-  if (a->conf.release_holes && a->conf.expandable_segments)
-    release_holes(arena, pool, rounded);
+  if (a->conf.release_holes && a->conf.expandable_segments) release_holes(arena, pool, rounded);
   return _tide_pool_grow(arena, pool, rounded, out);
 }
 
@@ -599,7 +598,8 @@ static int check_free_stream(_tide_arena *arena, tide_stream stream) {
   const _tide_backend *be = &arena->alloc->backend;
   if (stream == arena->stream || !be->ops->stream_check) return TIDE_OK;
   if (be->ops->stream_check(be->ctx, stream) == TIDE_OK) return TIDE_OK;
-  return _tide_error_set(TIDE_ERR_INVALID, "cannot free on stream %p: it is not a stream of this "
+  return _tide_error_set(TIDE_ERR_INVALID,
+                         "cannot free on stream %p: it is not a stream of this "
                          "device (unknown or destroyed); the block is still allocated",
                          (void *)stream);
 }
@@ -688,9 +688,11 @@ int _tide_arena_release_cached(_tide_arena *arena) {
   return small ? small : large ? large : orphans;
 }
 
+/* Oldest free first; among equals, the lowest address (a stable order). */
 static int by_stamp(const void *x, const void *y) {
   const _tide_block *a = *(_tide_block *const *)x, *b = *(_tide_block *const *)y;
-  return (a->stamp > b->stamp) - (a->stamp < b->stamp);
+  if (a->stamp != b->stamp) return (a->stamp > b->stamp) - (a->stamp < b->stamp);
+  return (a->addr > b->addr) - (a->addr < b->addr);
 }
 
 static bool releasable(const _tide_block *b, size_t page) {
@@ -706,7 +708,8 @@ int _tide_arena_collect_garbage(_tide_arena *arena, size_t target) {
   size_t n = 0, cap = arena->pools[0].bins.count + arena->pools[1].bins.count;
   if (cap == 0) return TIDE_OK;
   _tide_block **candidates = malloc(cap * sizeof *candidates);
-  if (!candidates) return _tide_error_set(TIDE_ERR_OOM, "out of host memory for garbage collection");
+  if (!candidates)
+    return _tide_error_set(TIDE_ERR_OOM, "out of host memory for garbage collection");
   for (int kind = 0; kind < 2; kind++)
     for (_tide_segment *seg = arena->pools[kind].segments; seg; seg = seg->next)
       for (_tide_block *b = seg->first; b; b = b->next)
@@ -752,10 +755,12 @@ int _tide_arena_explain_pointer(_tide_arena *arena, uintptr_t addr) {
   case _TIDE_FREE:
     return _tide_error_set(TIDE_ERR_DOUBLE_FREE,
                            "%p lies in free memory: it was already freed (double free), or "
-                           "is a pointer into a freed block", p);
+                           "is a pointer into a freed block",
+                           p);
   default:
     return _tide_error_set(TIDE_ERR_BAD_POINTER,
                            "%p lies in an unmapped part of a segment: it was never allocated "
-                           "(or was freed and its page returned)", p);
+                           "(or was freed and its page returned)",
+                           p);
   }
 }

@@ -81,8 +81,7 @@ static _tide_block *scan_bin(_tide_block *b, size_t size) {
   _tide_block *best = NULL;
   for (; b; b = b->link_next) {
     if (b->size < size) continue;
-    if (!best || b->size < best->size || (b->size == best->size && b->addr < best->addr))
-      best = b;
+    if (!best || b->size < best->size || (b->size == best->size && b->addr < best->addr)) best = b;
   }
   return best;
 }
@@ -110,4 +109,14 @@ _tide_block *_tide_bins_largest(const _tide_bins *bins) {
     return best;
   }
   return NULL;
+}
+
+size_t _tide_bins_collect(const _tide_bins *bins, _tide_block **out, size_t cap) {
+  size_t n = 0;
+  for (uint32_t w = 0; w < _TIDE_BIN_WORDS; w++)
+    for (uint64_t bits = bins->map[w]; bits; bits &= bits - 1) {
+      uint32_t bin = w * 64 + (uint32_t)__builtin_ctzll(bits);
+      for (_tide_block *b = bins->head[bin]; b && n < cap; b = b->link_next) out[n++] = b;
+    }
+  return n;
 }

@@ -18,7 +18,7 @@
 #define VALUE_TEXT_LEN 256  /* the longest formatted value (a full list) fits */
 #define ITEM_VALUE_MAX 1024 /* longer values are refused, not truncated */
 #define KEY_MAX 64
-#define SHOWN_MAX 80        /* bytes of a bad key or value quoted in a message */
+#define SHOWN_MAX 80 /* bytes of a bad key or value quoted in a message */
 
 typedef bool (*parse_fn)(const char *text, _tide_conf_values *v, char *why, size_t why_len);
 typedef void (*format_fn)(const _tide_conf_values *v, char *buf, size_t len);
@@ -27,7 +27,7 @@ typedef struct option {
   const char *key;
   const char *default_text; /* canonical: formatting the default gives it back */
   const char *meaning;
-  const char *accepts;      /* what a message says is accepted */
+  const char *accepts; /* what a message says is accepted */
   parse_fn parse;
   format_fn format;
 } option;
@@ -133,12 +133,17 @@ static bool parse_decimal(const char *s, double *out, char *why, size_t why_len)
   if (*s == '-') return set_why(why, why_len, "negative"), false;
   for (; is_digit((unsigned char)*s); s++, digits++) {
     if (mantissa == 0 && *s == '0') continue;
-    if (significant < 19) mantissa = mantissa * 10 + (uint64_t)(*s - '0'), significant++;
-    else exp10++;
+    if (significant < 19)
+      mantissa = mantissa * 10 + (uint64_t)(*s - '0'), significant++;
+    else
+      exp10++;
   }
   if (*s == '.') {
     for (s++; is_digit((unsigned char)*s); s++, digits++) {
-      if (mantissa == 0 && *s == '0') { exp10--; continue; }
+      if (mantissa == 0 && *s == '0') {
+        exp10--;
+        continue;
+      }
       if (significant < 19) mantissa = mantissa * 10 + (uint64_t)(*s - '0'), significant++, exp10--;
     }
   }
@@ -169,8 +174,10 @@ static void format_decimal(double value, char *buf, size_t len) {
     char *w = buf;
     for (const char *r = buf; *r; r++) {
       unsigned char c = (unsigned char)*r;
-      if (is_digit(c) || c == 'e' || c == '+' || c == '-') *w++ = (char)c;
-      else if (w == buf || w[-1] != '.') *w++ = '.';
+      if (is_digit(c) || c == 'e' || c == '+' || c == '-')
+        *w++ = (char)c;
+      else if (w == buf || w[-1] != '.')
+        *w++ = '.';
     }
     *w = '\0';
     double back;
@@ -194,8 +201,8 @@ static bool parse_bytes(const char *s, uint64_t max, uint64_t *out, char *why, s
   bool known = *unit == '\0';
   for (unsigned i = 0; i < 5 && !known; i++) {
     char with_b[4] = {units[i][0], 'b', 0, 0}, with_ib[4] = {units[i][0], 'i', 'b', 0};
-    if (equals_nocase(unit, units[i]) || (i > 0 && (equals_nocase(unit, with_b) ||
-                                                    equals_nocase(unit, with_ib)))) {
+    if (equals_nocase(unit, units[i]) ||
+        (i > 0 && (equals_nocase(unit, with_b) || equals_nocase(unit, with_ib)))) {
       known = true;
       shift = 10 * i;
     }
@@ -215,8 +222,10 @@ static void format_bytes(uint64_t bytes, char *buf, size_t len) {
   static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   unsigned unit = 0;
   while (bytes != 0 && unit < 4 && (bytes & 1023) == 0) bytes >>= 10, unit++;
-  if (unit == 0) snprintf(buf, len, "%llu", (unsigned long long)bytes);
-  else snprintf(buf, len, "%llu%s", (unsigned long long)bytes, units[unit]);
+  if (unit == 0)
+    snprintf(buf, len, "%llu", (unsigned long long)bytes);
+  else
+    snprintf(buf, len, "%llu%s", (unsigned long long)bytes, units[unit]);
 }
 
 static bool parse_bool(const char *s, bool *out, char *why, size_t why_len) {
@@ -239,8 +248,9 @@ static bool parse_backend(const char *s, _tide_conf_values *v, char *why, size_t
   if (equals_nocase(s, "host")) return v->backend = TIDE_BACKEND_HOST, true;
   if (equals_nocase(s, "cuda")) return v->backend = TIDE_BACKEND_CUDA, true;
   if (equals_nocase(s, "native") || equals_nocase(s, "cudaMallocAsync"))
-    set_why(why, why_len, "in PyTorch this key picks native or cudaMallocAsync; in tidalloc "
-                          "it picks the device backend");
+    set_why(why, why_len,
+            "in PyTorch this key picks native or cudaMallocAsync; in tidalloc "
+            "it picks the device backend");
   else
     set_why(why, why_len, "unknown backend");
   return false;
@@ -287,8 +297,10 @@ static bool parse_max_split(const char *s, _tide_conf_values *v, char *why, size
 }
 
 static void format_max_split(const _tide_conf_values *v, char *buf, size_t len) {
-  if (v->max_split_size == SIZE_MAX) snprintf(buf, len, "unlimited");
-  else snprintf(buf, len, "%zu", v->max_split_size / TIDE_MiB);
+  if (v->max_split_size == SIZE_MAX)
+    snprintf(buf, len, "unlimited");
+  else
+    snprintf(buf, len, "%zu", v->max_split_size / TIDE_MiB);
 }
 
 #define ROUNDUP_MAX_DIVISIONS 1024
@@ -327,8 +339,9 @@ static bool parse_roundup_entry(const char *begin, const char *end, unsigned *di
   }
   uint64_t mib;
   if (!parse_uint(key, (uint64_t)1 << ROUNDUP_LAST, &mib, inner, sizeof inner) || !is_pow2(mib))
-    return snprintf(why, why_len, "list key \"%s\" is not a power of two from 1 to %llu MiB",
-                    key, 1ULL << ROUNDUP_LAST), false;
+    return snprintf(why, why_len, "list key \"%s\" is not a power of two from 1 to %llu MiB", key,
+                    1ULL << ROUNDUP_LAST),
+           false;
   int index = (int)log2_u64(mib);
   if (index <= *last) return set_why(why, why_len, "list keys must rise"), false;
   /* The first key also covers every smaller size, as in PyTorch. */
@@ -383,8 +396,8 @@ static void format_roundup(const _tide_conf_values *v, char *buf, size_t len) {
   while (rest > first + 1 && div[rest - 1] == div[ROUNDUP_LAST]) rest--;
   size_t used = (size_t)snprintf(buf, len, "[");
   for (int i = first; i < rest && used < len; i++)
-    used += (size_t)snprintf(buf + used, len - used, "%s%llu:%u", i == first ? "" : ",",
-                             1ULL << i, div[i]);
+    used += (size_t)snprintf(buf + used, len - used, "%s%llu:%u", i == first ? "" : ",", 1ULL << i,
+                             div[i]);
   if (used < len) used += (size_t)snprintf(buf + used, len - used, ",>:%u", div[ROUNDUP_LAST]);
   if (used < len) snprintf(buf + used, len - used, "]");
 }
@@ -398,8 +411,10 @@ static bool parse_gc(const char *s, _tide_conf_values *v, char *why, size_t why_
 }
 
 static void format_gc(const _tide_conf_values *v, char *buf, size_t len) {
-  if (v->gc_threshold == 0.0) snprintf(buf, len, "0");
-  else format_decimal(v->gc_threshold, buf, len);
+  if (v->gc_threshold == 0.0)
+    snprintf(buf, len, "0");
+  else
+    format_decimal(v->gc_threshold, buf, len);
 }
 
 static bool parse_fraction(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
@@ -462,8 +477,7 @@ static void format_host_capacity(const _tide_conf_values *v, char *buf, size_t l
   format_bytes(v->host_capacity, buf, len);
 }
 
-static bool parse_host_granularity(const char *s, _tide_conf_values *v, char *why,
-                                   size_t why_len) {
+static bool parse_host_granularity(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
   uint64_t bytes;
   if (!parse_bytes(s, HOST_MAX_GRANULARITY, &bytes, why, why_len)) return false;
   if (bytes < HOST_MIN_BYTES) return set_why(why, why_len, "too small"), false;
@@ -552,8 +566,8 @@ static const option options[] = {
     {"host_granularity", "2MiB", "mapping granularity of the host backend",
      "a power of two of bytes from 4KiB to 1GiB, such as 2MiB", parse_host_granularity,
      format_host_granularity},
-    {"host_devices", "1", "emulated devices of the host backend",
-     "a whole number from 1 to 64", parse_host_devices, format_host_devices},
+    {"host_devices", "1", "emulated devices of the host backend", "a whole number from 1 to 64",
+     parse_host_devices, format_host_devices},
 };
 
 #define OPTION_COUNT (sizeof options / sizeof options[0])
@@ -619,8 +633,8 @@ static int unknown_key_error(const origin *from, const char *begin, const char *
   char known[512];
   size_t used = 0;
   for (size_t i = 0; i < OPTION_COUNT && used < sizeof known; i++)
-    used += (size_t)snprintf(known + used, sizeof known - used, "%s%s", i ? ", " : "",
-                             options[i].key);
+    used +=
+        (size_t)snprintf(known + used, sizeof known - used, "%s%s", i ? ", " : "", options[i].key);
   if (n == 0)
     return _tide_error_set(TIDE_ERR_CONFIG, "%s: an entry has no key before ':'; known keys: %s",
                            from->name, known);
@@ -632,9 +646,8 @@ static int bad_value_error(const origin *from, const option *opt, const char *be
                            const char *end, const char *why) {
   char value_text[SHOWN_MAX + 8];
   shown(begin, end, value_text, sizeof value_text);
-  return _tide_error_set(TIDE_ERR_CONFIG,
-                         "%s: bad value \"%s\" for %s (%s); accepted: %s", from->name,
-                         value_text, opt->key, why, opt->accepts);
+  return _tide_error_set(TIDE_ERR_CONFIG, "%s: bad value \"%s\" for %s (%s); accepted: %s",
+                         from->name, value_text, opt->key, why, opt->accepts);
 }
 
 /* Apply one key and value (each a range of text) to `values`. */
@@ -660,9 +673,12 @@ static int apply_pair(const origin *from, const char *kb, const char *ke, const 
 static const char *entry_end(const char *p) {
   int depth = 0;
   for (; *p; p++) {
-    if (*p == '[') depth++;
-    else if (*p == ']' && depth > 0) depth--;
-    else if (*p == ',' && depth == 0) break;
+    if (*p == '[')
+      depth++;
+    else if (*p == ']' && depth > 0)
+      depth--;
+    else if (*p == ',' && depth == 0)
+      break;
   }
   return p;
 }
@@ -701,14 +717,15 @@ tide_status tide_config_new(tide_config **out) {
   if (!out) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_new: out is NULL");
   *out = NULL;
   tide_config *config = calloc(1, sizeof *config);
-  if (!config)
-    return _tide_error_set(TIDE_ERR_OOM, "tide_config_new: no host memory for a config");
+  if (!config) return _tide_error_set(TIDE_ERR_OOM, "tide_config_new: no host memory for a config");
   for (size_t i = 0; i < OPTION_COUNT; i++) {
     char why[160];
     if (!options[i].parse(options[i].default_text, &config->values, why, sizeof why)) {
       free(config);
-      return _tide_error_set(TIDE_ERR_STATE, "tide_config_new: the default of %s does not "
-                             "parse (%s); this is a bug in tidalloc", options[i].key, why);
+      return _tide_error_set(TIDE_ERR_STATE,
+                             "tide_config_new: the default of %s does not "
+                             "parse (%s); this is a bug in tidalloc",
+                             options[i].key, why);
     }
     config->source[i] = TIDE_CONF_DEFAULT;
   }

@@ -34,17 +34,17 @@ typedef enum _tide_block_state {
 typedef struct _tide_block {
   uintptr_t addr;
   size_t size;
-  size_t requested;                  /* allocated blocks: what the user asked for */
-  struct _tide_block *prev, *next;   /* neighbours in address order, same segment */
+  size_t requested;                          /* allocated blocks: what the user asked for */
+  struct _tide_block *prev, *next;           /* neighbours in address order, same segment */
   struct _tide_block *link_prev, *link_next; /* bin, unmapped or pending list */
   struct _tide_segment *segment;
-  uint64_t stamp;                    /* arena clock when it became free (gc age) */
-  uint32_t bin;                      /* free blocks: their bin */
-  uint8_t state;                     /* _tide_block_state */
-  uint8_t nstreams;                  /* streams recorded with tide_record_stream */
-  uint16_t events;                   /* pending: events still outstanding */
+  uint64_t stamp;   /* arena clock when it became free (gc age) */
+  uint32_t bin;     /* free blocks: their bin */
+  uint8_t state;    /* _tide_block_state */
+  uint8_t nstreams; /* streams recorded with tide_record_stream */
+  uint16_t events;  /* pending: events still outstanding */
   tide_stream streams[_TIDE_INLINE_STREAMS];
-  tide_stream *more_streams;         /* beyond the inline ones (malloc'd) */
+  tide_stream *more_streams; /* beyond the inline ones (malloc'd) */
   uint32_t more_cap;
 } _tide_block;
 
@@ -81,6 +81,9 @@ void _tide_bins_remove(_tide_bins *bins, _tide_block *b);
 _tide_block *_tide_bins_best_fit(const _tide_bins *bins, size_t size);
 /* The largest free block, or NULL. */
 _tide_block *_tide_bins_largest(const _tide_bins *bins);
+/* Up to `cap` free blocks of the bins into `out` (cost: the free blocks, not
+ * every block of the segments); returns how many. */
+size_t _tide_bins_collect(const _tide_bins *bins, _tide_block **out, size_t cap);
 
 /* ------------------------------------------------------------------------ */
 /* The live map: allocated blocks by address (ptrmap.c)                      */
@@ -150,23 +153,23 @@ static inline _tide_block *_tide_ptrmap_remove(_tide_ptrmap *m, uintptr_t addr) 
 
 typedef struct _tide_segment {
   uintptr_t base;
-  size_t size;             /* virtual bytes; fixed segments: also physical */
-  size_t mapped;           /* physical bytes held */
+  size_t size;   /* virtual bytes; fixed segments: also physical */
+  size_t mapped; /* physical bytes held */
   struct _tide_arena *arena;
   struct _tide_segment *prev, *next; /* the pool's segments */
-  _tide_handle *pages;     /* expandable: a handle per page, 0 when unmapped */
+  _tide_handle *pages;               /* expandable: a handle per page, 0 when unmapped */
   size_t npages;
-  _tide_handle handle;     /* fixed: its one handle */
-  _tide_block *first;      /* lowest block; blocks cover [base, base+size) */
-  uint8_t pool;            /* _TIDE_SMALL or _TIDE_LARGE */
+  _tide_handle handle; /* fixed: its one handle */
+  _tide_block *first;  /* lowest block; blocks cover [base, base+size) */
+  uint8_t pool;        /* _TIDE_SMALL or _TIDE_LARGE */
   uint8_t expandable;
 } _tide_segment;
 
 typedef struct _tide_pool {
-  _tide_bins bins;          /* free mapped blocks */
-  _tide_block *unmapped;    /* unmapped blocks, address order */
+  _tide_bins bins;       /* free mapped blocks */
+  _tide_block *unmapped; /* unmapped blocks, address order */
   _tide_segment *segments;
-  uint8_t kind;             /* _TIDE_SMALL or _TIDE_LARGE */
+  uint8_t kind; /* _TIDE_SMALL or _TIDE_LARGE */
 } _tide_pool;
 
 /* ------------------------------------------------------------------------ */
@@ -230,9 +233,8 @@ typedef struct _tide_global_stat {
 static inline void _tide_global_add(_tide_global_stat *g, int64_t delta) {
   int64_t now = atomic_fetch_add_explicit(&g->cur, delta, memory_order_relaxed) + delta;
   int64_t peak = atomic_load_explicit(&g->peak, memory_order_relaxed);
-  while (now > peak &&
-         !atomic_compare_exchange_weak_explicit(&g->peak, &peak, now, memory_order_relaxed,
-                                                memory_order_relaxed)) {
+  while (now > peak && !atomic_compare_exchange_weak_explicit(
+                           &g->peak, &peak, now, memory_order_relaxed, memory_order_relaxed)) {
   }
 }
 
@@ -294,21 +296,21 @@ typedef struct _tide_arena {
   unsigned nquick;
   _tide_block *quick[_TIDE_QUICK_SLOTS]; /* oldest first */
   tide_stream stream;
-  bool stream_gone;             /* destroyed through tide_stream_destroy */
+  bool stream_gone; /* destroyed through tide_stream_destroy */
   struct tide_allocator *alloc;
   _tide_pool pools[2];
   _tide_ptrmap live;
-  _tide_block *spare;           /* unused block records */
+  _tide_block *spare; /* unused block records */
   _tide_block_chunk *chunks;
-  _tide_pending *pending;       /* events to wait for, in record order */
+  _tide_pending *pending; /* events to wait for, in record order */
   size_t npending, pending_cap;
-  _tide_event *spare_events;    /* created events ready for reuse */
+  _tide_event *spare_events; /* created events ready for reuse */
   size_t nspare_events, spare_events_cap;
-  _tide_orphan_rec *orphans;   /* what the backend failed to give back */
+  _tide_orphan_rec *orphans; /* what the backend failed to give back */
   size_t norphans, orphans_cap;
-  uint64_t clock;               /* allocations so far: the gc clock */
+  uint64_t clock; /* allocations so far: the gc clock */
   _tide_arena_stats stats;
-  int64_t unpublished;          /* allocated bytes not yet added to the allocator's */
+  int64_t unpublished; /* allocated bytes not yet added to the allocator's */
 } _tide_arena;
 
 /* With several streams, each arena adds its allocated bytes to the shared
@@ -402,21 +404,21 @@ typedef struct _tide_trace_ring {
 
 struct tide_allocator {
   long magic;
-  uint64_t id;                  /* unique for the process: arena caches key on it */
+  uint64_t id; /* unique for the process: arena caches key on it */
   int device;
   tide_config *config;
-  _tide_conf_values conf;       /* a copy of the resolved values */
+  _tide_conf_values conf; /* a copy of the resolved values */
   _tide_backend backend;
   size_t granularity;
   size_t page_size;
-  bool plain_rounding;          /* no roundup_power2_divisions: sizes round to 512 B */
-  size_t total_memory;          /* the device's */
-  _Atomic size_t limit;         /* reserved may not exceed this */
-  atomic_bool shared_peak;      /* several arenas: keep `allocated` (read under arena locks) */
+  bool plain_rounding;     /* no roundup_power2_divisions: sizes round to 512 B */
+  size_t total_memory;     /* the device's */
+  _Atomic size_t limit;    /* reserved may not exceed this */
+  atomic_bool shared_peak; /* several arenas: keep `allocated` (read under arena locks) */
   /* Shared counters, each on its own cache line so that writing them does
    * not evict the read-mostly fields above from other cores (the allocator
    * is allocated 64-byte aligned for this). */
-  _Alignas(64) _tide_global_stat reserved; /* all arenas: physical bytes held */
+  _Alignas(64) _tide_global_stat reserved;  /* all arenas: physical bytes held */
   _Alignas(64) _tide_global_stat allocated; /* all arenas, once shared_peak is set */
   _Alignas(64) char after_counters;
   pthread_mutex_t arenas_mutex; /* guards the arena table */
@@ -428,7 +430,7 @@ struct tide_allocator {
   _Atomic uint64_t num_ooms;
   _Atomic uint64_t num_sync_all_streams;
   _tide_trace_ring trace;
-  struct _tide_pinned *pinned;  /* the pinned host memory pool (pinned.c) */
+  struct _tide_pinned *pinned; /* the pinned host memory pool (pinned.c) */
 };
 
 /* A live allocator: not NULL, aligned as allocators are (a stray pointer
@@ -444,8 +446,8 @@ void _tide_budget_give(struct tide_allocator *a, size_t bytes);
 /* Trace (trace.c). */
 int _tide_trace_init(_tide_trace_ring *ring, size_t cap);
 void _tide_trace_destroy(_tide_trace_ring *ring);
-void _tide_trace_push_slow(struct tide_allocator *a, tide_trace_kind kind, int pool,
-                           uintptr_t addr, size_t size, tide_stream stream);
+void _tide_trace_push_slow(struct tide_allocator *a, tide_trace_kind kind, int pool, uintptr_t addr,
+                           size_t size, tide_stream stream);
 static inline void _tide_trace(struct tide_allocator *a, tide_trace_kind kind, int pool,
                                uintptr_t addr, size_t size, tide_stream stream) {
   if (TIDE_UNLIKELY(a->trace.cap != 0)) _tide_trace_push_slow(a, kind, pool, addr, size, stream);

@@ -9,7 +9,7 @@
 #define MAX_DEVICES 64
 
 static pthread_mutex_t process_mutex = PTHREAD_MUTEX_INITIALIZER;
-static tide_config *process_config;        /* created on first need */
+static tide_config *process_config; /* created on first need */
 static _Atomic(tide_allocator *) devices[MAX_DEVICES];
 static bool any_created;
 static bool shut_down;
@@ -41,7 +41,8 @@ tide_status tide_conf_set(const char *text) {
       rc = _tide_error_set(TIDE_ERR_STATE,
                            "tide_conf_set(\"%s\") after the first allocator was created: not "
                            "applied (%s). Set TIDALLOC_CONF before the program starts, or call "
-                           "tide_conf_set before the first allocation", text, changes);
+                           "tide_conf_set before the first allocation",
+                           text, changes);
   }
   if (!rc) {
     tide_config_free(process_config);
@@ -74,8 +75,10 @@ tide_allocator *tide_device(int device) {
   pthread_mutex_lock(&process_mutex);
   a = atomic_load(&devices[device]);
   if (!a && shut_down) {
-    _tide_error_set(TIDE_ERR_STATE, "tide_device(%d) after tide_shutdown: the process-wide "
-                    "allocators are gone", device);
+    _tide_error_set(TIDE_ERR_STATE,
+                    "tide_device(%d) after tide_shutdown: the process-wide "
+                    "allocators are gone",
+                    device);
   } else if (!a && !ensure_config() && !tide_create(device, process_config, &a)) {
     atomic_store_explicit(&devices[device], a, memory_order_release);
     any_created = true;

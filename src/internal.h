@@ -32,12 +32,12 @@
 #define TIDE_GiB ((size_t)1 << 30)
 
 /* PyTorch's constants, which our users' intuitions are built on. */
-#define TIDE_MIN_BLOCK ((size_t)512)          /* every size is rounded to this */
-#define TIDE_SMALL_SIZE ((size_t)1 << 20)     /* requests up to this use the small pool */
-#define TIDE_SMALL_BUFFER ((size_t)2 << 20)   /* fixed segment size of the small pool */
-#define TIDE_LARGE_BUFFER ((size_t)20 << 20)  /* fixed segment size for requests below */
+#define TIDE_MIN_BLOCK ((size_t)512)         /* every size is rounded to this */
+#define TIDE_SMALL_SIZE ((size_t)1 << 20)    /* requests up to this use the small pool */
+#define TIDE_SMALL_BUFFER ((size_t)2 << 20)  /* fixed segment size of the small pool */
+#define TIDE_LARGE_BUFFER ((size_t)20 << 20) /* fixed segment size for requests below */
 #define TIDE_MIN_LARGE_ALLOC ((size_t)10 << 20)
-#define TIDE_ROUND_LARGE ((size_t)2 << 20)    /* fixed segments above round to this */
+#define TIDE_ROUND_LARGE ((size_t)2 << 20) /* fixed segments above round to this */
 /* Sizes above this are refused outright: no device has this much memory and
  * rounding arithmetic stays far from overflow. */
 #define TIDE_MAX_ALLOC ((size_t)1 << 52)
@@ -83,20 +83,20 @@ enum { TIDE_BACKEND_AUTO = 0, TIDE_BACKEND_HOST = 1, TIDE_BACKEND_CUDA = 2 };
 /* The resolved value of every option (tide_config holds these plus where
  * each came from). */
 typedef struct _tide_conf_values {
-  int backend;                       /* TIDE_BACKEND_* */
-  bool expandable_segments;          /* default true */
-  size_t page_size;                  /* bytes an expandable segment maps at once */
-  size_t max_split_size;             /* SIZE_MAX: no limit */
+  int backend;                                        /* TIDE_BACKEND_* */
+  bool expandable_segments;                           /* default true */
+  size_t page_size;                                   /* bytes an expandable segment maps at once */
+  size_t max_split_size;                              /* SIZE_MAX: no limit */
   unsigned roundup_divisions[TIDE_ROUNDUP_INTERVALS]; /* 0 or 1: plain 512 B rounding */
-  double gc_threshold;               /* garbage_collection_threshold, 0: off */
-  double memory_fraction;            /* (0, 1]; 1.0 (default): the whole device; treat 0 alike */
-  size_t memory_limit;               /* bytes, 0: no limit */
-  bool release_holes;                /* recycle free pages inside segments when growing */
-  size_t trace_capacity;             /* trace ring events, 0: off */
-  size_t host_capacity;              /* bytes of the emulated device */
-  size_t host_granularity;           /* the emulated device's mapping granularity */
-  int host_devices;                  /* emulated devices */
-  bool peer_access;                  /* CUDA: every GPU that can reach ours may use it */
+  double gc_threshold;                                /* garbage_collection_threshold, 0: off */
+  double memory_fraction;  /* (0, 1]; 1.0 (default): the whole device; treat 0 alike */
+  size_t memory_limit;     /* bytes, 0: no limit */
+  bool release_holes;      /* recycle free pages inside segments when growing */
+  size_t trace_capacity;   /* trace ring events, 0: off */
+  size_t host_capacity;    /* bytes of the emulated device */
+  size_t host_granularity; /* the emulated device's mapping granularity */
+  int host_devices;        /* emulated devices */
+  bool peer_access;        /* CUDA: every GPU that can reach ours may use it */
 } _tide_conf_values;
 
 /* The values of a config (tide_config is opaque outside conf.c). */

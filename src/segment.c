@@ -46,8 +46,7 @@ static size_t round_to_division(size_t size, unsigned divisions) {
 size_t _tide_round_size(const _tide_conf_values *conf, size_t size) {
   if (size < TIDE_MIN_BLOCK) return TIDE_MIN_BLOCK;
   unsigned divisions = divisions_for(conf, size);
-  if (divisions > 1 && size > TIDE_MIN_BLOCK * divisions)
-    return round_to_division(size, divisions);
+  if (divisions > 1 && size > TIDE_MIN_BLOCK * divisions) return round_to_division(size, divisions);
   return round_up(size, TIDE_MIN_BLOCK);
 }
 
@@ -198,8 +197,11 @@ int _tide_arena_retry_orphans(_tide_arena *arena) {
   for (size_t i = 0; i < arena->norphans; i++)
     if (!retry_orphan(arena, &arena->orphans[i])) arena->orphans[kept++] = arena->orphans[i];
   arena->norphans = kept;
-  if (kept) return _tide_error_set(TIDE_ERR_BACKEND, "the device backend still refuses to give "
-                                   "back %zu piece(s) of memory: %s", kept, tide_last_error());
+  if (kept)
+    return _tide_error_set(TIDE_ERR_BACKEND,
+                           "the device backend still refuses to give "
+                           "back %zu piece(s) of memory: %s",
+                           kept, tide_last_error());
   _tide_error_restore(&saved);
   return TIDE_OK;
 }
@@ -444,8 +446,8 @@ static void link_after(_tide_segment *seg, _tide_block *after, _tide_block *m, u
 /* Map the pages of plan `g` and return the free block they join (merged
  * with the free blocks around them). The unmapped block keeps what is left
  * on either side, split in two when the pages lie in its middle. */
-static int map_planned(_tide_arena *arena, _tide_pool *pool, const _tide_growth *g,
-                       size_t request, _tide_block **out) {
+static int map_planned(_tide_arena *arena, _tide_pool *pool, const _tide_growth *g, size_t request,
+                       _tide_block **out) {
   _tide_block *u = g->unmapped;
   _tide_segment *seg = u->segment;
   size_t page = arena->alloc->page_size;
@@ -487,9 +489,7 @@ static int map_planned(_tide_arena *arena, _tide_pool *pool, const _tide_growth 
   return TIDE_OK;
 }
 
-static size_t free_size(const _tide_block *b) {
-  return b && b->state == _TIDE_FREE ? b->size : 0;
-}
+static size_t free_size(const _tide_block *b) { return b && b->state == _TIDE_FREE ? b->size : 0; }
 
 /* The cheapest way to make `size` bytes free around unmapped block `u`:
  * pages at its front (joining the free block before it), at its back
@@ -608,8 +608,13 @@ static int release_expandable(_tide_arena *arena, _tide_block *b, size_t limit,
   _tide_pool_remove(arena, b);
   uintptr_t uhi = lo + unmapped * page;
   if (b->addr < lo) { /* free head before the hole */
-    *head = (_tide_block){.addr = b->addr, .size = lo - b->addr, .segment = seg,
-                          .state = _TIDE_FREE, .stamp = b->stamp, .prev = b->prev, .next = b};
+    *head = (_tide_block){.addr = b->addr,
+                          .size = lo - b->addr,
+                          .segment = seg,
+                          .state = _TIDE_FREE,
+                          .stamp = b->stamp,
+                          .prev = b->prev,
+                          .next = b};
     if (b->prev)
       b->prev->next = head;
     else
@@ -620,8 +625,13 @@ static int release_expandable(_tide_arena *arena, _tide_block *b, size_t limit,
     head = NULL;
   }
   if (uhi < end) { /* free tail after it */
-    *tail = (_tide_block){.addr = uhi, .size = end - uhi, .segment = seg, .state = _TIDE_FREE,
-                          .stamp = b->stamp, .prev = b, .next = b->next};
+    *tail = (_tide_block){.addr = uhi,
+                          .size = end - uhi,
+                          .segment = seg,
+                          .state = _TIDE_FREE,
+                          .stamp = b->stamp,
+                          .prev = b,
+                          .next = b->next};
     if (b->next) b->next->prev = tail;
     b->next = tail;
   } else {

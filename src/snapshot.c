@@ -59,8 +59,9 @@ static const char *state_name(uint8_t state) {
 }
 
 static void put_segment(text *t, const _tide_arena *arena, const _tide_segment *seg, bool *first) {
-  put(t, "%s\n    {\"address\": %llu, \"size\": %zu, \"mapped\": %zu, \"pool\": \"%s\", "
-         "\"kind\": \"%s\", \"stream\": %llu, \"blocks\": [",
+  put(t,
+      "%s\n    {\"address\": %llu, \"size\": %zu, \"mapped\": %zu, \"pool\": \"%s\", "
+      "\"kind\": \"%s\", \"stream\": %llu, \"blocks\": [",
       *first ? "" : ",", (unsigned long long)seg->base, seg->size, seg->mapped,
       seg->pool == _TIDE_SMALL ? "small" : "large", seg->expandable ? "expandable" : "fixed",
       (unsigned long long)(uintptr_t)arena->stream);
@@ -78,9 +79,10 @@ tide_status tide_snapshot_json(tide_allocator *a, char **out, size_t *len) {
   tide_stats st;
   _tide_stats_collect(a, &st);
   text t = {0};
-  put(&t, "{\n  \"version\": \"%s\", \"backend\": \"%s\", \"device\": %d, \"page_size\": %zu, "
-          "\"granularity\": %zu,\n  \"allocated_bytes\": %lld, \"reserved_bytes\": %lld, "
-          "\"active_bytes\": %lld,\n  \"segments\": [",
+  put(&t,
+      "{\n  \"version\": \"%s\", \"backend\": \"%s\", \"device\": %d, \"page_size\": %zu, "
+      "\"granularity\": %zu,\n  \"allocated_bytes\": %lld, \"reserved_bytes\": %lld, "
+      "\"active_bytes\": %lld,\n  \"segments\": [",
       TIDE_VERSION_STRING, a->backend.ops->name, a->device, a->page_size, a->granularity,
       (long long)st.allocated_bytes[0].current, (long long)st.reserved_bytes[0].current,
       (long long)st.active_bytes[0].current);

@@ -49,10 +49,19 @@ static size_t changed_from_defaults(const tide_config *config) {
 }
 
 static const char *const all_keys[] = {
-    "backend",        "expandable_segments", "page_size_mb",
-    "max_split_size_mb", "roundup_power2_divisions", "garbage_collection_threshold",
-    "memory_fraction", "memory_limit",        "release_holes",
-    "peer_access",     "trace",          "host_capacity",       "host_granularity",
+    "backend",
+    "expandable_segments",
+    "page_size_mb",
+    "max_split_size_mb",
+    "roundup_power2_divisions",
+    "garbage_collection_threshold",
+    "memory_fraction",
+    "memory_limit",
+    "release_holes",
+    "peer_access",
+    "trace",
+    "host_capacity",
+    "host_granularity",
     "host_devices",
 };
 #define KEY_COUNT (sizeof all_keys / sizeof all_keys[0])
@@ -208,13 +217,14 @@ static void test_good_values(void **state) {
 static void test_values_reach_the_struct(void **state) {
   (void)state;
   tide_config *config = new_config();
-  assert_int_equal(tide_config_parse(config,
-                                     "backend:host,expandable_segments:False,page_size_mb:20,"
-                                     "max_split_size_mb:200,garbage_collection_threshold:0.75,"
-                                     "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
-                                     "peer_access:False,trace:100,host_capacity:8GiB,host_granularity:64KiB,"
-                                     "host_devices:4,roundup_power2_divisions:8"),
-                   TIDE_OK);
+  assert_int_equal(
+      tide_config_parse(config,
+                        "backend:host,expandable_segments:False,page_size_mb:20,"
+                        "max_split_size_mb:200,garbage_collection_threshold:0.75,"
+                        "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
+                        "peer_access:False,trace:100,host_capacity:8GiB,host_granularity:64KiB,"
+                        "host_devices:4,roundup_power2_divisions:8"),
+      TIDE_OK);
   const _tide_conf_values *v = _tide_config_values(config);
   assert_int_equal(v->backend, TIDE_BACKEND_HOST);
   assert_false(v->expandable_segments);
@@ -347,8 +357,7 @@ static void test_roundup_list(void **state) {
   assert_int_equal(tide_config_parse(config, "roundup_power2_divisions:[256:1,512:2,1024:4,>:8]"),
                    TIDE_OK);
   /* 256 is interval 8 (256..512 MiB); the first key also covers all below. */
-  static const unsigned pytorch_example[17] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 4,
-                                               8, 8, 8, 8, 8, 8};
+  static const unsigned pytorch_example[17] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 4, 8, 8, 8, 8, 8, 8};
   expect_divisions(config, pytorch_example);
   assert_string_equal(get(config, "roundup_power2_divisions"), "[256:1,512:2,1024:4,>:8]");
 
@@ -356,7 +365,7 @@ static void test_roundup_list(void **state) {
   assert_int_equal(
       tide_config_parse(config, " roundup_power2_divisions : [ 2 : 4 , > : 16 ] , trace : 5 "),
       TIDE_OK);
-  static const unsigned two_then_rest[17] = {4, 4, 16, 16, 16, 16, 16, 16, 16,
+  static const unsigned two_then_rest[17] = {4,  4,  16, 16, 16, 16, 16, 16, 16,
                                              16, 16, 16, 16, 16, 16, 16, 16};
   expect_divisions(config, two_then_rest);
   assert_string_equal(get(config, "roundup_power2_divisions"), "[2:4,>:16]");
@@ -392,10 +401,9 @@ static void test_roundup_list(void **state) {
 static void test_roundup_list_errors(void **state) {
   (void)state;
   static const char *const bad[] = {
-      "[3:1]",          "[256:3]",        "[512:1,256:2]",   "[256:1,256:2]", "[>:8,256:1]",
-      "[>:8,>:4]",      "[256:1",         "[[256:1]]",       "[256]",         "[131072:1]",
-      "[256:2048]",     "[0:1]",          "[256:-1]",        "[:1]",          "[256:]",
-      "[256:1]x",       "[abc:1]",        "[256:1:2]",
+      "[3:1]",    "[256:3]",   "[512:1,256:2]", "[256:1,256:2]", "[>:8,256:1]", "[>:8,>:4]",
+      "[256:1",   "[[256:1]]", "[256]",         "[131072:1]",    "[256:2048]",  "[0:1]",
+      "[256:-1]", "[:1]",      "[256:]",        "[256:1]x",      "[abc:1]",     "[256:1:2]",
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     tide_config *config = new_config();
@@ -503,10 +511,9 @@ static void test_unknown_keys(void **state) {
   assert_non_null(strstr(message, "unknown key \"trce\""));
   for (size_t k = 0; k < KEY_COUNT; k++) assert_non_null(strstr(message, all_keys[k]));
 
-  static const char *const pytorch_keys[] = {"pinned_use_cuda_host_register",
-                                             "pinned_num_register_threads",
-                                             "release_lock_on_cudamalloc",
-                                             "max_non_split_rounding_mb"};
+  static const char *const pytorch_keys[] = {
+      "pinned_use_cuda_host_register", "pinned_num_register_threads", "release_lock_on_cudamalloc",
+      "max_non_split_rounding_mb"};
   for (size_t i = 0; i < sizeof pytorch_keys / sizeof pytorch_keys[0]; i++) {
     char text[128];
     snprintf(text, sizeof text, "%s:True", pytorch_keys[i]);
@@ -669,17 +676,31 @@ static void test_garbage(void **state) {
   (void)state;
   tide_config *config = new_config();
   static const char *const texts[] = {
-      ":",     ":::",           "trace::5",        "trace:1:2",      "[",
-      "]]]]",  "[[[[",          "trace:[",         "trace:]",        "backend:host:cuda",
-      "a:b:c", "\x01\xff:\x80", "trace:5\x01",     "trace:\xe2\x82\xac",
+      ":",
+      ":::",
+      "trace::5",
+      "trace:1:2",
+      "[",
+      "]]]]",
+      "[[[[",
+      "trace:[",
+      "trace:]",
+      "backend:host:cuda",
+      "a:b:c",
+      "\x01\xff:\x80",
+      "trace:5\x01",
+      "trace:\xe2\x82\xac",
       "memory_limit:1\xc2\xa0GiB",
-      "expandable_segments:True]", "roundup_power2_divisions:[256:1,>:8],]", "=",
-      "trace=5", "trace 5", "\"trace\":5",
+      "expandable_segments:True]",
+      "roundup_power2_divisions:[256:1,>:8],]",
+      "=",
+      "trace=5",
+      "trace 5",
+      "\"trace\":5",
   };
   for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++) {
     tide_config *fresh = new_config();
-    if (tide_config_parse(fresh, texts[i]) != TIDE_ERR_CONFIG)
-      fail_msg("text %zu was accepted", i);
+    if (tide_config_parse(fresh, texts[i]) != TIDE_ERR_CONFIG) fail_msg("text %zu was accepted", i);
     assert_int_equal(changed_from_defaults(fresh), 0);
     tide_config_free(fresh);
   }

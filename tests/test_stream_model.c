@@ -26,7 +26,7 @@ typedef enum fake_op { FAKE_ALLOC, FAKE_FREE, FAKE_COPY } fake_op;
 typedef struct fake_event {
   uint8_t op;
   uint8_t kind;
-  uint64_t id;    /* the buffer (the destination of a copy) */
+  uint64_t id; /* the buffer (the destination of a copy) */
   uint64_t bytes;
   uint64_t offset;
 } fake_event;

@@ -10,9 +10,9 @@
 
 static const char *source_name(tide_conf_source source) {
   switch (source) {
-    case TIDE_CONF_DEFAULT: return "default";
-    case TIDE_CONF_ENVIRONMENT: return "environment";
-    case TIDE_CONF_CODE: return "code";
+  case TIDE_CONF_DEFAULT: return "default";
+  case TIDE_CONF_ENVIRONMENT: return "environment";
+  case TIDE_CONF_CODE: return "code";
   }
   return "?";
 }
@@ -71,8 +71,8 @@ static bool print_options(const tide_config *config) {
     if ((int)strlen(o.default_value) > default_w) default_w = (int)strlen(o.default_value);
   }
   printf("\noptions (set with TIDALLOC_CONF=\"key:value,...\" or --conf):\n");
-  printf("  %-*s  %-*s  %-*s  %-11s  %s\n", key_w, "key", value_w, "value", default_w,
-         "default", "source", "meaning");
+  printf("  %-*s  %-*s  %-*s  %-11s  %s\n", key_w, "key", value_w, "value", default_w, "default",
+         "source", "meaning");
   bool ok = true;
   for (size_t i = 0; i < n; i++) {
     tide_option_info o;

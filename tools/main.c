@@ -39,10 +39,9 @@ static void print_usage(FILE *out) {
   for (size_t i = 0; i < subcommand_count; i++) {
     fprintf(out, "  %-8s %s\n", subcommands[i].name, subcommands[i].summary);
   }
-  fprintf(out,
-          "\n"
-          "Every command accepts --conf \"key:value,...\": the allocator's options, applied\n"
-          "after the TIDALLOC_CONF environment variable. `tidalloc info` lists them.\n");
+  fprintf(out, "\n"
+               "Every command accepts --conf \"key:value,...\": the allocator's options, applied\n"
+               "after the TIDALLOC_CONF environment variable. `tidalloc info` lists them.\n");
 }
 
 static const subcommand *find_subcommand(const char *name) {
@@ -157,9 +156,7 @@ bool cli_parse_u64(const char *text, uint64_t *out) {
   return true;
 }
 
-bool cli_is_help(const char *arg) {
-  return strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0;
-}
+bool cli_is_help(const char *arg) { return strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0; }
 
 void cli_error(const char *fmt, ...) {
   va_list ap;

@@ -45,8 +45,7 @@ enum {
 #define MIXED_SIZE_OCTAVES 15.0 /* 512 B * 2^15 = 16 MiB */
 #define SCRIPT_SEED 0x7469646555ull
 
-static const size_t pair_sizes[] = {512, 4096, (size_t)1 << 20, (size_t)8 << 20,
-                                    (size_t)64 << 20};
+static const size_t pair_sizes[] = {512, 4096, (size_t)1 << 20, (size_t)8 << 20, (size_t)64 << 20};
 static const int default_thread_counts[] = {1, 8};
 
 /* ------------------------------------------------------------------------ */
@@ -403,8 +402,7 @@ static void print_csv(const result *results, size_t n) {
     if (r->size == 0) {
       printf("%s,mixed,%d,%s,%.1f\n", r->workload, r->threads, r->allocator, r->ns_per_op);
     } else {
-      printf("%s,%zu,%d,%s,%.1f\n", r->workload, r->size, r->threads, r->allocator,
-             r->ns_per_op);
+      printf("%s,%zu,%d,%s,%.1f\n", r->workload, r->size, r->threads, r->allocator, r->ns_per_op);
     }
   }
 }
@@ -445,8 +443,8 @@ static void print_table(const result *results, size_t n) {
     double base = glibc_figure(results, n, r);
     char ratio[32] = "-";
     if (base > 0.0) format_ratio(r->ns_per_op / base, ratio, sizeof(ratio));
-    printf("%-8s %-10s %7d  %-9s %10.1f %9s %10llu\n", r->workload, size, r->threads,
-           r->allocator, r->ns_per_op, ratio, (unsigned long long)r->ops);
+    printf("%-8s %-10s %7d  %-9s %10.1f %9s %10llu\n", r->workload, size, r->threads, r->allocator,
+           r->ns_per_op, ratio, (unsigned long long)r->ops);
   }
   printf("\nns/op: the median over threads of each thread's median over its batches;\n"
          "x glibc: ns/op divided by glibc's (below 1 is faster). One op of `pair` is an\n"
@@ -532,15 +530,16 @@ static int parse_args(int argc, char **argv, micro_args *args) {
     } else if (cli_option_value(argc, argv, &i, "--conf", &value, &bad)) {
       args->conf = value;
     } else if (cli_option_value(argc, argv, &i, "--repeat", &value, &bad)) {
-      if (!bad && (!cli_parse_u64(value, &args->repeat) || args->repeat == 0 ||
-                   args->repeat > 100000)) {
+      if (!bad &&
+          (!cli_parse_u64(value, &args->repeat) || args->repeat == 0 || args->repeat > 100000)) {
         cli_error("micro: --repeat wants a count from 1 to 100000, not '%s'", value);
         return CLI_EXIT_USAGE;
       }
     } else if (cli_option_value(argc, argv, &i, "--threads", &value, &bad)) {
       if (!bad && !parse_thread_list(value, args)) {
         cli_error("micro: --threads wants a list such as 1,8 (each 1 to %d, at most %d), not "
-                  "'%s'", MAX_THREADS, MAX_THREAD_COUNTS, value);
+                  "'%s'",
+                  MAX_THREADS, MAX_THREAD_COUNTS, value);
         return CLI_EXIT_USAGE;
       }
     } else if (cli_option_value(argc, argv, &i, "--only", &value, &bad)) {

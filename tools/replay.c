@@ -18,9 +18,9 @@
 
 #define TRACE_HEADER "t_us,action,addr,size,stream"
 enum {
-  LINE_MAX_BYTES = 256,  /* longer lines are malformed */
-  MAX_STREAMS = 1024,    /* distinct stream ids a trace may use */
-  REPORT_FIRST = 5,      /* problems described one by one before only counting */
+  LINE_MAX_BYTES = 256, /* longer lines are malformed */
+  MAX_STREAMS = 1024,   /* distinct stream ids a trace may use */
+  REPORT_FIRST = 5,     /* problems described one by one before only counting */
 };
 
 /* ------------------------------------------------------------------------ */
@@ -190,8 +190,7 @@ static bool trace_load(const char *path, trace *t) {
   int zerr = Z_OK;
   const char *zmsg = gzerror(gz, &zerr);
   if (zerr != Z_OK && zerr != Z_STREAM_END) {
-    cli_error("replay: %s is corrupt after line %llu: %s", path, (unsigned long long)line_no,
-              zmsg);
+    cli_error("replay: %s is corrupt after line %llu: %s", path, (unsigned long long)line_no, zmsg);
     gzclose(gz);
     return false;
   }
@@ -213,7 +212,7 @@ typedef struct live_block {
 
 typedef struct live_map {
   live_block *slots;
-  size_t mask;  /* capacity - 1, capacity a power of two */
+  size_t mask;    /* capacity - 1, capacity a power of two */
   unsigned shift; /* 64 - log2(capacity): the hash keeps the product's high bits */
   size_t count;
 } live_map;
@@ -411,8 +410,7 @@ static void print_keys(const char *path, const trace *t, const replay_result *r)
   printf("frees %llu\n", (unsigned long long)r->frees);
   printf("streams %zu\n", t->stream_count);
   printf("peak_live_bytes %llu\n", (unsigned long long)r->peak_live);
-  printf("peak_allocated_bytes %lld\n",
-         (long long)r->stats.allocated_bytes[TIDE_POOL_ALL].peak);
+  printf("peak_allocated_bytes %lld\n", (long long)r->stats.allocated_bytes[TIDE_POOL_ALL].peak);
   printf("peak_reserved_bytes %lld\n", (long long)r->stats.reserved_bytes[TIDE_POOL_ALL].peak);
   printf("reserved_over_live %.4f\n", reserved_over_live(r));
   printf("segments_created %llu\n", (unsigned long long)r->stats.segments_created);
@@ -430,10 +428,8 @@ static void print_csv(const char *path, const replay_result *r) {
   printf("trace,events,peak_live_bytes,peak_allocated_bytes,peak_reserved_bytes,"
          "reserved_over_live,seconds\n");
   printf("%s,%llu,%llu,%lld,%lld,%.4f,%.3f\n", base_name(path), (unsigned long long)r->events,
-         (unsigned long long)r->peak_live,
-         (long long)r->stats.allocated_bytes[TIDE_POOL_ALL].peak,
-         (long long)r->stats.reserved_bytes[TIDE_POOL_ALL].peak, reserved_over_live(r),
-         r->seconds);
+         (unsigned long long)r->peak_live, (long long)r->stats.allocated_bytes[TIDE_POOL_ALL].peak,
+         (long long)r->stats.reserved_bytes[TIDE_POOL_ALL].peak, reserved_over_live(r), r->seconds);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -532,14 +528,12 @@ int tide_cli_replay(int argc, char **argv) {
       print_keys(path, &t, &r);
     }
   }
-  uint64_t problems = t.malformed_lines + r.unknown_frees + r.duplicate_allocs +
-                      r.size_mismatches;
+  uint64_t problems = t.malformed_lines + r.unknown_frees + r.duplicate_allocs + r.size_mismatches;
   if (ok && problems != 0) {
     cli_error("replay: %s has %llu malformed lines, %llu frees of addresses not live, %llu "
               "allocations at live addresses and %llu frees of another size",
-              path, (unsigned long long)t.malformed_lines,
-              (unsigned long long)r.unknown_frees, (unsigned long long)r.duplicate_allocs,
-              (unsigned long long)r.size_mismatches);
+              path, (unsigned long long)t.malformed_lines, (unsigned long long)r.unknown_frees,
+              (unsigned long long)r.duplicate_allocs, (unsigned long long)r.size_mismatches);
   }
   free(streams);
   trace_free(&t);

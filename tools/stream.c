@@ -24,8 +24,8 @@ enum { MAX_SWEEP = 64, MAX_FRAMES = 10000000, ERROR_LEN = 1024 };
 
 static const int default_sweep[] = {64, 128, 256, 512, 1024, 2048, 4096, 10000};
 
-#define CSV_HEADER                                                                         \
-  "frames,status,requested_height,requested_width,effective_height,effective_width,"     \
+#define CSV_HEADER                                                                                 \
+  "frames,status,requested_height,requested_width,effective_height,effective_width,"               \
   "backend,dtype,seconds,peak_allocated_gib,peak_reserved_gib,error"
 
 typedef struct stream_args {
@@ -91,12 +91,12 @@ static void target_free(void *ctx, void *buf, size_t bytes) {
 /* The cache copies of concatenation, on the device's stream. On the host
  * backend nothing is computed, so nothing is copied: the emulated device
  * would otherwise have to hold the whole workload in RAM. */
-static int target_copy(void *ctx, void *dst, size_t dst_offset, const void *src,
-                       size_t src_offset, size_t bytes) {
+static int target_copy(void *ctx, void *dst, size_t dst_offset, const void *src, size_t src_offset,
+                       size_t bytes) {
   tide_target *t = ctx;
   if (!t->copies) return 0;
-  tide_status st = tide_memcpy(t->alloc, (char *)dst + dst_offset, (const char *)src + src_offset,
-                               bytes, NULL);
+  tide_status st =
+      tide_memcpy(t->alloc, (char *)dst + dst_offset, (const char *)src + src_offset, bytes, NULL);
   if (st != TIDE_OK && t->copy_status == TIDE_OK) {
     t->copy_status = st;
     snprintf(t->copy_error, sizeof t->copy_error, "%s", tide_last_error());
@@ -127,8 +127,8 @@ static bool backend_name(const tide_config *config, const char *label, char *buf
     cli_report_tide_error("stream: reading expandable_segments");
     return false;
   }
-  bool expandable = strcmp(value, "True") == 0 || strcmp(value, "true") == 0 ||
-                    strcmp(value, "1") == 0;
+  bool expandable =
+      strcmp(value, "True") == 0 || strcmp(value, "true") == 0 || strcmp(value, "1") == 0;
   snprintf(buf, len, "%s", expandable ? "tidalloc-expandable" : "tidalloc-fixed");
   return true;
 }
@@ -183,7 +183,8 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
   tide_stats stats;
   bool ok = tide_get_stats(alloc, &stats) == TIDE_OK;
   if (!ok) cli_report_tide_error("stream: reading the statistics");
-  row->peak_allocated_gib = ok ? (double)stats.allocated_bytes[TIDE_POOL_ALL].peak / 1073741824.0 : 0;
+  row->peak_allocated_gib =
+      ok ? (double)stats.allocated_bytes[TIDE_POOL_ALL].peak / 1073741824.0 : 0;
   row->peak_reserved_gib = ok ? (double)stats.reserved_bytes[TIDE_POOL_ALL].peak / 1073741824.0 : 0;
   if (tide_destroy(alloc) != TIDE_OK) {
     cli_report_tide_error("stream: destroying the allocator");

@@ -70,19 +70,19 @@ enum {
   IMG_H = 378,
   IMG_W = 518,
   PATCH = 14,
-  GRID_H = IMG_H / PATCH, /* 27 */
-  GRID_W = IMG_W / PATCH, /* 37 */
+  GRID_H = IMG_H / PATCH,    /* 27 */
+  GRID_W = IMG_W / PATCH,    /* 37 */
   PATCHES = GRID_H * GRID_W, /* 999 */
   SPECIAL = 6,
-  TOKENS = PATCHES + SPECIAL,    /* 1005, the aggregator's tokens per frame */
-  ENC_TOKENS = PATCHES + 5,      /* 1004: class token, 4 registers, patches */
+  TOKENS = PATCHES + SPECIAL, /* 1005, the aggregator's tokens per frame */
+  ENC_TOKENS = PATCHES + 5,   /* 1004: class token, 4 registers, patches */
   WIDTH = 1024,
   MLP = 4096,
   HEADS = 16,
   HEAD_DIM = 64,
   ENC_BLOCKS = 24,
-  LAYERS = 24,                   /* frame blocks, and global blocks */
-  HEAD_IN = 2 * WIDTH,           /* the heads read frame and global outputs side by side */
+  LAYERS = 24,         /* frame blocks, and global blocks */
+  HEAD_IN = 2 * WIDTH, /* the heads read frame and global outputs side by side */
   CAM_BLOCKS = 4,
   CAM_ITERS = 4,
   CAM_CACHES = CAM_BLOCKS * CAM_ITERS,
@@ -155,8 +155,8 @@ typedef struct model {
   const stream_model_ops *ops;
   stream_model_result *result;
   stream_model_status status;
-  bool count_only;      /* weights are counted, not allocated */
-  uint64_t counted;     /* bytes counted in that mode */
+  bool count_only;  /* weights are counted, not allocated */
+  uint64_t counted; /* bytes counted in that mode */
   live_buf *bufs;
   int buf_count;
   int buf_cap;
@@ -260,9 +260,9 @@ static bool list_push(model *m, slot_list *list, int slot) {
 
 /* Allocate into `var` or leave the calling function: the slot table frees
  * whatever the function had allocated. */
-#define ALLOC(var, bytes, kind)                                                            \
-  do {                                                                                     \
-    if (((var) = buf_alloc(m, (bytes), (kind))) < 0) return false;                         \
+#define ALLOC(var, bytes, kind)                                                                    \
+  do {                                                                                             \
+    if (((var) = buf_alloc(m, (bytes), (kind))) < 0) return false;                                 \
   } while (0)
 #define ACT STREAM_MODEL_ACTIVATION
 
@@ -357,8 +357,8 @@ static bool unitemised_params(model *m) {
 }
 
 static bool load_weights(model *m) {
-  return encoder_params(m) && aggregator_params(m) && camera_head_params(m) &&
-         dpt_head_params(m) && unitemised_params(m);
+  return encoder_params(m) && aggregator_params(m) && camera_head_params(m) && dpt_head_params(m) &&
+         unitemised_params(m);
 }
 
 uint64_t stream_model_weight_bytes(void) {
@@ -404,8 +404,8 @@ static bool special_grow(model *m, int *special, int tokens, int cache, size_t f
 }
 
 /* Rebuild a cache of `frames` frames as its first `head` and last `tail`. */
-static bool window_rebuild(model *m, int *cache, size_t frame_bytes, int frames, int head,
-                           int tail, stream_model_kind kind) {
+static bool window_rebuild(model *m, int *cache, size_t frame_bytes, int frames, int head, int tail,
+                           stream_model_kind kind) {
   int kept;
   ALLOC(kept, (size_t)(head + tail) * frame_bytes, kind);
   if (!buf_copy(m, kept, 0, *cache, 0, (size_t)head * frame_bytes) ||
@@ -717,7 +717,7 @@ static bool run_dpt_head(model *m, int batch, const int inter[LAYERS]) {
   const size_t b = (size_t)batch, image = b * IMAGE_BYTES;
   const int h0 = dpt_h[0] * 2, w0 = dpt_w[0] * 2;
   int feat[DPT_LEVELS], rn[DPT_LEVELS], norm, proj, path = -1, next, c1, up, c2, relu, c3, depth,
-      conf;
+                                                    conf;
   for (int l = 0; l < DPT_LEVELS; l++) feat[l] = rn[l] = -1;
   for (int l = 0; l < DPT_LEVELS; l++) {
     const size_t c = (size_t)dpt_channels[l];
@@ -803,8 +803,8 @@ static void release_all(model *m) {
 }
 
 static bool params_valid(const stream_model_params *p, const stream_model_ops *ops) {
-  return p && ops && ops->alloc && ops->free && ops->copy && p->frames > 0 &&
-         p->scale_frames > 0 && p->window > 0 && p->keyframe_interval > 0;
+  return p && ops && ops->alloc && ops->free && ops->copy && p->frames > 0 && p->scale_frames > 0 &&
+         p->window > 0 && p->keyframe_interval > 0;
 }
 
 static void model_init(model *m, const stream_model_params *params, const stream_model_ops *ops,
@@ -814,13 +814,12 @@ static void model_init(model *m, const stream_model_params *params, const stream
   m->ops = ops;
   m->result = out;
   m->free_head = -1;
-  for (int l = 0; l < LAYERS; l++)
-    m->kv_k[l] = m->kv_v[l] = m->special_k[l] = m->special_v[l] = -1;
+  for (int l = 0; l < LAYERS; l++) m->kv_k[l] = m->kv_v[l] = m->special_k[l] = m->special_v[l] = -1;
   for (int c = 0; c < CAM_CACHES; c++) m->cam_k[c] = m->cam_v[c] = -1;
 }
 
-stream_model_status stream_model_run(const stream_model_params *params,
-                                     const stream_model_ops *ops, stream_model_result *out) {
+stream_model_status stream_model_run(const stream_model_params *params, const stream_model_ops *ops,
+                                     stream_model_result *out) {
   memset(out, 0, sizeof *out);
   if (!params_valid(params, ops)) return STREAM_MODEL_BAD_PARAMS;
   model m;
@@ -829,8 +828,8 @@ stream_model_status stream_model_run(const stream_model_params *params,
   while (ok && out->frames_done < params->frames) {
     int left = params->frames - out->frames_done;
     int batch = out->frames_done == 0 && params->scale_frames < left ? params->scale_frames
-                : out->frames_done == 0                                ? left
-                                                                       : 1;
+                : out->frames_done == 0                              ? left
+                                                                     : 1;
     ok = run_step(&m, out->frames_done, batch);
     if (ok) {
       out->frames_done += batch;

@@ -49,24 +49,24 @@ typedef struct stream_model_params {
 
 typedef enum stream_model_status {
   STREAM_MODEL_OK = 0,
-  STREAM_MODEL_NO_MEMORY = 1,  /* alloc returned NULL */
+  STREAM_MODEL_NO_MEMORY = 1, /* alloc returned NULL */
   STREAM_MODEL_COPY_FAILED = 2,
   STREAM_MODEL_BAD_PARAMS = 3,
   STREAM_MODEL_HOST_MEMORY = 4 /* the model's own bookkeeping ran out of host memory */
 } stream_model_status;
 
 typedef struct stream_model_result {
-  int frames_done;           /* frames whose outputs were produced */
-  uint64_t allocs;           /* successful alloc calls */
+  int frames_done; /* frames whose outputs were produced */
+  uint64_t allocs; /* successful alloc calls */
   uint64_t frees;
   uint64_t copies;
   uint64_t copied_bytes;
-  uint64_t live_bytes;       /* bytes live when the run stopped (0 after a full run) */
-  uint64_t peak_live_bytes;  /* the most bytes live at once: what an exact allocator holds */
-  uint64_t stray_buffers;    /* buffers neither freed where they die nor part of the
-                                state: 0 after a full run (else a bug of the model;
-                                they are freed at the end all the same) */
-  size_t failed_bytes;       /* the size of the failed request, when NO_MEMORY */
+  uint64_t live_bytes;      /* bytes live when the run stopped (0 after a full run) */
+  uint64_t peak_live_bytes; /* the most bytes live at once: what an exact allocator holds */
+  uint64_t stray_buffers;   /* buffers neither freed where they die nor part of the
+                               state: 0 after a full run (else a bug of the model;
+                               they are freed at the end all the same) */
+  size_t failed_bytes;      /* the size of the failed request, when NO_MEMORY */
   stream_model_kind failed_kind;
 } stream_model_result;
 
@@ -87,8 +87,8 @@ void stream_model_default_params(stream_model_params *params, int frames);
 
 /* Run the workload. Every buffer the model allocates is freed before it
  * returns, whether it finishes or stops early. */
-stream_model_status stream_model_run(const stream_model_params *params,
-                                     const stream_model_ops *ops, stream_model_result *out);
+stream_model_status stream_model_run(const stream_model_params *params, const stream_model_ops *ops,
+                                     stream_model_result *out);
 
 /* "ok", "out of memory", ... */
 const char *stream_model_status_text(stream_model_status status);
