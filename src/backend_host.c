@@ -174,18 +174,6 @@ static int oom_tables(const char *what) {
   return _tide_error_set(TIDE_ERR_OOM, "host backend: out of host memory for its %s table", what);
 }
 
-/* Grow an array so that it holds at least `need` items. */
-static bool grow(void **items, size_t *cap, size_t need, size_t item_size) {
-  if (need <= *cap) return true;
-  size_t new_cap = *cap ? *cap * 2 : 16;
-  while (new_cap < need) new_cap *= 2;
-  void *p = realloc(*items, new_cap * item_size);
-  if (!p) return false;
-  *items = p;
-  *cap = new_cap;
-  return true;
-}
-
 /* ------------------------------------------------------------------------ */
 /* Call counting and injected failures                                      */
 /* ------------------------------------------------------------------------ */
@@ -342,7 +330,7 @@ static bool range_covered(const range_table *t, uintptr_t addr, size_t size) {
 }
 
 static bool range_make_room(range_table *t) {
-  return grow((void **)&t->items, &t->cap, t->count + 1, sizeof *t->items);
+  return _tide_grow_array((void **)&t->items, &t->cap, t->count + 1, sizeof *t->items);
 }
 
 /* Insert in order; room must have been made. */
@@ -507,9 +495,10 @@ static int host_create(void *ctx, size_t size, _tide_handle *out) {
   } else {
     /* Room on the free stack for every slot, so freeing never allocates. */
     if (d->handle_count >= UINT32_MAX ||
-        !grow((void **)&d->handles, &d->handle_cap, d->handle_count + 1, sizeof *d->handles) ||
-        !grow((void **)&d->free_handles.items, &d->free_handles.cap, d->handle_count + 1,
-              sizeof *d->free_handles.items)) {
+        !_tide_grow_array((void **)&d->handles, &d->handle_cap, d->handle_count + 1,
+                          sizeof *d->handles) ||
+        !_tide_grow_array((void **)&d->free_handles.items, &d->free_handles.cap,
+                          d->handle_count + 1, sizeof *d->free_handles.items)) {
       unlock(d);
       return oom_tables("handle");
     }
@@ -712,9 +701,10 @@ static int host_stream_create(void *ctx, tide_stream *out) {
     slot = d->free_streams.items[--d->free_streams.count];
   } else {
     if (d->stream_count >= UINT32_MAX ||
-        !grow((void **)&d->streams, &d->stream_cap, d->stream_count + 1, sizeof *d->streams) ||
-        !grow((void **)&d->free_streams.items, &d->free_streams.cap, d->stream_count + 1,
-              sizeof *d->free_streams.items)) {
+        !_tide_grow_array((void **)&d->streams, &d->stream_cap, d->stream_count + 1,
+                          sizeof *d->streams) ||
+        !_tide_grow_array((void **)&d->free_streams.items, &d->free_streams.cap,
+                          d->stream_count + 1, sizeof *d->free_streams.items)) {
       unlock(d);
       return oom_tables("stream");
     }
@@ -807,9 +797,10 @@ static int host_event_create(void *ctx, _tide_event *out) {
     slot = d->free_events.items[--d->free_events.count];
   } else {
     if (d->event_count >= UINT32_MAX ||
-        !grow((void **)&d->events, &d->event_cap, d->event_count + 1, sizeof *d->events) ||
-        !grow((void **)&d->free_events.items, &d->free_events.cap, d->event_count + 1,
-              sizeof *d->free_events.items)) {
+        !_tide_grow_array((void **)&d->events, &d->event_cap, d->event_count + 1,
+                          sizeof *d->events) ||
+        !_tide_grow_array((void **)&d->free_events.items, &d->free_events.cap, d->event_count + 1,
+                          sizeof *d->free_events.items)) {
       unlock(d);
       return oom_tables("event");
     }

@@ -116,6 +116,14 @@ typedef struct _tide_lock {
 } _tide_lock;
 
 /* ------------------------------------------------------------------------ */
+/* Growable arrays (array.c)                                                 */
+/* ------------------------------------------------------------------------ */
+
+/* Make room for `need` items of `item_size` bytes in *items (capacity *cap),
+ * doubling; false (nothing changed) when host memory runs out. */
+bool _tide_grow_array(void **items, size_t *cap, size_t need, size_t item_size);
+
+/* ------------------------------------------------------------------------ */
 /* Clock                                                                     */
 /* ------------------------------------------------------------------------ */
 

@@ -82,18 +82,6 @@ static int pool_of(const pinned_block *b) {
   return b->size <= TIDE_SMALL_SIZE ? _TIDE_SMALL : _TIDE_LARGE;
 }
 
-/* Grow an array so that it holds at least `need` items. */
-static bool grow(void **items, size_t *cap, size_t need, size_t item_size) {
-  if (need <= *cap) return true;
-  size_t new_cap = *cap ? *cap * 2 : 16;
-  while (new_cap < need) new_cap *= 2;
-  void *p = realloc(*items, new_cap * item_size);
-  if (!p) return false;
-  *items = p;
-  *cap = new_cap;
-  return true;
-}
-
 static unsigned class_of(size_t size) {
   if (size <= ((size_t)1 << MIN_CLASS)) return MIN_CLASS;
   return 64u - (unsigned)__builtin_clzll((unsigned long long)(size - 1));
@@ -236,7 +224,8 @@ static int take_event(_tide_pinned *pool, _tide_event *out) {
 }
 
 static void give_event(_tide_pinned *pool, _tide_event e) {
-  if (!grow((void **)&pool->spare, &pool->spare_cap, pool->nspare + 1, sizeof *pool->spare)) {
+  if (!_tide_grow_array((void **)&pool->spare, &pool->spare_cap, pool->nspare + 1,
+                        sizeof *pool->spare)) {
     const _tide_backend *be = backend(pool);
     be->ops->event_destroy(be->ctx, e);
     return;
@@ -409,7 +398,7 @@ static int add_stream(pinned_block *b, tide_stream s) {
     return _tide_error_set(TIDE_ERR_INVALID, "pinned block %p is recorded on too many streams",
                            (void *)b->addr);
   size_t cap = b->streams_cap;
-  if (!grow((void **)&b->streams, &cap, (size_t)b->nstreams + 1, sizeof *b->streams))
+  if (!_tide_grow_array((void **)&b->streams, &cap, (size_t)b->nstreams + 1, sizeof *b->streams))
     return _tide_error_set(TIDE_ERR_OOM, "out of host memory recording a stream");
   b->streams_cap = (uint32_t)(cap > UINT32_MAX ? UINT32_MAX : cap);
   b->streams[b->nstreams++] = s;
@@ -460,7 +449,8 @@ static int new_block(_tide_pinned *pool, size_t bytes, size_t size, tide_stream 
   b->size = bytes;
   b->cls = (uint8_t)class_of(bytes);
   pthread_mutex_lock(&pool->lock);
-  if (!grow((void **)&pool->blocks, &pool->blocks_cap, pool->nblocks + 1, sizeof *pool->blocks)) {
+  if (!_tide_grow_array((void **)&pool->blocks, &pool->blocks_cap, pool->nblocks + 1,
+                        sizeof *pool->blocks)) {
     pthread_mutex_unlock(&pool->lock);
     be->ops->host_free(be->ctx, p);
     free(b);
@@ -556,8 +546,8 @@ void *_tide_pinned_malloc(_tide_pinned *pool, size_t size, tide_stream stream) {
  * (b->ready), and pending events on every other stream that used it. All or
  * nothing: on failure b is as it was. Under the lock. */
 static int order_free(_tide_pinned *pool, pinned_block *b, tide_stream freed_on) {
-  if (!grow((void **)&pool->pending, &pool->pending_cap, pool->npending + b->nstreams + 1,
-            sizeof *pool->pending))
+  if (!_tide_grow_array((void **)&pool->pending, &pool->pending_cap,
+                        pool->npending + b->nstreams + 1, sizeof *pool->pending))
     return _tide_error_set(TIDE_ERR_OOM, "out of host memory for stream events");
   size_t start = pool->npending;
   int rc = TIDE_OK;
