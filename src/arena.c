@@ -108,6 +108,7 @@ size_t _tide_arena_destroy(_tide_arena *arena) {
     be->ops->event_destroy(be->ctx, arena->spare_events[i]);
   _tide_pool_teardown(arena, &arena->pools[_TIDE_SMALL]);
   _tide_pool_teardown(arena, &arena->pools[_TIDE_LARGE]);
+  _tide_arena_release_spare_pages(arena);
   _tide_arena_retry_orphans(arena);
   while (arena->chunks) {
     _tide_block_chunk *next = arena->chunks->next;
@@ -119,6 +120,7 @@ size_t _tide_arena_destroy(_tide_arena *arena) {
   free(arena->pending);
   free(arena->spare_events);
   free(arena->orphans);
+  free(arena->spare_pages);
   free(arena);
   return unfreed;
 }
@@ -402,12 +404,18 @@ static void release_holes(_tide_arena *arena, _tide_pool *pool, size_t rounded) 
   }
   if (n && settle_stream(arena) == TIDE_OK) {
     qsort(candidates, n, sizeof *candidates, by_stamp);
+    /* The unmapped pages' handles are mapped again by the growth that
+     * follows: no release, no create. */
+    arena->keep_spare_pages = true;
     size_t released = 0;
     for (size_t i = 0; i < n && released < need; i++) {
-      int64_t before = atomic_load(&a->reserved.cur);
+      size_t before = arena->nspare_pages;
+      int64_t held = atomic_load(&a->reserved.cur);
       if (_tide_release_block(arena, candidates[i], need - released)) break;
-      released += (size_t)(before - atomic_load(&a->reserved.cur));
+      released += (arena->nspare_pages - before) * a->page_size +
+                  (size_t)(held - atomic_load(&a->reserved.cur));
     }
+    arena->keep_spare_pages = false;
   }
   free(candidates);
 }
@@ -431,7 +439,9 @@ static int take_best_fit(_tide_arena *arena, size_t rounded, _tide_block **out) 
   }
   maybe_collect_garbage(arena);
   if (a->conf.release_holes && a->conf.expandable_segments) release_holes(arena, pool, rounded);
-  return _tide_pool_grow(arena, pool, rounded, out);
+  int rc = _tide_pool_grow(arena, pool, rounded, out);
+  if (TIDE_UNLIKELY(arena->nspare_pages)) _tide_arena_release_spare_pages(arena);
+  return rc;
 }
 
 int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **out) {

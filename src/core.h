@@ -307,6 +307,15 @@ typedef struct _tide_arena {
   _tide_event *spare_events; /* created events ready for reuse */
   size_t nspare_events, spare_events_cap;
   _tide_orphan_rec *orphans; /* what the backend failed to give back */
+  /* Pages unmapped to make room for a growth that follows at once: their
+   * physical handles are mapped again instead of released and created anew
+   * (each of those is a backend call). Still counted as reserved. */
+  struct _tide_spare_page {
+    _tide_handle handle;
+    int pool;
+  } * spare_pages;
+  size_t nspare_pages, spare_pages_cap;
+  bool keep_spare_pages; /* release_pages keeps handles instead of releasing */
   size_t norphans, orphans_cap;
   uint64_t clock; /* allocations so far: the gc clock */
   _tide_arena_stats stats;
@@ -386,6 +395,8 @@ void _tide_pool_teardown(_tide_arena *arena, _tide_pool *pool);
 int _tide_pool_release_cached(_tide_arena *arena, _tide_pool *pool);
 /* Release expandable segments that have no page mapped. */
 int _tide_pool_release_empty_segments(_tide_arena *arena, _tide_pool *pool);
+/* Give back the spare pages growth did not use. */
+void _tide_arena_release_spare_pages(_tide_arena *arena);
 /* Try again to give back what the backend refused earlier. */
 int _tide_arena_retry_orphans(_tide_arena *arena);
 

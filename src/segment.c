@@ -343,12 +343,46 @@ fail:
   return rc;
 }
 
-/* Release pages [first, first+count) of a segment, already unmapped. */
+/* Keep an unmapped page's handle for the growth that follows; false when
+ * there is no room to note it (then it is released). */
+static bool keep_spare(_tide_arena *arena, _tide_handle h, int pool) {
+  if (!_tide_grow_array((void **)&arena->spare_pages, &arena->spare_pages_cap,
+                        arena->nspare_pages + 1, sizeof *arena->spare_pages))
+    return false;
+  arena->spare_pages[arena->nspare_pages++] = (struct _tide_spare_page){h, pool};
+  return true;
+}
+
+/* Release pages [first, first+count) of a segment, already unmapped, or keep
+ * their handles as spares while room is being made for a growth. */
 static void release_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count) {
   for (size_t i = first; i < first + count; i++) {
-    release_handle(arena, seg->pool, seg->pages[i], arena->alloc->page_size);
+    if (!(arena->keep_spare_pages && keep_spare(arena, seg->pages[i], seg->pool)))
+      release_handle(arena, seg->pool, seg->pages[i], arena->alloc->page_size);
     seg->pages[i] = 0;
   }
+}
+
+void _tide_arena_release_spare_pages(_tide_arena *arena) {
+  size_t page = arena->alloc->page_size;
+  for (size_t i = 0; i < arena->nspare_pages; i++)
+    release_handle(arena, arena->spare_pages[i].pool, arena->spare_pages[i].handle, page);
+  arena->nspare_pages = 0;
+}
+
+/* A handle for one page of `pool`: a spare one if there is, else a new one
+ * (whose bytes the caller has taken from the budget). */
+static int page_handle(_tide_arena *arena, int pool, _tide_handle *h, bool *spare) {
+  *spare = arena->nspare_pages > 0;
+  if (!*spare) return create_handle(arena, arena->alloc->page_size, h);
+  struct _tide_spare_page sp = arena->spare_pages[--arena->nspare_pages];
+  *h = sp.handle;
+  if (sp.pool != pool) { /* its bytes move from one pool's figures to the other's */
+    int64_t bytes = (int64_t)arena->alloc->page_size;
+    _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, sp.pool, -bytes);
+    _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, bytes);
+  }
+  return TIDE_OK;
 }
 
 /* Undo the mapping of pages [first, first+count): unmap and release each;
@@ -367,27 +401,30 @@ static void unmap_new_pages(_tide_arena *arena, _tide_segment *seg, size_t first
   }
 }
 
-/* Map `count` pages from page index `first`: create and map each, then make
- * the whole run accessible with one call (the expensive one). All or
- * nothing. */
+/* Map `count` pages from page index `first`: a spare or a new handle for
+ * each, mapped, then the whole run made accessible with one call (the
+ * expensive one). All or nothing. */
 static int map_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count,
                      size_t request) {
   struct tide_allocator *a = arena->alloc;
   const _tide_backend *be = &a->backend;
   size_t page = a->page_size;
   uintptr_t start = seg->base + first * page;
-  size_t done = 0;
+  /* Spare pages hold their bytes already; only new ones take budget. */
+  size_t spares = arena->nspare_pages < count ? arena->nspare_pages : count;
+  size_t budgeted = count - spares, created = 0, done = 0;
   _tide_saved_error saved;
-  int rc = hold_bytes(arena, seg->pool, count * page, request);
+  int rc = hold_bytes(arena, seg->pool, budgeted * page, request);
   if (rc) return rc;
   for (; done < count; done++) {
     _tide_handle h = 0;
-    if ((rc = create_handle(arena, page, &h))) break;
+    bool spare = false;
+    if ((rc = page_handle(arena, seg->pool, &h, &spare))) break;
+    created += !spare;
     if ((rc = be->ops->map(be->ctx, start + done * page, page, h))) {
       _tide_error_save(&saved);
-      release_handle(arena, seg->pool, h, page);
+      release_handle(arena, seg->pool, h, page); /* gives its bytes back */
       _tide_error_restore(&saved);
-      count--; /* that page's bytes are accounted for */
       break;
     }
     seg->pages[first + done] = h;
@@ -395,8 +432,8 @@ static int map_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_
   if (!rc) rc = be->ops->set_access(be->ctx, start, count * page);
   if (rc) {
     _tide_error_save(&saved);
-    unmap_new_pages(arena, seg, first, done);
-    drop_bytes(arena, seg->pool, (count - done) * page); /* never created */
+    unmap_new_pages(arena, seg, first, done);                  /* each gives its bytes back */
+    drop_bytes(arena, seg->pool, (budgeted - created) * page); /* never created */
     return _tide_error_restore(&saved);
   }
   seg->mapped += count * page;

@@ -288,6 +288,31 @@ static void test_release_waits_for_slack_with_one_stream(void **state) {
   destroy_clean(a);
 }
 
+static void test_release_reuses_physical_pages(void **state) {
+  (void)state;
+  tide_allocator *a = make("release_holes:True");
+  void *x = tide_malloc(a, 4 * MiB, NULL), *y = tide_malloc(a, 4 * MiB, NULL);
+  tide_stats s = stats_of(a);
+  assert_int_equal(s.num_device_alloc, 4);
+  tide_free(a, x, NULL);
+  /* 6 MiB does not fit x's hole; growing would pass the reserved peak, so
+   * x's two pages are unmapped first and their handles mapped again at the
+   * end: one page is new, none is released. */
+  void *z = tide_malloc(a, 6 * MiB, NULL);
+  assert_non_null(z);
+  s = stats_of(a);
+  assert_int_equal(s.pages_unmapped, 2);
+  assert_int_equal(s.pages_mapped, 4 + 3);
+  assert_int_equal(s.num_device_alloc, 5);
+  assert_int_equal(s.num_device_free, 0);
+  assert_int_equal(s.reserved_bytes[0].current, 10 * MiB);
+  assert_int_equal(s.reserved_bytes[0].current, (int64_t)tide_host_bytes_in_use(a));
+  memset(z, 3, 6 * MiB);
+  tide_free(a, y, NULL);
+  tide_free(a, z, NULL);
+  destroy_clean(a);
+}
+
 static void test_quick_reuse_and_flush(void **state) {
   (void)state;
   tide_allocator *a = make(NULL);
@@ -557,6 +582,7 @@ int main(void) {
       cmocka_unit_test(test_fixed_large_segments),
       cmocka_unit_test(test_expandable_maps_pages_on_demand),
       cmocka_unit_test(test_page_aware_placement),
+      cmocka_unit_test(test_release_reuses_physical_pages),
       cmocka_unit_test(test_release_waits_for_slack_with_one_stream),
       cmocka_unit_test(test_quick_reuse_and_flush),
       cmocka_unit_test(test_stream_ordered_reuse),
