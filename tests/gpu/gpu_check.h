@@ -132,8 +132,9 @@ __device__ __forceinline__ uint32_t pattern_word(uint64_t seed, uint64_t i) {
   return (uint32_t)(z ^ (z >> 31));
 }
 
-/* Write the pattern into n bytes: whole words, then the tail bytes. */
-__global__ void fill_kernel(uint8_t *p, size_t n, uint64_t seed) {
+/* This thread's share of writing the pattern into n bytes: whole words,
+ * then the tail bytes. */
+__device__ void fill_pattern(uint8_t *p, size_t n, uint64_t seed) {
   size_t words = n / 4;
   uint32_t *w = (uint32_t *)p;
   size_t stride = (size_t)gridDim.x * blockDim.x;
@@ -142,6 +143,9 @@ __global__ void fill_kernel(uint8_t *p, size_t n, uint64_t seed) {
   if (blockIdx.x == 0 && threadIdx.x < n % 4)
     p[words * 4 + threadIdx.x] = (uint8_t)pattern_word(seed, words + threadIdx.x);
 }
+
+/* Write the pattern into n bytes. */
+__global__ void fill_kernel(uint8_t *p, size_t n, uint64_t seed) { fill_pattern(p, n, seed); }
 
 /* Add to *bad the number of words (and tail bytes) that differ. */
 __device__ void count_mismatches(const uint8_t *p, size_t n, uint64_t seed,

@@ -50,13 +50,7 @@ __global__ void wait_then_fill_kernel(uint8_t *p, size_t n, uint64_t seed, uint6
     while (global_ns() - start < ns) __nanosleep(10000);
   }
   __syncthreads();
-  size_t words = n / 4;
-  uint32_t *w = (uint32_t *)p;
-  size_t stride = (size_t)gridDim.x * blockDim.x;
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < words; i += stride)
-    w[i] = pattern_word(seed, i);
-  if (blockIdx.x == 0 && threadIdx.x < n % 4)
-    p[words * 4 + threadIdx.x] = (uint8_t)pattern_word(seed, words + threadIdx.x);
+  fill_pattern(p, n, seed);
 }
 
 static void round_trip(tide_allocator *a, cudaStream_t s, size_t n) {
