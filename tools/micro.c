@@ -11,12 +11,15 @@
  * thread after a warm-up batch; every batch starts behind a barrier so that
  * with several threads all of them run at once. The figure is the median over
  * threads of each thread's median ns per op. Without --ops, a batch is sized
- * on one thread to last at least 20 ms. */
+ * on one thread to last at least 20 ms. Worker i runs on the i-th CPU the
+ * process may use (modulo their count): a thread the scheduler moves between
+ * cores mid-batch measures the move, not the allocator. */
 #ifndef _GNU_SOURCE
-#define _GNU_SOURCE /* pthread barriers */
+#define _GNU_SOURCE /* pthread barriers, thread affinity */
 #endif
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -299,9 +302,25 @@ static bool calibrate(worker *w) {
 
 /* Every thread takes part in every barrier, even after a failure, so that
  * none waits forever; a failed thread only stops doing work. */
+static void pin_to_cpu(int index) {
+  cpu_set_t allowed, one;
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return;
+  int count = CPU_COUNT(&allowed);
+  if (count <= 0) return;
+  int want = index % count;
+  for (int cpu = 0; cpu < CPU_SETSIZE; cpu++) {
+    if (!CPU_ISSET(cpu, &allowed) || want-- > 0) continue;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    pthread_setaffinity_np(pthread_self(), sizeof one, &one); /* best effort */
+    return;
+  }
+}
+
 static void *worker_main(void *arg) {
   worker *w = arg;
   plan *p = w->plan;
+  pin_to_cpu(w->index);
   bool ok = p->size != 0 || mixed_fill(w);
   if (ok && p->ops == 0) {
     ok = calibrate(w);
