@@ -338,12 +338,6 @@ static bool releasable(const _tide_block *b, size_t page);
 static int by_stamp(const void *x, const void *y);
 static int settle_stream(_tide_arena *arena);
 
-/* Free pages stay cached while reserved memory is within this fraction
- * above the allocated peak (itself a floor for any allocator's reserved
- * peak): unmapping them would save little, and every page unmapped and
- * mapped again costs a backend round trip and a stream synchronization. */
-#define RELEASE_SLACK 0.01
-
 /* Bytes that growth by `rounded` bytes would map. */
 static size_t growth_bytes(_tide_pool *pool, size_t rounded, size_t page, _tide_growth *g) {
   if (_tide_pool_plan_growth(pool, rounded, page, g) == TIDE_OK) return g->count * page;
@@ -360,11 +354,15 @@ static int64_t allocated_peak(const _tide_arena *arena) {
 }
 
 /* Bytes growth may add before reserved memory passes both its own peak and
- * the slack above the allocated peak (negative when already past). */
+ * the slack above the allocated peak (negative when already past). Free
+ * pages stay cached while reserved memory is within release_slack above the
+ * allocated peak (itself a floor for any allocator's reserved peak):
+ * unmapping them would save little, and every page unmapped and mapped
+ * again costs backend calls and a stream synchronization. */
 static int64_t growth_headroom(const _tide_arena *arena) {
   struct tide_allocator *a = arena->alloc;
   int64_t ceiling = atomic_load(&a->reserved.peak);
-  int64_t slack = (int64_t)((double)allocated_peak(arena) * (1.0 + RELEASE_SLACK));
+  int64_t slack = (int64_t)((double)allocated_peak(arena) * (1.0 + a->conf.release_slack));
   if (slack > ceiling) ceiling = slack;
   return ceiling - atomic_load(&a->reserved.cur);
 }

@@ -449,6 +449,21 @@ static void format_release_holes(const _tide_conf_values *v, char *buf, size_t l
   format_bool(v->release_holes, buf, len);
 }
 
+static bool parse_release_slack(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  double value;
+  if (!parse_decimal(s, &value, why, why_len)) return false;
+  if (value > 1.0) return set_why(why, why_len, "above 1"), false;
+  v->release_slack = value;
+  return true;
+}
+
+static void format_release_slack(const _tide_conf_values *v, char *buf, size_t len) {
+  if (v->release_slack == 0.0)
+    snprintf(buf, len, "0");
+  else
+    format_decimal(v->release_slack, buf, len);
+}
+
 #define TRACE_MAX ((uint64_t)1 << 24)
 
 static bool parse_trace(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
@@ -553,6 +568,11 @@ static const option options[] = {
      "when growing would raise reserved memory past its peak, first unmap whole free pages "
      "inside the segments, so physical memory is reused instead of added",
      "True or False (also true/false/1/0)", parse_release_holes, format_release_holes},
+    {"release_slack", "0.01",
+     "with release_holes, free pages stay cached (no unmap, no stream synchronization) while "
+     "reserved memory stays within this fraction above the allocated peak; larger trades "
+     "memory for fewer page operations",
+     "a fraction from 0 to 1, such as 0.015", parse_release_slack, format_release_slack},
     {"peer_access", "True",
      "CUDA: every other GPU that can access this one's memory (cuDeviceCanAccessPeer) may read "
      "and write the allocator's blocks, so kernels on several GPUs can share them; the host "

@@ -92,6 +92,7 @@ typedef struct _tide_conf_values {
   double memory_fraction;  /* (0, 1]; 1.0 (default): the whole device; treat 0 alike */
   size_t memory_limit;     /* bytes, 0: no limit */
   bool release_holes;      /* recycle free pages inside segments when growing */
+  double release_slack;    /* free pages stay cached up to this fraction above the peak */
   size_t trace_capacity;   /* trace ring events, 0: off */
   size_t host_capacity;    /* bytes of the emulated device */
   size_t host_granularity; /* the emulated device's mapping granularity */
