@@ -568,7 +568,7 @@ static const option options[] = {
      "when growing would raise reserved memory past its peak, first unmap whole free pages "
      "inside the segments, so physical memory is reused instead of added",
      "True or False (also true/false/1/0)", parse_release_holes, format_release_holes},
-    {"release_slack", "0.01",
+    {"release_slack", "0.015",
      "with release_holes, free pages stay cached (no unmap, no stream synchronization) while "
      "reserved memory stays within this fraction above the allocated peak; larger trades "
      "memory for fewer page operations",

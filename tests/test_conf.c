@@ -95,7 +95,7 @@ static void test_defaults(void **state) {
   assert_string_equal(get(config, "host_capacity"), "24GiB");
   assert_string_equal(get(config, "host_granularity"), "2MiB");
   assert_string_equal(get(config, "release_holes"), "True");
-  assert_string_equal(get(config, "release_slack"), "0.01");
+  assert_string_equal(get(config, "release_slack"), "0.015");
   tide_config_free(config);
 }
 
