@@ -282,6 +282,67 @@ TIDE_API tide_status tide_trace_read(tide_allocator *alloc, tide_trace_event *ou
                                      size_t *n, uint64_t *dropped);
 
 /* ------------------------------------------------------------------------ */
+/* Growable buffers                                                         */
+/* ------------------------------------------------------------------------ */
+
+/* A growable buffer reserves `capacity` bytes of address space once and maps
+ * physical pages into it as its length grows, unmapping them as it shrinks:
+ * its address never changes, so a KV cache can grow in place (no copy) and a
+ * CUDA graph that reads it stays valid. Pages are the device's mapping
+ * granularity (2 MiB on current GPUs).
+ *
+ * map_ahead keeps that many bytes mapped beyond the length, so most growth
+ * costs no backend call; with async_map_ahead a worker thread of the buffer
+ * maps them after each growth, off the caller's thread. A shrink unmaps pages
+ * only once the work queued on the stream passed to it is done (an event
+ * decides; nothing waits).
+ *
+ * A ring buffer (ring != 0) of capacity W is W bytes of physical pages mapped
+ * twice, back to back: the bytes at data + x and data + W + x are the same, so
+ * a window of up to W bytes starting anywhere in [0, W) is contiguous. Its
+ * pages are mapped at creation; its length is always W.
+ *
+ * Accounting: mapped pages count in reserved bytes (and against the memory
+ * limit), the length in allocated and requested bytes (large pool), each
+ * buffer as one allocation, in the figures of the stream given at creation.
+ * A buffer is used by one thread at a time (the worker synchronizes itself);
+ * tide_destroy destroys the buffers left. */
+typedef struct tide_buf tide_buf;
+
+typedef struct tide_buf_options {
+  size_t capacity;     /* bytes of address space (rounded up to the page); for a ring, W */
+  int ring;            /* nonzero: a ring buffer, mapped twice */
+  size_t map_ahead;    /* bytes kept mapped beyond the length (0: none) */
+  int async_map_ahead; /* nonzero: a worker thread maps ahead */
+  tide_stream stream;  /* whose figures the buffer joins, and the default for resizes */
+} tide_buf_options;
+
+/* Defaults: everything zero. */
+TIDE_API void tide_buf_options_init(tide_buf_options *options);
+/* Reserve the range (and, for a ring, map it whole). TIDE_ERR_INVALID for a
+ * zero or too large capacity or an unknown stream; TIDE_ERR_OOM when a ring's
+ * pages pass the memory limit or the device has no more. */
+TIDE_API tide_status tide_buf_create(tide_allocator *alloc, const tide_buf_options *options,
+                                     tide_buf **out);
+/* Unmap and release everything; the buffer's memory must not be in use by
+ * queued work (destroy waits for its pending shrinks' streams). */
+TIDE_API tide_status tide_buf_destroy(tide_buf *buf);
+/* Set the length. Growing maps the pages missing (TIDE_ERR_OOM past the
+ * device or memory limit, with a message; the length then stays as it was);
+ * shrinking lets pages go once the work queued on `stream` is done. Data
+ * below min(old, new) length is kept. TIDE_ERR_INVALID beyond the capacity
+ * or for a ring. */
+TIDE_API tide_status tide_buf_resize(tide_buf *buf, size_t length, tide_stream stream);
+/* Map pages for `length` bytes now without changing the length, such as
+ * before a frame that will need them. */
+TIDE_API tide_status tide_buf_reserve_ahead(tide_buf *buf, size_t length);
+TIDE_API void *tide_buf_data(const tide_buf *buf);
+TIDE_API size_t tide_buf_length(const tide_buf *buf);
+TIDE_API size_t tide_buf_capacity(const tide_buf *buf);
+/* Bytes mapped now (pages waiting to be unmapped included). */
+TIDE_API size_t tide_buf_mapped(const tide_buf *buf);
+
+/* ------------------------------------------------------------------------ */
 /* Pinned host memory                                                       */
 /* ------------------------------------------------------------------------ */
 

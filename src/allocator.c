@@ -97,6 +97,7 @@ tide_status tide_create(int device, const tide_config *config, tide_allocator **
   atomic_init(&a->limit, limit_of(a, a->conf.memory_fraction, a->conf.memory_limit));
   pthread_mutex_init(&a->arenas_mutex, NULL);
   pthread_mutex_init(&a->reclaim_mutex, NULL);
+  pthread_mutex_init(&a->bufs_mutex, NULL);
   a->id = atomic_fetch_add(&next_allocator_id, 1);
   a->magic = _TIDE_MAGIC;
   *out = a;
@@ -113,7 +114,7 @@ fail:
 
 tide_status tide_destroy(tide_allocator *a) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
-  size_t unfreed = 0;
+  size_t unfreed = _tide_bufs_destroy_all(a); /* their figures live in the arenas */
   size_t n = atomic_load(&a->narenas);
   for (size_t i = 0; i < n; i++) unfreed += _tide_arena_destroy(a->arenas[i]);
   free(a->arenas);
@@ -123,13 +124,15 @@ tide_status tide_destroy(tide_allocator *a) {
   tide_config_free(a->config);
   pthread_mutex_destroy(&a->arenas_mutex);
   pthread_mutex_destroy(&a->reclaim_mutex);
+  pthread_mutex_destroy(&a->bufs_mutex);
   a->magic = 0;
   free(a);
   if (unfreed)
-    return (tide_status)_tide_error_set(TIDE_ERR_STATE,
-                                        "allocator destroyed with %zu block(s) still allocated "
-                                        "or in use by streams; their memory was released",
-                                        unfreed);
+    return (tide_status)_tide_error_set(
+        TIDE_ERR_STATE,
+        "allocator destroyed with %zu block(s) or buffer(s) still allocated "
+        "or in use by streams; their memory was released",
+        unfreed);
   return TIDE_OK;
 }
 
@@ -214,6 +217,10 @@ static inline _tide_arena *arena_of(tide_allocator *a, tide_stream stream, bool 
   if (TIDE_LIKELY(arena_cache[slot].id == a->id && arena_cache[slot].stream == stream))
     return arena_cache[slot].arena;
   return arena_slow(a, stream, create);
+}
+
+_tide_arena *_tide_arena_get(tide_allocator *a, tide_stream stream) {
+  return arena_of(a, stream, true);
 }
 
 size_t _tide_arenas_snapshot(tide_allocator *a, _tide_arena ***out) {

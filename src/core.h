@@ -442,6 +442,8 @@ struct tide_allocator {
   _Atomic uint64_t num_sync_all_streams;
   _tide_trace_ring trace;
   struct _tide_pinned *pinned; /* the pinned host memory pool (pinned.c) */
+  pthread_mutex_t bufs_mutex;  /* guards the list of growable buffers */
+  struct tide_buf *bufs;       /* live growable buffers (buffer.c) */
 };
 
 /* A live allocator: not NULL, aligned as allocators are (a stray pointer
@@ -449,6 +451,12 @@ struct tide_allocator {
 static inline bool _tide_allocator_valid(const struct tide_allocator *a) {
   return a && (uintptr_t)a % _Alignof(struct tide_allocator) == 0 && a->magic == _TIDE_MAGIC;
 }
+
+/* The arena of `stream`, created on first use; NULL with a message for a
+ * stream the device does not know. */
+_tide_arena *_tide_arena_get(struct tide_allocator *a, tide_stream stream);
+/* Destroy the growable buffers left (tide_destroy); returns how many. */
+size_t _tide_bufs_destroy_all(struct tide_allocator *a);
 
 /* Reserve physical budget under the memory limit; give it back. */
 int _tide_budget_take(struct tide_allocator *a, size_t bytes, size_t request);

@@ -1,0 +1,449 @@
+/* buffer.c: growable buffers (tide_buf_*): one reserved virtual range of
+ * fixed address whose pages are mapped as the length grows and unmapped as
+ * it shrinks, and ring buffers, whose pages are mapped twice back to back.
+ *
+ * Pages are the device's granularity, each its own physical handle, mapped
+ * in order from the start of the range: `mapped` pages are mapped, the
+ * first `keep` of them are wanted, and the rest wait for the event of the
+ * shrink that let them go before they are unmapped (stream order: queued
+ * work may still read them). A worker thread, when asked for, maps ahead of
+ * the length after each growth; `busy` marks pages it is mapping with the
+ * lock dropped, so the caller only waits for it when it needs those very
+ * pages. Figures go to the arena of the buffer's stream, under its lock. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+
+struct tide_buf {
+  tide_allocator *alloc;
+  _tide_arena *arena; /* whose figures it joins */
+  tide_stream stream;
+  uintptr_t base;
+  size_t page, capacity, reserved_bytes; /* reserved_bytes: the virtual range (2x for a ring) */
+  size_t length;
+  bool ring;
+  _tide_handle *handles; /* per page of the capacity */
+  pthread_mutex_t mutex; /* guards what follows, and the backend calls on pages */
+  pthread_cond_t changed;
+  size_t mapped, keep, busy; /* pages; busy: being mapped by the worker, after `mapped` */
+  size_t ahead_pages;        /* map_ahead, in pages */
+  _tide_event release_event; /* pages [keep, mapped) go once it completes */
+  bool release_pending;
+  /* The worker. */
+  bool async, stop;
+  size_t want; /* pages the worker should bring `mapped` up to */
+  int worker_error;
+  char worker_message[256];
+  pthread_t worker;
+  struct tide_buf *next; /* the allocator's list */
+};
+
+static size_t pages_for(size_t bytes, size_t page) { return (bytes + page - 1) / page; }
+
+/* ------------------------------------------------------------------------ */
+/* Accounting (under the arena lock)                                         */
+/* ------------------------------------------------------------------------ */
+
+static void count_pages(tide_buf *b, int64_t pages) {
+  _tide_arena *arena = b->arena;
+  _tide_lock_acquire(&arena->lock);
+  _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, _TIDE_LARGE, pages * (int64_t)b->page);
+  arena->stats.counters[pages > 0 ? _TIDE_CT_PAGES_MAPPED : _TIDE_CT_PAGES_UNMAPPED] +=
+      (uint64_t)(pages > 0 ? pages : -pages);
+  arena->stats.counters[pages > 0 ? _TIDE_CT_DEVICE_ALLOC : _TIDE_CT_DEVICE_FREE] +=
+      (uint64_t)(pages > 0 ? pages : -pages);
+  _tide_lock_release(&arena->lock);
+}
+
+/* The length as allocated and requested bytes: what the program holds. */
+static void count_length(tide_buf *b, int64_t delta, int64_t allocations) {
+  _tide_arena *arena = b->arena;
+  _tide_lock_acquire(&arena->lock);
+  _tide_stat_add(&arena->stats, _TIDE_ST_ALLOCATED, _TIDE_LARGE, delta);
+  _tide_stat_add(&arena->stats, _TIDE_ST_REQUESTED, _TIDE_LARGE, delta);
+  _tide_stat_add(&arena->stats, _TIDE_ST_ALLOCATIONS, _TIDE_LARGE, allocations);
+  if (allocations > 0) arena->stats.counters[_TIDE_CT_ALLOCS]++;
+  if (atomic_load_explicit(&b->alloc->shared_peak, memory_order_relaxed))
+    _tide_arena_publish(arena, delta);
+  _tide_lock_release(&arena->lock);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Pages                                                                     */
+/* ------------------------------------------------------------------------ */
+
+static const _tide_backend *backend(const tide_buf *b) { return &b->alloc->backend; }
+
+/* Unmap (at every address it is mapped at) and release page i's handle. A
+ * backend that refuses keeps the bytes counted: the memory is still held. */
+static void drop_page(tide_buf *b, size_t i) {
+  const _tide_backend *be = backend(b);
+  uintptr_t at = b->base + i * b->page;
+  bool ok = be->ops->unmap(be->ctx, at, b->page) == TIDE_OK;
+  if (b->ring) ok = be->ops->unmap(be->ctx, at + b->capacity, b->page) == TIDE_OK && ok;
+  if (ok && be->ops->release(be->ctx, b->handles[i]) == TIDE_OK) {
+    _tide_budget_give(b->alloc, b->page);
+    count_pages(b, -1);
+  }
+  b->handles[i] = 0;
+}
+
+/* Create and map pages [first, first + count) (twice for a ring) and make
+ * them accessible. All or nothing: on failure every page taken is given back
+ * and the message says why. Called without the buffer's mutex by the worker
+ * (the pages are marked busy) and with it by the caller. */
+static int map_pages(tide_buf *b, size_t first, size_t count) {
+  const _tide_backend *be = backend(b);
+  size_t done = 0;
+  int rc = TIDE_OK;
+  for (; done < count; done++) {
+    size_t i = first + done;
+    uintptr_t at = b->base + i * b->page;
+    if ((rc = _tide_budget_take(b->alloc, b->page, count * b->page))) break;
+    if ((rc = be->ops->create(be->ctx, b->page, &b->handles[i]))) {
+      _tide_budget_give(b->alloc, b->page);
+      break;
+    }
+    if ((rc = be->ops->map(be->ctx, at, b->page, b->handles[i]))) {
+      be->ops->release(be->ctx, b->handles[i]);
+      _tide_budget_give(b->alloc, b->page);
+      break;
+    }
+    if (b->ring && (rc = be->ops->map(be->ctx, at + b->capacity, b->page, b->handles[i]))) {
+      be->ops->unmap(be->ctx, at, b->page);
+      be->ops->release(be->ctx, b->handles[i]);
+      _tide_budget_give(b->alloc, b->page);
+      break;
+    }
+    count_pages(b, 1);
+  }
+  if (!rc) {
+    uintptr_t at = b->base + first * b->page;
+    rc = be->ops->set_access(be->ctx, at, count * b->page);
+    if (!rc && b->ring) rc = be->ops->set_access(be->ctx, at + b->capacity, count * b->page);
+  }
+  if (rc) {
+    char why[200];
+    snprintf(why, sizeof why, "%s", tide_last_error());
+    while (done-- > 0) drop_page(b, first + done);
+    _tide_error_set((tide_status)rc, "growable buffer: mapping %zu page(s) of %zu bytes failed: %s",
+                    count, b->page, why);
+  }
+  return rc;
+}
+
+/* Unmap the pages let go by a shrink once its stream is past it; `wait`
+ * blocks until then. Under the mutex. */
+static int settle_release(tide_buf *b, bool wait) {
+  if (!b->release_pending) return TIDE_OK;
+  /* Pages the worker is mapping land after `mapped`: let it finish first. */
+  while (b->busy) pthread_cond_wait(&b->changed, &b->mutex);
+  const _tide_backend *be = backend(b);
+  int rc = wait ? be->ops->event_synchronize(be->ctx, b->release_event)
+                : be->ops->event_query(be->ctx, b->release_event);
+  if (rc == TIDE_ERR_NOT_READY && !wait) return TIDE_OK;
+  if (rc) return rc;
+  while (b->mapped > b->keep) drop_page(b, --b->mapped);
+  be->ops->event_destroy(be->ctx, b->release_event);
+  b->release_pending = false;
+  return TIDE_OK;
+}
+
+/* Wanted pages [keep, pages) that are still mapped come back at no cost. */
+static void want_mapped(tide_buf *b, size_t pages) {
+  if (pages <= b->keep) return;
+  b->keep = pages < b->mapped ? pages : b->mapped;
+  if (b->release_pending && b->keep == b->mapped) {
+    const _tide_backend *be = backend(b);
+    be->ops->event_destroy(be->ctx, b->release_event);
+    b->release_pending = false;
+  }
+}
+
+/* Make the first `pages` pages mapped, waiting for the worker if it is
+ * mapping some of them. Under the mutex. */
+static int ensure_mapped(tide_buf *b, size_t pages) {
+  settle_release(b, false);
+  want_mapped(b, pages);
+  while (b->busy && b->mapped < pages) pthread_cond_wait(&b->changed, &b->mutex);
+  if (b->mapped >= pages) {
+    want_mapped(b, pages);
+    return TIDE_OK;
+  }
+  /* Pages waiting for release sit below the ones to map: keep them all. */
+  want_mapped(b, b->mapped);
+  int rc = map_pages(b, b->mapped, pages - b->mapped);
+  if (!rc) b->keep = b->mapped = pages;
+  return rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The worker                                                                */
+/* ------------------------------------------------------------------------ */
+
+static void *worker_main(void *arg) {
+  tide_buf *b = arg;
+  pthread_mutex_lock(&b->mutex);
+  for (;;) {
+    while (!b->stop && (b->want <= b->mapped || b->release_pending || b->worker_error))
+      pthread_cond_wait(&b->changed, &b->mutex);
+    if (b->stop) break;
+    size_t first = b->mapped, count = b->want - b->mapped;
+    b->busy = count;
+    pthread_mutex_unlock(&b->mutex);
+    int rc = map_pages(b, first, count);
+    pthread_mutex_lock(&b->mutex);
+    b->busy = 0;
+    if (rc) {
+      b->worker_error = rc;
+      snprintf(b->worker_message, sizeof b->worker_message, "%s", tide_last_error());
+    } else {
+      /* A shrink meanwhile lowered keep: the new pages then wait with the rest. */
+      if (b->keep == b->mapped) b->keep = first + count;
+      b->mapped = first + count;
+    }
+    pthread_cond_broadcast(&b->changed);
+  }
+  pthread_mutex_unlock(&b->mutex);
+  return NULL;
+}
+
+/* After a growth to `pages`, the pages ahead: on the worker, or now. A
+ * failure to map ahead is no failure of the growth; an asynchronous one is
+ * reported by the next call. Under the mutex. */
+static void map_ahead(tide_buf *b, size_t pages) {
+  size_t total = b->capacity / b->page, target = pages + b->ahead_pages;
+  if (target > total) target = total;
+  if (target <= b->mapped + b->busy) return;
+  if (b->async) {
+    b->want = target;
+    pthread_cond_broadcast(&b->changed);
+    return;
+  }
+  if (!b->release_pending && map_pages(b, b->mapped, target - b->mapped) == TIDE_OK)
+    b->mapped = b->keep = target;
+  tide_clear_error();
+}
+
+/* ------------------------------------------------------------------------ */
+/* The allocator's list                                                      */
+/* ------------------------------------------------------------------------ */
+
+static void list_add(tide_buf *b) {
+  tide_allocator *a = b->alloc;
+  pthread_mutex_lock(&a->bufs_mutex);
+  b->next = a->bufs;
+  a->bufs = b;
+  pthread_mutex_unlock(&a->bufs_mutex);
+}
+
+static void list_remove(tide_buf *b) {
+  tide_allocator *a = b->alloc;
+  pthread_mutex_lock(&a->bufs_mutex);
+  for (tide_buf **p = &a->bufs; *p; p = &(*p)->next)
+    if (*p == b) {
+      *p = b->next;
+      break;
+    }
+  pthread_mutex_unlock(&a->bufs_mutex);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Public API                                                                */
+/* ------------------------------------------------------------------------ */
+
+void tide_buf_options_init(tide_buf_options *options) {
+  if (options) memset(options, 0, sizeof *options);
+}
+
+static int check_options(tide_allocator *a, const tide_buf_options *o) {
+  if (!_tide_allocator_valid(a) || !o)
+    return _tide_error_set(TIDE_ERR_INVALID, "tide_buf_create: %s is NULL or invalid",
+                           o ? "the allocator" : "options");
+  if (o->capacity == 0 || o->capacity > TIDE_MAX_ALLOC)
+    return _tide_error_set(TIDE_ERR_INVALID,
+                           "tide_buf_create: capacity %zu bytes (it must be above 0 and at most "
+                           "4 PiB)",
+                           o->capacity);
+  if (o->map_ahead > TIDE_MAX_ALLOC)
+    return _tide_error_set(TIDE_ERR_INVALID, "tide_buf_create: map_ahead %zu bytes is too large",
+                           o->map_ahead);
+  return TIDE_OK;
+}
+
+static void destroy_parts(tide_buf *b) {
+  const _tide_backend *be = backend(b);
+  if (b->release_pending) be->ops->event_destroy(be->ctx, b->release_event);
+  if (b->base) be->ops->unreserve(be->ctx, b->base, b->reserved_bytes);
+  pthread_cond_destroy(&b->changed);
+  pthread_mutex_destroy(&b->mutex);
+  free(b->handles);
+  free(b);
+}
+
+static int open_range(tide_buf *b, const tide_buf_options *o) {
+  tide_allocator *a = b->alloc;
+  b->page = a->granularity;
+  b->capacity = pages_for(o->capacity, b->page) * b->page;
+  b->reserved_bytes = b->ring ? 2 * b->capacity : b->capacity;
+  b->ahead_pages = pages_for(o->map_ahead, b->page);
+  b->handles = calloc(b->capacity / b->page, sizeof *b->handles);
+  if (!b->handles) return _tide_error_set(TIDE_ERR_OOM, "out of host memory for a buffer");
+  const _tide_backend *be = &a->backend;
+  return be->ops->reserve(be->ctx, b->reserved_bytes, b->page, &b->base);
+}
+
+tide_status tide_buf_create(tide_allocator *a, const tide_buf_options *o, tide_buf **out) {
+  if (!out) return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_buf_create: out is NULL");
+  *out = NULL;
+  int rc = check_options(a, o);
+  if (rc) return (tide_status)rc;
+  _tide_arena *arena = _tide_arena_get(a, o->stream);
+  if (!arena) return tide_last_status();
+  tide_buf *b = calloc(1, sizeof *b);
+  if (!b) return (tide_status)_tide_error_set(TIDE_ERR_OOM, "out of host memory for a buffer");
+  b->alloc = a;
+  b->arena = arena;
+  b->stream = o->stream;
+  b->ring = o->ring != 0;
+  b->async = o->async_map_ahead && !b->ring && o->map_ahead;
+  pthread_mutex_init(&b->mutex, NULL);
+  pthread_cond_init(&b->changed, NULL);
+  if ((rc = open_range(b, o))) {
+    b->base = 0;
+    destroy_parts(b);
+    return (tide_status)rc;
+  }
+  if (b->ring) {
+    size_t pages = b->capacity / b->page;
+    if ((rc = map_pages(b, 0, pages))) {
+      destroy_parts(b);
+      return (tide_status)rc;
+    }
+    b->mapped = b->keep = pages;
+    b->length = b->capacity;
+  }
+  if (b->async && pthread_create(&b->worker, NULL, worker_main, b) != 0) {
+    b->async = false; /* maps ahead on the caller's thread instead */
+  }
+  count_length(b, (int64_t)b->length, 1);
+  list_add(b);
+  *out = b;
+  return TIDE_OK;
+}
+
+static void stop_worker(tide_buf *b) {
+  if (!b->async) return;
+  pthread_mutex_lock(&b->mutex);
+  b->stop = true;
+  pthread_cond_broadcast(&b->changed);
+  pthread_mutex_unlock(&b->mutex);
+  pthread_join(b->worker, NULL);
+  b->async = false;
+}
+
+/* Everything back; the allocator's list no longer holds it. */
+static int teardown(tide_buf *b) {
+  stop_worker(b);
+  int rc = settle_release(b, true);
+  b->keep = 0;
+  while (b->mapped) drop_page(b, --b->mapped);
+  count_length(b, -(int64_t)b->length, -1);
+  destroy_parts(b);
+  return rc;
+}
+
+tide_status tide_buf_destroy(tide_buf *b) {
+  if (!b) return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_buf_destroy: NULL buffer");
+  list_remove(b);
+  return (tide_status)teardown(b);
+}
+
+size_t _tide_bufs_destroy_all(tide_allocator *a) {
+  size_t n = 0;
+  while (a->bufs) {
+    tide_buf *b = a->bufs;
+    a->bufs = b->next;
+    teardown(b);
+    n++;
+  }
+  return n;
+}
+
+/* A failure of the worker since the last call, as this call's error. */
+static int worker_failure(tide_buf *b) {
+  if (!b->worker_error) return TIDE_OK;
+  int rc = b->worker_error;
+  b->worker_error = 0;
+  return _tide_error_set((tide_status)rc, "growable buffer: mapping ahead failed: %s",
+                         b->worker_message);
+}
+
+tide_status tide_buf_resize(tide_buf *b, size_t length, tide_stream stream) {
+  if (!b) return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_buf_resize: NULL buffer");
+  if (b->ring)
+    return (tide_status)_tide_error_set(
+        TIDE_ERR_INVALID, "tide_buf_resize: a ring buffer keeps its length (%zu)", b->capacity);
+  if (length > b->capacity)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID,
+                                        "tide_buf_resize: %zu bytes is beyond the capacity of "
+                                        "%zu bytes; create the buffer with a larger capacity",
+                                        length, b->capacity);
+  pthread_mutex_lock(&b->mutex);
+  int rc = worker_failure(b);
+  size_t pages = pages_for(length, b->page);
+  if (!rc && length > b->length) {
+    rc = ensure_mapped(b, pages);
+    if (!rc) map_ahead(b, pages);
+  } else if (!rc && length < b->length) {
+    rc = settle_release(b, false);
+    size_t keep = pages + b->ahead_pages;
+    if (!rc && keep < b->keep) {
+      const _tide_backend *be = backend(b);
+      if (!b->release_pending) {
+        rc = be->ops->event_create(be->ctx, &b->release_event);
+        b->release_pending = rc == TIDE_OK;
+      }
+      if (!rc) rc = be->ops->event_record(be->ctx, b->release_event, stream);
+      if (!rc) b->keep = keep;
+      if (!rc) rc = settle_release(b, false); /* a stream already past it */
+    }
+  }
+  if (!rc) {
+    count_length(b, (int64_t)length - (int64_t)b->length, 0);
+    b->length = length;
+  }
+  pthread_mutex_unlock(&b->mutex);
+  return (tide_status)rc;
+}
+
+tide_status tide_buf_reserve_ahead(tide_buf *b, size_t length) {
+  if (!b)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_buf_reserve_ahead: NULL buffer");
+  if (length > b->capacity)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID,
+                                        "tide_buf_reserve_ahead: %zu bytes is beyond the "
+                                        "capacity of %zu bytes",
+                                        length, b->capacity);
+  pthread_mutex_lock(&b->mutex);
+  int rc = worker_failure(b);
+  if (!rc) rc = ensure_mapped(b, pages_for(length, b->page));
+  pthread_mutex_unlock(&b->mutex);
+  return (tide_status)rc;
+}
+
+void *tide_buf_data(const tide_buf *b) { return b ? (void *)b->base : NULL; }
+size_t tide_buf_length(const tide_buf *b) { return b ? b->length : 0; }
+size_t tide_buf_capacity(const tide_buf *b) { return b ? b->capacity : 0; }
+
+size_t tide_buf_mapped(const tide_buf *b) {
+  if (!b) return 0;
+  pthread_mutex_t *m = (pthread_mutex_t *)&b->mutex;
+  pthread_mutex_lock(m);
+  size_t bytes = b->mapped * b->page;
+  pthread_mutex_unlock(m);
+  return bytes;
+}
