@@ -378,10 +378,9 @@ static bool next_to_growth(const _tide_block *b, const _tide_growth *g) {
  * and every page unmapped would likely be mapped again (the peak is what
  * the caller pays for). The free blocks the growth extends are left
  * alone. */
-static void release_holes(_tide_arena *arena, _tide_pool *pool, size_t rounded) {
+static void release_for(_tide_arena *arena, size_t need, const _tide_growth *growth) {
   struct tide_allocator *a = arena->alloc;
-  _tide_growth g;
-  size_t need = growth_bytes(pool, rounded, a->page_size, &g);
+  const _tide_growth g = *growth;
   int64_t headroom = growth_headroom(arena);
   if (headroom >= (int64_t)need) return;
   if (headroom > 0)
@@ -416,6 +415,21 @@ static void release_holes(_tide_arena *arena, _tide_pool *pool, size_t rounded) 
     arena->keep_spare_pages = false;
   }
   free(candidates);
+}
+
+static void release_holes(_tide_arena *arena, _tide_pool *pool, size_t rounded) {
+  _tide_growth g;
+  size_t need = growth_bytes(pool, rounded, arena->alloc->page_size, &g);
+  release_for(arena, need, &g);
+}
+
+void _tide_arena_make_room(_tide_arena *arena, size_t bytes) {
+  const struct tide_allocator *a = arena->alloc;
+  if (!a->conf.release_holes || !a->conf.expandable_segments) return;
+  const _tide_growth none = {0};
+  release_for(arena, bytes, &none);
+  /* The pages' handles are not mapped again by a segment: give them back. */
+  if (arena->nspare_pages) _tide_arena_release_spare_pages(arena);
 }
 
 /* A free block of at least `rounded` bytes from the bins, or from new

@@ -98,6 +98,9 @@ static void drop_page(tide_buf *b, size_t i) {
 static int map_pages(tide_buf *b, size_t first, size_t count) {
   const _tide_backend *be = backend(b);
   size_t done = 0;
+  _tide_lock_acquire(&b->arena->lock);
+  _tide_arena_make_room(b->arena, count * b->page);
+  _tide_lock_release(&b->arena->lock);
   int rc = TIDE_OK;
   for (; done < count; done++) {
     size_t i = first + done;

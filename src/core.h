@@ -455,6 +455,10 @@ static inline bool _tide_allocator_valid(const struct tide_allocator *a) {
 /* The arena of `stream`, created on first use; NULL with a message for a
  * stream the device does not know. */
 _tide_arena *_tide_arena_get(struct tide_allocator *a, tide_stream stream);
+/* Before `bytes` are mapped outside the segments (a growable buffer), unmap
+ * free pages inside them as growth would (release_holes), so that reserved
+ * memory stays near the allocated peak. Under the arena lock. */
+void _tide_arena_make_room(_tide_arena *arena, size_t bytes);
 /* Destroy the growable buffers left (tide_destroy); returns how many. */
 size_t _tide_bufs_destroy_all(struct tide_allocator *a);
 

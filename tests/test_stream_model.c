@@ -35,6 +35,7 @@ typedef struct fake_buf {
   uint64_t id;
   size_t bytes;
   stream_model_kind kind;
+  size_t capacity; /* growable buffers (grow mode); 0 for the others */
 } fake_buf;
 
 typedef struct fake {
@@ -44,6 +45,7 @@ typedef struct fake {
   uint64_t peak_bytes;
   uint64_t budget; /* 0: no limit; else allocations past it fail */
   uint64_t bad_frees, bad_copies;
+  uint64_t buffers, bad_resizes; /* growable buffers made; resizes past capacity */
   /* The sizes of one kind's allocations, in order (follow_kind < 0: none). */
   int follow_kind;
   size_t *sizes;
@@ -118,8 +120,46 @@ static int fake_copy(void *ctx, void *dst, size_t dst_offset, const void *src, s
   return 0;
 }
 
+/* Growable buffers: the handle is the data pointer (copies check bounds
+ * against the length). */
+static void *fake_buf_create(void *ctx, size_t capacity, stream_model_kind kind, void **data) {
+  fake *f = ctx;
+  fake_buf *b = calloc(1, sizeof *b);
+  assert_non_null(b);
+  b->id = ++f->next_id;
+  b->kind = kind;
+  b->capacity = capacity;
+  f->live_count++;
+  f->buffers++;
+  *data = b;
+  return b;
+}
+
+static int fake_buf_resize(void *ctx, void *buf, size_t bytes) {
+  fake *f = ctx;
+  fake_buf *b = buf;
+  if (bytes > b->capacity) {
+    f->bad_resizes++;
+    return -1;
+  }
+  if (f->budget && f->live_bytes - b->bytes + bytes > f->budget) return -1;
+  f->live_bytes = f->live_bytes - b->bytes + bytes;
+  if (f->live_bytes > f->peak_bytes) f->peak_bytes = f->live_bytes;
+  b->bytes = bytes;
+  return 0;
+}
+
+static void fake_buf_destroy(void *ctx, void *buf) {
+  fake *f = ctx;
+  fake_buf *b = buf;
+  f->live_count--;
+  f->live_bytes -= b->bytes;
+  free(b);
+}
+
 static stream_model_ops fake_ops(fake *f) {
-  stream_model_ops ops = {f, fake_alloc, fake_free, fake_copy, NULL};
+  stream_model_ops ops = {f,    fake_alloc,      fake_free,       fake_copy,
+                          NULL, fake_buf_create, fake_buf_resize, fake_buf_destroy};
   return ops;
 }
 
@@ -135,15 +175,18 @@ static void fake_done(fake *f) {
 
 /* Run `frames` frames with the defaults on a fresh fake; checks the run
  * ended well and left nothing behind. */
-static stream_model_result run_frames(fake *f, int frames) {
+static stream_model_result run_mode(fake *f, int frames, int grow) {
   stream_model_params params;
   stream_model_default_params(&params, frames);
+  params.grow = grow;
   stream_model_ops ops = fake_ops(f);
   stream_model_result r;
   assert_int_equal(stream_model_run(&params, &ops, &r), STREAM_MODEL_OK);
   assert_int_equal(r.frames_done, frames);
   return r;
 }
+
+static stream_model_result run_frames(fake *f, int frames) { return run_mode(f, frames, 0); }
 
 /* ------------------------------------------------------------------------ */
 /* Calibration                                                              */
@@ -372,8 +415,33 @@ static void test_weight_total(void **state) {
   assert_true(gib > 5.29 && gib < 5.32);
 }
 
+/* Grow mode keeps the caches in growable buffers: nothing leaks, no copy
+ * or resize goes out of bounds, the caches are never copied whole (only each
+ * frame's new part and evicted special tokens), and the clone and cat
+ * transients of attention are gone, so the peak is lower. */
+static void test_grow_mode(void **state) {
+  (void)state;
+  fake cat, grow;
+  fake_init(&cat);
+  fake_init(&grow);
+  stream_model_result rc = run_mode(&cat, 200, 0);
+  stream_model_result rg = run_mode(&grow, 200, 1);
+  assert_int_equal(grow.live_count, 0);
+  assert_int_equal(grow.live_bytes, 0);
+  assert_int_equal(grow.bad_copies, 0);
+  assert_int_equal(grow.bad_resizes, 0);
+  assert_int_equal(grow.bad_frees, 0);
+  assert_int_equal(rg.stray_buffers, 0);
+  assert_true(grow.buffers >= 4 * (uint64_t)stream_model_global_layers());
+  assert_true(rg.copied_bytes * 10 < rc.copied_bytes);
+  assert_true(grow.peak_bytes < cat.peak_bytes);
+  fake_done(&cat);
+  fake_done(&grow);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_grow_mode),
       cmocka_unit_test(test_weight_total),
       cmocka_unit_test(test_peak_64_frames),
       cmocka_unit_test(test_peak_512_frames),

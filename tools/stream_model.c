@@ -119,6 +119,7 @@ void stream_model_default_params(stream_model_params *params, int frames) {
   params->scale_frames = 8;
   params->window = 64;
   params->keyframe_interval = 1;
+  params->grow = 0;
 }
 
 const char *stream_model_status_text(stream_model_status status) {
@@ -141,6 +142,7 @@ const char *stream_model_status_text(stream_model_status status) {
 typedef struct live_buf {
   void *ptr; /* NULL: the slot is free */
   size_t bytes;
+  void *growable; /* grow mode: the buffer's handle (ptr is its data) */
   int next_free;
 } live_buf;
 
@@ -165,6 +167,7 @@ typedef struct model {
   slot_list outputs;
   int kv_k[LAYERS], kv_v[LAYERS];
   int kv_frames[LAYERS];
+  int kv_appended[LAYERS]; /* grow mode: frames ever appended (the ring's clock) */
   int special_k[LAYERS], special_v[LAYERS];
   int special_tokens[LAYERS];
   int cam_k[CAM_CACHES], cam_v[CAM_CACHES];
@@ -190,6 +193,7 @@ static int take_slot(model *m) {
 static void give_slot(model *m, int slot) {
   m->bufs[slot].ptr = NULL;
   m->bufs[slot].bytes = 0;
+  m->bufs[slot].growable = NULL;
   m->bufs[slot].next_free = m->free_head;
   m->free_head = slot;
 }
@@ -211,6 +215,7 @@ static int buf_alloc(model *m, size_t bytes, stream_model_kind kind) {
   }
   m->bufs[slot].ptr = ptr;
   m->bufs[slot].bytes = bytes;
+  m->bufs[slot].growable = NULL;
   stream_model_result *r = m->result;
   r->allocs++;
   r->live_bytes += bytes;
@@ -221,11 +226,53 @@ static int buf_alloc(model *m, size_t bytes, stream_model_kind kind) {
 static void buf_free(model *m, int *slot) {
   if (*slot < 0) return;
   live_buf *b = &m->bufs[*slot];
-  m->ops->free(m->ops->ctx, b->ptr, b->bytes);
+  if (b->growable)
+    m->ops->buf_destroy(m->ops->ctx, b->growable);
+  else
+    m->ops->free(m->ops->ctx, b->ptr, b->bytes);
   m->result->frees++;
   m->result->live_bytes -= b->bytes;
   give_slot(m, *slot);
   *slot = -1;
+}
+
+/* A growable buffer of length 0 (grow mode). */
+static int buf_make(model *m, size_t capacity, stream_model_kind kind) {
+  if (m->status != STREAM_MODEL_OK) return -1;
+  int slot = take_slot(m);
+  if (slot < 0) {
+    m->status = STREAM_MODEL_HOST_MEMORY;
+    return -1;
+  }
+  void *data = NULL;
+  void *buf = m->ops->buf_create(m->ops->ctx, capacity, kind, &data);
+  if (!buf) {
+    give_slot(m, slot);
+    m->status = STREAM_MODEL_NO_MEMORY;
+    m->result->failed_bytes = capacity;
+    m->result->failed_kind = kind;
+    return -1;
+  }
+  m->bufs[slot].ptr = data;
+  m->bufs[slot].bytes = 0;
+  m->bufs[slot].growable = buf;
+  m->result->allocs++;
+  return slot;
+}
+
+static bool buf_resize(model *m, int slot, size_t bytes, stream_model_kind kind) {
+  live_buf *b = &m->bufs[slot];
+  if (m->ops->buf_resize(m->ops->ctx, b->growable, bytes) != 0) {
+    m->status = STREAM_MODEL_NO_MEMORY;
+    m->result->failed_bytes = bytes;
+    m->result->failed_kind = kind;
+    return false;
+  }
+  stream_model_result *r = m->result;
+  r->live_bytes = r->live_bytes - b->bytes + bytes;
+  if (r->live_bytes > r->peak_live_bytes) r->peak_live_bytes = r->live_bytes;
+  b->bytes = bytes;
+  return true;
 }
 
 static bool buf_copy(model *m, int dst, size_t dst_offset, int src, size_t src_offset,
@@ -386,6 +433,22 @@ static bool cat_grow(model *m, int *cache, size_t old_bytes, int src, size_t src
   return true;
 }
 
+/* Grow mode: append in place to a growable buffer of `capacity` bytes. */
+static bool grow_append(model *m, int *cache, size_t capacity, size_t old_bytes, int src,
+                        size_t src_offset, size_t add_bytes, stream_model_kind kind) {
+  if (*cache < 0 && (*cache = buf_make(m, capacity, kind)) < 0) return false;
+  return buf_resize(m, *cache, old_bytes + add_bytes, kind) &&
+         buf_copy(m, *cache, old_bytes, src, src_offset, add_bytes);
+}
+
+/* Append to a cache: by concatenation, or in place in grow mode. */
+static bool cache_append(model *m, int *cache, size_t capacity, size_t old_bytes, int src,
+                         size_t src_offset, size_t add_bytes, stream_model_kind kind) {
+  if (m->params->grow)
+    return grow_append(m, cache, capacity, old_bytes, src, src_offset, add_bytes, kind);
+  return cat_grow(m, cache, old_bytes, src, src_offset, add_bytes, kind);
+}
+
 /* Append the special tokens of `count` frames, from frame `first` of
  * `cache`, to a special cache of `tokens` tokens. */
 static bool special_grow(model *m, int *special, int tokens, int cache, size_t frame_bytes,
@@ -417,10 +480,53 @@ static bool window_rebuild(model *m, int *cache, size_t frame_bytes, int frames,
   return true;
 }
 
+/* Grow mode: the layer's cache is [scale frames][a ring of `window` frame
+ * slots] in one growable buffer per K and V. A frame past the window takes
+ * the slot of the frame it evicts, whose special tokens are appended to the
+ * special buffer first: no rebuild, no copy of the frames kept. */
+static bool kv_append_grow(model *m, int layer, int k_new, int v_new, int added) {
+  const int head = m->params->scale_frames, tail = m->params->window;
+  const size_t frames_cap = (size_t)(head + tail);
+  const size_t special_cap = (size_t)m->params->frames * SPECIAL;
+  for (int i = 0; i < added; i++) {
+    int n = m->kv_frames[layer], f = m->kv_appended[layer];
+    int slot = n;
+    if (n < head + tail) {
+      if ((m->kv_k[layer] < 0 &&
+           (m->kv_k[layer] = buf_make(m, frames_cap * K_FRAME_BYTES, STREAM_MODEL_KV_K)) < 0) ||
+          (m->kv_v[layer] < 0 &&
+           (m->kv_v[layer] = buf_make(m, frames_cap * V_FRAME_BYTES, STREAM_MODEL_KV_V)) < 0) ||
+          !buf_resize(m, m->kv_k[layer], (size_t)(n + 1) * K_FRAME_BYTES, STREAM_MODEL_KV_K) ||
+          !buf_resize(m, m->kv_v[layer], (size_t)(n + 1) * V_FRAME_BYTES, STREAM_MODEL_KV_V))
+        return false;
+      m->kv_frames[layer] = n + 1;
+    } else {
+      slot = head + (f - head) % tail;
+      size_t tokens = (size_t)m->special_tokens[layer], per = SPECIAL;
+      if (!grow_append(m, &m->special_k[layer], special_cap * K_TOKEN_BYTES, tokens * K_TOKEN_BYTES,
+                       m->kv_k[layer], (size_t)slot * K_FRAME_BYTES, per * K_TOKEN_BYTES,
+                       STREAM_MODEL_SPECIAL_K) ||
+          !grow_append(m, &m->special_v[layer], special_cap * V_TOKEN_BYTES, tokens * V_TOKEN_BYTES,
+                       m->kv_v[layer], (size_t)slot * V_FRAME_BYTES, per * V_TOKEN_BYTES,
+                       STREAM_MODEL_SPECIAL_V))
+        return false;
+      m->special_tokens[layer] += SPECIAL;
+    }
+    if (!buf_copy(m, m->kv_k[layer], (size_t)slot * K_FRAME_BYTES, k_new, (size_t)i * K_FRAME_BYTES,
+                  K_FRAME_BYTES) ||
+        !buf_copy(m, m->kv_v[layer], (size_t)slot * V_FRAME_BYTES, v_new, (size_t)i * V_FRAME_BYTES,
+                  V_FRAME_BYTES))
+      return false;
+    m->kv_appended[layer] = f + 1;
+  }
+  return true;
+}
+
 /* Append `added` frames of K and V to a global layer's cache; past the
  * window, move the evicted frames' special tokens to the special cache and
  * rebuild the cache as [scale frames] + [last window frames]. */
 static bool kv_append(model *m, int layer, int k_new, int v_new, int added) {
+  if (m->params->grow) return kv_append_grow(m, layer, k_new, v_new, added);
   int n = m->kv_frames[layer];
   if (!cat_grow(m, &m->kv_k[layer], (size_t)n * K_FRAME_BYTES, k_new, 0,
                 (size_t)added * K_FRAME_BYTES, STREAM_MODEL_KV_K) ||
@@ -454,19 +560,22 @@ static bool global_attention(model *m, int layer, size_t rows, int *att) {
   size_t n = (size_t)m->kv_frames[layer], s = (size_t)m->special_tokens[layer];
   size_t k_bytes = s * K_TOKEN_BYTES + n * K_FRAME_BYTES;
   size_t v_bytes = s * V_TOKEN_BYTES + n * V_FRAME_BYTES;
-  int clone_k, clone_v, cat_k, cat_v, q16, k16, lse;
-  ALLOC(clone_k, n * K_FRAME_BYTES, t);
-  if (!buf_copy(m, clone_k, 0, m->kv_k[layer], 0, n * K_FRAME_BYTES)) return false;
-  ALLOC(clone_v, n * V_FRAME_BYTES, t);
-  if (!buf_copy(m, clone_v, 0, m->kv_v[layer], 0, n * V_FRAME_BYTES)) return false;
-  ALLOC(cat_k, k_bytes, t);
-  if ((s && !buf_copy(m, cat_k, 0, m->special_k[layer], 0, s * K_TOKEN_BYTES)) ||
-      !buf_copy(m, cat_k, s * K_TOKEN_BYTES, clone_k, 0, n * K_FRAME_BYTES))
-    return false;
-  ALLOC(cat_v, v_bytes, t);
-  if ((s && !buf_copy(m, cat_v, 0, m->special_v[layer], 0, s * V_TOKEN_BYTES)) ||
-      !buf_copy(m, cat_v, s * V_TOKEN_BYTES, clone_v, 0, n * V_FRAME_BYTES))
-    return false;
+  int clone_k = -1, clone_v = -1, cat_k = -1, cat_v = -1, q16, k16, lse;
+  /* Grow mode: the kernel reads the caches where they are. */
+  if (!m->params->grow) {
+    ALLOC(clone_k, n * K_FRAME_BYTES, t);
+    if (!buf_copy(m, clone_k, 0, m->kv_k[layer], 0, n * K_FRAME_BYTES)) return false;
+    ALLOC(clone_v, n * V_FRAME_BYTES, t);
+    if (!buf_copy(m, clone_v, 0, m->kv_v[layer], 0, n * V_FRAME_BYTES)) return false;
+    ALLOC(cat_k, k_bytes, t);
+    if ((s && !buf_copy(m, cat_k, 0, m->special_k[layer], 0, s * K_TOKEN_BYTES)) ||
+        !buf_copy(m, cat_k, s * K_TOKEN_BYTES, clone_k, 0, n * K_FRAME_BYTES))
+      return false;
+    ALLOC(cat_v, v_bytes, t);
+    if ((s && !buf_copy(m, cat_v, 0, m->special_v[layer], 0, s * V_TOKEN_BYTES)) ||
+        !buf_copy(m, cat_v, s * V_TOKEN_BYTES, clone_v, 0, n * V_FRAME_BYTES))
+      return false;
+  }
   ALLOC(q16, rows * WIDTH * BF16, ACT);
   ALLOC(k16, k_bytes / 2, t);
   ALLOC(*att, rows * WIDTH * BF16, ACT);
@@ -600,6 +709,9 @@ static bool run_aggregator(model *m, int batch, int tokens, int inter[LAYERS]) {
 /* One block of the camera trunk over one token per frame. Its K and V join
  * the block's cache on keyframes; otherwise they are concatenated to it for
  * this call only. */
+/* Grow mode: a camera cache holds one entry per frame at most. */
+static size_t cam_capacity(const model *m) { return (size_t)m->params->frames * CAM_FRAME_BYTES; }
+
 static bool camera_block(model *m, int cache, int batch, bool keyframe, int *out) {
   const size_t row = (size_t)batch * HEAD_IN * F32, frame_kv = (size_t)batch * CAM_FRAME_BYTES;
   const size_t n = (size_t)m->cam_frames[cache] * CAM_FRAME_BYTES;
@@ -608,8 +720,10 @@ static bool camera_block(model *m, int cache, int batch, bool keyframe, int *out
   ALLOC(qkv, 3 * row, ACT);
   buf_free(m, &norm);
   if (keyframe) {
-    if (!cat_grow(m, &m->cam_k[cache], n, qkv, row, frame_kv, STREAM_MODEL_CAMERA_KV) ||
-        !cat_grow(m, &m->cam_v[cache], n, qkv, 2 * row, frame_kv, STREAM_MODEL_CAMERA_KV))
+    if (!cache_append(m, &m->cam_k[cache], cam_capacity(m), n, qkv, row, frame_kv,
+                      STREAM_MODEL_CAMERA_KV) ||
+        !cache_append(m, &m->cam_v[cache], cam_capacity(m), n, qkv, 2 * row, frame_kv,
+                      STREAM_MODEL_CAMERA_KV))
       return false;
     m->cam_frames[cache] += batch;
   } else {
@@ -804,7 +918,8 @@ static void release_all(model *m) {
 
 static bool params_valid(const stream_model_params *p, const stream_model_ops *ops) {
   return p && ops && ops->alloc && ops->free && ops->copy && p->frames > 0 && p->scale_frames > 0 &&
-         p->window > 0 && p->keyframe_interval > 0;
+         p->window > 0 && p->keyframe_interval > 0 &&
+         (!p->grow || (ops->buf_create && ops->buf_resize && ops->buf_destroy));
 }
 
 static void model_init(model *m, const stream_model_params *params, const stream_model_ops *ops,

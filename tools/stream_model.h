@@ -30,7 +30,10 @@ typedef enum stream_model_kind {
 /* The memory a model runs on. `alloc` returns NULL when it cannot allocate
  * (the model then frees what it holds and stops). `copy` moves bytes between
  * two live buffers (a no-op where nothing is computed) and returns 0, or
- * nonzero to stop the run. `progress` may be NULL. */
+ * nonzero to stop the run. `progress` may be NULL. Grow mode (params.grow)
+ * also needs growable buffers: `buf_create` reserves `capacity` bytes at a
+ * fixed address (length 0; NULL on failure, stored in *data), `buf_resize`
+ * sets the length (0, or nonzero when out of memory), `buf_destroy` ends it. */
 typedef struct stream_model_ops {
   void *ctx;
   void *(*alloc)(void *ctx, size_t bytes, stream_model_kind kind);
@@ -38,6 +41,9 @@ typedef struct stream_model_ops {
   int (*copy)(void *ctx, void *dst, size_t dst_offset, const void *src, size_t src_offset,
               size_t bytes);
   void (*progress)(void *ctx, int frames_done, int frames_total);
+  void *(*buf_create)(void *ctx, size_t capacity, stream_model_kind kind, void **data);
+  int (*buf_resize)(void *ctx, void *buf, size_t bytes);
+  void (*buf_destroy)(void *ctx, void *buf);
 } stream_model_ops;
 
 typedef struct stream_model_params {
@@ -45,6 +51,9 @@ typedef struct stream_model_params {
   int scale_frames;      /* the first frames, run as one batch and never evicted: 8 */
   int window;            /* the most recent frames the KV cache keeps besides them: 64 */
   int keyframe_interval; /* the camera head's cache grows every this many frames: 1 */
+  int grow;              /* 0: caches grow by torch.cat (allocate, copy, free); 1: in
+                            place, in growable buffers (the window as a ring of frame
+                            slots), attention reading them without clone or cat */
 } stream_model_params;
 
 typedef enum stream_model_status {
