@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# bench_stream_kv.sh: the growable-buffer benchmark. Runs examples/stream_kv
+# for each frame count: cache grown by allocate-copy-free (cat, eager), in a
+# growable buffer eagerly, and in a growable buffer with the step replayed as
+# a CUDA graph (checked against an eager run bit for bit). Writes one CSV per
+# run (one row per frame) into OUTDIR, then a summary and a plot.
+#
+#   scripts/bench_stream_kv.sh BUILD_DIR OUTDIR [FRAMES...]
+set -euo pipefail
+build=${1:?build directory}
+out=${2:?output directory}
+shift 2
+frames=("$@")
+[ ${#frames[@]} -gt 0 ] || frames=(64 256 1024 4096)
+bin="$build/examples/stream_kv"
+mkdir -p "$out"
+status=0
+for n in "${frames[@]}"; do
+  for config in "cat eager" "buf eager" "buf graph"; do
+    set -- $config
+    tag="$1_$2_$n"
+    echo "== stream_kv --frames $n --mode $1 --exec $2"
+    if ! "$bin" --frames "$n" --mode "$1" --exec "$2" --csv "$out/frames_$tag.csv" | tee "$out/log_$tag.txt"; then
+      echo "stream_kv failed: $tag"
+      status=1
+    fi
+  done
+done
+python3 "$(dirname "$0")/plot_stream_kv.py" "$out" || status=1
+exit $status
