@@ -311,7 +311,8 @@ static int cache_open(cache *c, tide_allocator *alloc, const options *o, size_t 
       bo.capacity = round_up((size_t)o->window * row, granularity);
     } else {
       bo.capacity = round_up((size_t)o->frames * o->tokens * row, granularity);
-      bo.map_ahead = 4 * granularity; /* grown off the critical path */
+      bo.map_ahead = granularity; /* a page ahead, mapped off the critical path */
+      bo.async_map_ahead = 1;
     }
     if (tide_buf_create(alloc, &bo, &c->buf[i]) != TIDE_OK) return fail("tide_buf_create");
   }

@@ -3,7 +3,9 @@
 # for each frame count: cache grown by allocate-copy-free (cat, eager), in a
 # growable buffer eagerly, and in a growable buffer with the step replayed as
 # a CUDA graph (checked against an eager run bit for bit). Writes one CSV per
-# run (one row per frame) into OUTDIR, then a summary and a plot.
+# run (one row per frame) into OUTDIR/raw, then OUTDIR/stream_kv_summary.csv,
+# OUTDIR/stream_kv_frames.csv and OUTDIR/stream_kv.png; the runs' output goes
+# to stdout.
 #
 #   scripts/bench_stream_kv.sh BUILD_DIR OUTDIR [FRAMES...]
 set -euo pipefail
@@ -13,14 +15,14 @@ shift 2
 frames=("$@")
 [ ${#frames[@]} -gt 0 ] || frames=(64 256 1024 4096)
 bin="$build/examples/stream_kv"
-mkdir -p "$out"
+mkdir -p "$out/raw"
 status=0
 for n in "${frames[@]}"; do
   for config in "cat eager" "buf eager" "buf graph"; do
     set -- $config
     tag="$1_$2_$n"
     echo "== stream_kv --frames $n --mode $1 --exec $2"
-    if ! "$bin" --frames "$n" --mode "$1" --exec "$2" --csv "$out/frames_$tag.csv" | tee "$out/log_$tag.txt"; then
+    if ! "$bin" --frames "$n" --mode "$1" --exec "$2" --csv "$out/raw/frames_$tag.csv"; then
       echo "stream_kv failed: $tag"
       status=1
     fi

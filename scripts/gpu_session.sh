@@ -186,8 +186,11 @@ if [[ ${GPU_BENCH:-1} == 1 && -x build/tidalloc ]]; then
       build/tidalloc stream --frames ${STREAM_FRAMES:-64 128 256 512 1024} \
       --conf backend:cuda,expandable_segments:$mode --csv "build/stream_$mode.csv"
   done
-  { head -1 build/stream_True.csv; tail -q -n +2 build/stream_True.csv build/stream_False.csv; } \
-    >"$out/stream.csv" 2>/dev/null
+  step "stream grow" "$bench_log" 150 \
+    build/tidalloc stream --frames ${STREAM_FRAMES:-64 128 256 512 1024} --mode grow \
+    --conf backend:cuda --csv "build/stream_grow.csv"
+  { head -1 build/stream_True.csv; tail -q -n +2 build/stream_True.csv build/stream_False.csv \
+    build/stream_grow.csv; } >"$out/stream.csv" 2>/dev/null
   for t in gpt2 llama; do
     trace=${TRACE_DIR:-shared/traces}/${t}_generate.csv.gz
     [[ -f $trace ]] || continue

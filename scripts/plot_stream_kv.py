@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""plot_stream_kv.py: summarise the per-frame CSVs of bench_stream_kv.sh into
-summary.csv (one row per run) and stream_kv.png (time per frame and bytes
-copied per frame as the cache grows, for each way of growing it)."""
+"""plot_stream_kv.py: summarise the per-frame CSVs of bench_stream_kv.sh
+(DIR/raw/frames_*.csv) into DIR/stream_kv_summary.csv (one row per run),
+DIR/stream_kv_frames.csv (every frame of every run, with its run's frame
+count) and DIR/stream_kv.png (time per frame and bytes copied per frame as
+the cache grows, for each way of growing it)."""
 import csv
 import glob
 import os
@@ -38,7 +40,7 @@ def summarise(rows):
 def main():
     out = sys.argv[1]
     runs = {}
-    for path in sorted(glob.glob(os.path.join(out, "frames_*.csv"))):
+    for path in sorted(glob.glob(os.path.join(out, "raw", "frames_*.csv"))):
         rows = load(path)
         if rows:
             runs[os.path.basename(path)[7:-4]] = rows
@@ -46,10 +48,17 @@ def main():
         sys.exit("plot_stream_kv: no per-frame CSV in " + out)
     summary = [summarise(rows) for rows in runs.values()]
     summary.sort(key=lambda s: (s["frames"], s["mode"], s["exec"]))
-    with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
+    with open(os.path.join(out, "stream_kv_summary.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(summary[0].keys()))
         w.writeheader()
         w.writerows(summary)
+    with open(os.path.join(out, "stream_kv_frames.csv"), "w", newline="") as f:
+        fields = ["run_frames"] + list(next(iter(runs.values()))[0].keys())
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for rows in runs.values():
+            for r in rows:
+                w.writerow(dict(r, run_frames=len(rows)))
     for s in summary:
         print(",".join(str(v) for v in s.values()))
     import matplotlib
