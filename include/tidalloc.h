@@ -320,6 +320,13 @@ TIDE_API tide_status tide_trace_read(tide_allocator *alloc, tide_trace_event *ou
  *   its free memory goes back to the device at once, and the memory of
  *   blocks still allocated once they are freed and tide_empty_cache runs;
  *   then the pool is gone and its handle must not be used again.
+ * - Blocks a capture freed are free in the pool afterwards, and the graph's
+ *   replays write them: a later allocation in the pool on the same stream
+ *   (in a later capture, or after a begin outside a capture) may take them.
+ *   That is right when graphs replay in the order they were captured (what
+ *   PyTorch assumes of graphs sharing a pool); otherwise allocate on another
+ *   stream (each stream has its own memory in the pool) or checkpoint and
+ *   restore around the allocations, as graph trees do.
  * - Statistics: tide_get_stats counts pools' memory with the rest;
  *   tide_pool_get_stats gives one pool's figures.
  *
