@@ -301,7 +301,8 @@ TIDE_API tide_status tide_trace_read(tide_allocator *alloc, tide_trace_event *ou
  *   stream's allocations to the pool until the end (to grow a pool between
  *   replays, say). With the `capture_detection` option, an allocation on a
  *   stream being captured with no begin goes to a pool the allocator makes
- *   for that capture (tide_capture_pool gives it).
+ *   for that capture; tide_capture_pool gives it, with one user (the graph)
+ *   to release when the graph is destroyed.
  * - Frees during a capture: a block of a pool freed on its own stream can be
  *   taken again by a later allocation of the same capture (the graph orders
  *   them), and never returns to the allocator's usual memory. A block of the
