@@ -343,8 +343,8 @@ TIDE_API tide_status tide_pool_retain(tide_pool *pool);
 /* One user fewer. The last one returns the pool's free memory to the
  * device; TIDE_ERR_NOT_READY (or a backend error) says that some of it could
  * not be returned yet (a stream still works on it): it goes back at the next
- * tide_empty_cache. Refused with TIDE_ERR_STATE while a capture allocates to
- * the pool. */
+ * tide_empty_cache. Refused with TIDE_ERR_STATE when the only users left are
+ * captures still in progress (end them first). */
 TIDE_API tide_status tide_pool_release(tide_pool *pool);
 /* A number naming the pool, never reused in the process (snapshots show it
  * as "capture_pool"; 0 there is the allocator's usual memory). 0 for a bad

@@ -248,11 +248,12 @@ tide_status tide_pool_release(tide_pool *pool) {
   _tide_capture_prune(a);
   pthread_mutex_lock(&a->captures.mutex);
   int rc = _tide_capture_pool_live(pool, __func__);
-  if (!rc && pool->captures)
+  /* Each capture in progress holds a use: those are not the caller's to drop. */
+  if (!rc && pool->uses <= pool->captures)
     rc = _tide_error_set(TIDE_ERR_STATE,
-                         "tide_pool_release: a capture still allocates to pool %llu; end it "
-                         "(tide_capture_end) first",
-                         (unsigned long long)pool->id);
+                         "tide_pool_release: pool %llu has no user to release but the %d "
+                         "capture(s) allocating to it; end them (tide_capture_end) first",
+                         (unsigned long long)pool->id, pool->captures);
   bool last = !rc && --pool->uses == 0;
   pthread_mutex_unlock(&a->captures.mutex);
   if (rc || !last) return (tide_status)rc;
