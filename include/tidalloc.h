@@ -381,8 +381,9 @@ TIDE_API tide_status tide_capture_pool(tide_allocator *alloc, tide_stream stream
  * what were separate blocks, segments made since. Pages mapped since the
  * checkpoint stay mapped (a graph captured since may still use them); so
  * reserved memory does not go down, and the other figures are exact. The
+ * allocation state is restored, not the contents of the memory. The
  * restore first waits for frees of the pool's blocks that wait on other
- * streams; if that fails, or host memory runs out, nothing is changed.
+ * streams; if that fails, or host memory runs out, nothing else changes.
  * Refused with TIDE_ERR_STATE while a capture allocates to the pool or a
  * free of its blocks is deferred by a capture, and TIDE_ERR_INVALID for a
  * checkpoint of another pool. */
@@ -390,10 +391,10 @@ typedef struct tide_checkpoint tide_checkpoint;
 
 /* What a restore changed, for the caller to bring its own records in line. */
 typedef struct tide_restore_delta {
-  void **restored;  /* allocated in the checkpoint, not before the restore: now the caller's */
-  size_t nrestored; /* (freed after the checkpoint, or freed since and now taken back) */
-  void **released;  /* allocated before the restore, not in the checkpoint: now free, */
-  size_t nreleased; /* their pointers are no longer valid */
+  void **restored;  /* allocated in the checkpoint but not before the restore (freed since): */
+  size_t nrestored; /* allocated again, the caller's to free */
+  void **released;  /* allocated before the restore but not in the checkpoint: */
+  size_t nreleased; /* free now, the pointers no longer valid */
 } tide_restore_delta;
 
 /* The state of `pool` now. Free with tide_checkpoint_free. */

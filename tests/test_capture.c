@@ -632,13 +632,19 @@ static void test_checkpoint_restore(void **state) {
   void *w = must_malloc(a, MiB, s); /* in y's place */
   void *v = must_malloc(a, 8 * KiB, s);
   tu_assert_ok(tide_capture_end(a, s));
+  tide_stream t = new_stream(a); /* a stream new to the pool: an arena newer than the checkpoint */
+  tu_assert_ok(tide_capture_begin(a, t, pool));
+  void *u = must_malloc(a, 5 * MiB, t);
+  tu_assert_ok(tide_capture_end(a, t));
+  tu_assert_ok(tide_pool_release(pool));
 
   tide_restore_delta d;
   tu_assert_ok(tide_pool_restore(pool, ck, &d));
   assert_int_equal(d.nrestored, 1);
   assert_ptr_equal(d.restored[0], y);
-  assert_int_equal(d.nreleased, 2);
-  assert_true(listed(d.released, d.nreleased, w) && listed(d.released, d.nreleased, v));
+  assert_int_equal(d.nreleased, 3);
+  assert_true(listed(d.released, d.nreleased, w) && listed(d.released, d.nreleased, v) &&
+              listed(d.released, d.nreleased, u));
   tide_restore_delta_free(&d);
   assert_null(d.restored);
   tide_stats now = pool_stats(pool);
