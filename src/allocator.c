@@ -221,10 +221,30 @@ static inline _tide_arena *arena_of(tide_allocator *a, tide_stream stream, bool 
   return arena_slow(a, stream, create);
 }
 
+/* Add an arena's history to the allocator's retired figures (its current
+ * ones are all zero: it holds nothing). The active peak is folded in as it
+ * is summed (the larger of the allocated and active peaks), so the
+ * allocator's figures do not change. */
+static void retire_stats(_tide_arena_stats *to, _tide_arena_stats *from) {
+  for (int st = 0; st < _TIDE_ST_COUNT; st++)
+    for (int p = 0; p < TIDE_POOL_KINDS; p++) to->peak[st][p] += from->peak[st][p];
+  for (int k = 0; k < 2; k++)
+    for (int p = 0; p < TIDE_POOL_KINDS; p++) {
+      int stat = k == 0 ? _TIDE_ST_ALLOCATED : _TIDE_ST_ALLOCATIONS;
+      int64_t peak = from->peak[stat][p];
+      to->active_peak[k][p] += from->active_peak[k][p] > peak ? from->active_peak[k][p] : peak;
+    }
+  for (int c = 0; c < _TIDE_CT_COUNT; c++) to->counters[c] += from->counters[c];
+  memset(from, 0, sizeof *from);
+}
+
 /* Capture pool arenas stay in the table when their pool goes (snapshots of
- * the table hold them): an unused one is given to the next pool. */
-static void give_to_pool(_tide_arena *arena, struct tide_pool *pool, tide_stream stream) {
+ * the table hold them): an unused one is given to the next pool. Under
+ * arenas_mutex. */
+static void give_to_pool(tide_allocator *a, _tide_arena *arena, struct tide_pool *pool,
+                         tide_stream stream) {
   _tide_lock_acquire(&arena->lock);
+  if (arena->pool_id == _TIDE_UNUSED_ARENA) retire_stats(&a->retired_stats, &arena->stats);
   arena->stream = stream;
   arena->stream_gone = false;
   arena->pool = pool;
@@ -245,10 +265,10 @@ int _tide_arena_of_pool(tide_allocator *a, struct tide_pool *pool, tide_stream s
     if (!unused && a->arenas[i]->pool_id == _TIDE_UNUSED_ARENA) unused = a->arenas[i];
   }
   if (!*out && unused) {
-    give_to_pool(unused, pool, stream);
+    give_to_pool(a, unused, pool, stream);
     *out = unused;
   } else if (!*out && (rc = add_arena_locked(a, stream, out)) == TIDE_OK) {
-    give_to_pool(*out, pool, stream);
+    give_to_pool(a, *out, pool, stream);
   }
   pthread_mutex_unlock(&a->arenas_mutex);
   return rc;

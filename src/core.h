@@ -524,6 +524,10 @@ struct tide_allocator {
   _tide_arena **arenas;
   _Atomic size_t narenas;
   size_t arenas_cap;
+  /* The figures of arenas a pool that is gone left to the next pool: the
+   * allocator's figures keep them, the new pool's start from zero. Under
+   * arenas_mutex. */
+  _tide_arena_stats retired_stats;
   pthread_mutex_t reclaim_mutex; /* one thread frees cached memory at a time */
   _Atomic uint64_t num_alloc_retries;
   _Atomic uint64_t num_ooms;

@@ -67,6 +67,9 @@ int _tide_stats_collect(tide_allocator *a, tide_stats *out) {
     _tide_lock_release(&arenas[i]->lock);
   }
   free(arenas);
+  pthread_mutex_lock(&a->arenas_mutex);
+  add_arena(out, &a->retired_stats);
+  pthread_mutex_unlock(&a->arenas_mutex);
   if (atomic_load(&a->shared_peak)) out->allocated_bytes[0].peak = atomic_load(&a->allocated.peak);
   out->reserved_bytes[0].current = atomic_load(&a->reserved.cur);
   out->reserved_bytes[0].peak = atomic_load(&a->reserved.peak);
@@ -111,6 +114,10 @@ tide_status tide_reset_peak_stats(tide_allocator *a) {
     _tide_lock_release(&arenas[i]->lock);
   }
   free(arenas);
+  pthread_mutex_lock(&a->arenas_mutex);
+  memset(a->retired_stats.peak, 0, sizeof a->retired_stats.peak); /* its current figures are 0 */
+  memset(a->retired_stats.active_peak, 0, sizeof a->retired_stats.active_peak);
+  pthread_mutex_unlock(&a->arenas_mutex);
   atomic_store(&a->allocated.peak, atomic_load(&a->allocated.cur));
   atomic_store(&a->reserved.peak, atomic_load(&a->reserved.cur));
   return TIDE_OK;

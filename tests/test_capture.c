@@ -510,6 +510,47 @@ static void test_release_with_live_block(void **state) {
   destroy_clean(a); /* empty_cache returns the rest and the pool goes */
 }
 
+/* The arenas of a pool that is gone serve the next pool, whose figures
+ * start from zero; the allocator's keep the history. */
+static void test_next_pool_starts_from_zero(void **state) {
+  (void)state;
+  tide_allocator *a = make(NULL);
+  tide_stream s = new_stream(a);
+  tide_pool *first = NULL, *next = NULL;
+  tu_assert_ok(tide_pool_create(a, &first));
+  tu_assert_ok(tide_capture_begin(a, s, first));
+  void *x = must_malloc(a, 3 * MiB, s);
+  void *y = must_malloc(a, MiB, s);
+  tu_assert_ok(tide_free(a, x, s));
+  tu_assert_ok(tide_free(a, y, s));
+  tu_assert_ok(tide_capture_end(a, s));
+  tu_assert_ok(tide_pool_release(first));
+  tu_assert_ok(tide_pool_release(first)); /* gone: its arena is free for the next */
+  size_t arenas = atomic_load(&a->narenas);
+  tide_stats all1 = tu_stats(a);
+  tu_assert_ok(tide_pool_create(a, &next));
+  tu_assert_ok(tide_capture_begin(a, s, next));
+  void *z = must_malloc(a, 2 * MiB, s);
+  assert_int_equal(atomic_load(&a->narenas), arenas); /* the same arena, taken again */
+  tide_stats ps = pool_stats(next), all2 = tu_stats(a);
+  assert_int_equal(ps.num_allocs, 1);
+  assert_int_equal(ps.num_frees, 0);
+  assert_int_equal(allocated(&ps), 2 * MiB);
+  assert_int_equal(ps.allocated_bytes[0].peak, 2 * MiB);
+  assert_int_equal(ps.pages_mapped, 1);
+  assert_int_equal(all2.num_allocs, all1.num_allocs + 1);
+  assert_int_equal(all2.num_frees, all1.num_frees);
+  assert_int_equal(all2.pages_mapped, all1.pages_mapped + 1);
+  assert_true(all2.active_bytes[0].peak >= all1.active_bytes[0].peak);
+  assert_true(all2.segments_created == all1.segments_created + 1);
+  tu_assert_ok(tide_free(a, z, s));
+  tu_assert_ok(tide_capture_end(a, s));
+  tu_assert_ok(tide_pool_release(next));
+  tu_assert_ok(tide_pool_release(next));
+  check_all(a);
+  destroy_clean(a);
+}
+
 static void test_stream_destroy_keeps_pool(void **state) {
   (void)state;
   tide_allocator *a = make(NULL);
@@ -999,6 +1040,7 @@ int main(void) {
       cmocka_unit_test(test_emulated_capture),
       cmocka_unit_test(test_two_graphs_share_a_pool),
       cmocka_unit_test(test_release_with_live_block),
+      cmocka_unit_test(test_next_pool_starts_from_zero),
       cmocka_unit_test(test_stream_destroy_keeps_pool),
       cmocka_unit_test(test_pool_grows_during_and_between_captures),
       cmocka_unit_test(test_checkpoint_restore),
