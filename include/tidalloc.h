@@ -343,6 +343,131 @@ TIDE_API size_t tide_buf_capacity(const tide_buf *buf);
 TIDE_API size_t tide_buf_mapped(const tide_buf *buf);
 
 /* ------------------------------------------------------------------------ */
+/* Capture pools: the memory of CUDA graphs                                 */
+/* ------------------------------------------------------------------------ */
+
+/* A capture pool is private memory for CUDA graphs, as PyTorch's graph pools
+ * (not to be confused with the small and large size classes of the
+ * statistics, TIDE_POOL_SMALL and TIDE_POOL_LARGE). A graph replays the
+ * kernels its capture recorded at the addresses the capture allocated, also
+ * those of blocks the capture freed again: so what a capture allocates must
+ * come from memory no other allocation can take while the graph may run.
+ *
+ * - Which allocations go to a pool: after tide_capture_begin(alloc, stream,
+ *   pool) on a stream that is being captured, every allocation on a stream of
+ *   that capture (the stream, and streams forked from it, which share its
+ *   capture id; cuStreamGetCaptureInfo on CUDA) goes to `pool`, until
+ *   tide_capture_end. Allocations on other streams go to the allocator's
+ *   usual memory. A begin on a stream that is not being captured sends that
+ *   stream's allocations to the pool until the end (to grow a pool between
+ *   replays, say). With the `capture_detection` option, an allocation on a
+ *   stream being captured with no begin goes to a pool the allocator makes
+ *   for that capture; tide_capture_pool gives it, with one user (the graph)
+ *   to release when the graph is destroyed.
+ * - Frees during a capture: a block of a pool freed on its own stream can be
+ *   taken again by a later allocation of the same capture (the graph orders
+ *   them), and never returns to the allocator's usual memory. A block of the
+ *   usual memory freed by a stream being captured, and any free that would
+ *   have to wait for a stream being captured, is deferred: the block becomes
+ *   reusable only once those streams are no longer captured.
+ * - Life: a pool lives while it has users. tide_pool_create gives one (the
+ *   caller's); every tide_capture_begin takes one more, for the graph being
+ *   captured, which tide_pool_release gives back when that graph is
+ *   destroyed (right after tide_capture_end if nothing is kept, as after a
+ *   begin used to grow a pool); tide_pool_retain takes one more. Several
+ *   graphs may share one pool. While a pool has users its memory is never
+ *   returned, not even by tide_empty_cache or the out-of-memory path; pages
+ *   are mapped into its expandable segments during captures and between
+ *   replays as it grows, and blocks never move. When the last user goes,
+ *   its free memory goes back to the device at once, and the memory of
+ *   blocks still allocated once they are freed and tide_empty_cache runs;
+ *   then the pool is gone and its handle must not be used again.
+ * - Blocks a capture freed are free in the pool afterwards, and the graph's
+ *   replays write them: a later allocation in the pool on the same stream
+ *   (in a later capture, or after a begin outside a capture) may take them.
+ *   That is right when graphs replay in the order they were captured (what
+ *   PyTorch assumes of graphs sharing a pool); otherwise allocate on another
+ *   stream (each stream has its own memory in the pool) or checkpoint and
+ *   restore around the allocations, as graph trees do.
+ * - Statistics: tide_get_stats counts pools' memory with the rest;
+ *   tide_pool_get_stats gives one pool's figures.
+ *
+ * A begin must come after the capture has begun on `stream` (after
+ * cudaStreamBeginCapture) for forked streams to be recognised, and the end
+ * after cudaStreamEndCapture. */
+typedef struct tide_pool tide_pool;
+
+/* A new pool of `alloc`, with one user (the caller). */
+TIDE_API tide_status tide_pool_create(tide_allocator *alloc, tide_pool **out);
+/* One more user of `pool` (a graph that shares it). */
+TIDE_API tide_status tide_pool_retain(tide_pool *pool);
+/* One user fewer. The last one returns the pool's free memory to the
+ * device; TIDE_ERR_NOT_READY (or a backend error) says that some of it could
+ * not be returned yet (a stream still works on it): it goes back at the next
+ * tide_empty_cache. Refused with TIDE_ERR_STATE when the only users left are
+ * captures still in progress (end them first). */
+TIDE_API tide_status tide_pool_release(tide_pool *pool);
+/* A number naming the pool, never reused in the process (snapshots show it
+ * as "capture_pool"; 0 there is the allocator's usual memory). 0 for a bad
+ * handle. */
+TIDE_API uint64_t tide_pool_id(const tide_pool *pool);
+/* The figures of one pool, as tide_get_stats gives them for the allocator
+ * (the counters are those of the pool's blocks; peaks are per stream). */
+TIDE_API tide_status tide_pool_get_stats(tide_pool *pool, tide_stats *out);
+
+/* Allocations of the capture `stream` is in (or, if it is not being
+ * captured, of `stream`) go to `pool` until tide_capture_end(alloc, stream).
+ * Takes a user of the pool, for the graph. TIDE_ERR_STATE if `stream`
+ * already has a begin, or its capture already allocates to a pool. */
+TIDE_API tide_status tide_capture_begin(tide_allocator *alloc, tide_stream stream, tide_pool *pool);
+/* The end of tide_capture_begin on `stream`; frees deferred by the capture
+ * become reusable once no stream they wait for is captured any more. */
+TIDE_API tide_status tide_capture_end(tide_allocator *alloc, tide_stream stream);
+/* The pool an allocation on `stream` would go to now; TIDE_ERR_INVALID
+ * (and *out NULL) when it would go to the allocator's usual memory. */
+TIDE_API tide_status tide_capture_pool(tide_allocator *alloc, tide_stream stream, tide_pool **out);
+
+/* Checkpoint and restore: what graph-tree runtimes do between replays of
+ * different graphs that share a pool (PyTorch's getCheckpointState and
+ * setCheckpointPoolState).
+ *
+ * A checkpoint records the pool's segments and their blocks: which are
+ * allocated (address, size, requested size), free, or unmapped. Restoring it
+ * brings the pool back to that state: every block allocated in the
+ * checkpoint is allocated again at the same address with the same size, and
+ * everything else in the pool is free. Blocks allocated both now and in the
+ * checkpoint (same address and size) stay as they are. The layout around
+ * them is rebuilt from the checkpoint's addresses, whatever happened since:
+ * segments that grew (pages mapped since), free blocks that merged across
+ * what were separate blocks, segments made since. Pages mapped since the
+ * checkpoint stay mapped (a graph captured since may still use them); so
+ * reserved memory does not go down, and the other figures are exact. The
+ * allocation state is restored, not the contents of the memory. The
+ * restore first waits for frees of the pool's blocks that wait on other
+ * streams; if that fails, or host memory runs out, nothing else changes.
+ * Refused with TIDE_ERR_STATE while a capture allocates to the pool or a
+ * free of its blocks is deferred by a capture, and TIDE_ERR_INVALID for a
+ * checkpoint of another pool. */
+typedef struct tide_checkpoint tide_checkpoint;
+
+/* What a restore changed, for the caller to bring its own records in line. */
+typedef struct tide_restore_delta {
+  void **restored;  /* allocated in the checkpoint but not before the restore (freed since): */
+  size_t nrestored; /* allocated again, the caller's to free */
+  void **released;  /* allocated before the restore but not in the checkpoint: */
+  size_t nreleased; /* free now, the pointers no longer valid */
+} tide_restore_delta;
+
+/* The state of `pool` now. Free with tide_checkpoint_free. */
+TIDE_API tide_status tide_pool_checkpoint(tide_pool *pool, tide_checkpoint **out);
+/* Bring `pool` back to `checkpoint`; `delta` (may be NULL) gets the blocks
+ * that changed hands, to free with tide_restore_delta_free. */
+TIDE_API tide_status tide_pool_restore(tide_pool *pool, const tide_checkpoint *checkpoint,
+                                       tide_restore_delta *delta);
+TIDE_API void tide_checkpoint_free(tide_checkpoint *checkpoint);
+TIDE_API void tide_restore_delta_free(tide_restore_delta *delta);
+
+/* ------------------------------------------------------------------------ */
 /* Pinned host memory                                                       */
 /* ------------------------------------------------------------------------ */
 
@@ -429,6 +554,7 @@ typedef enum tide_backend_op {
   TIDE_OP_HOST_ALLOC,
   TIDE_OP_HOST_FREE,
   TIDE_OP_COPY,
+  TIDE_OP_CAPTURE_STATUS,
   TIDE_OP_COUNT
 } tide_backend_op;
 
@@ -439,6 +565,18 @@ TIDE_API const char *tide_backend_op_name(tide_backend_op op);
  * if a long kernel ran) until tide_host_stream_release completes them. */
 TIDE_API tide_status tide_host_stream_hold(tide_allocator *alloc, tide_stream stream);
 TIDE_API tide_status tide_host_stream_release(tide_allocator *alloc, tide_stream stream);
+/* Emulated graph capture (as cuStreamBeginCapture, a fork into another
+ * stream, and cuStreamEndCapture): while a stream is captured, the backend
+ * says so with its capture id, waiting for it answers TIDE_ERR_NOT_READY, and
+ * an event recorded on it never completes (it belongs to the graph) until it
+ * is recorded again outside a capture. Work is not recorded: the emulated
+ * device does nothing anyway. The default stream cannot be captured. _join
+ * makes `stream` part of the capture of `capturing`; _end ends the capture
+ * of `stream` for every stream in it. */
+TIDE_API tide_status tide_host_capture_begin(tide_allocator *alloc, tide_stream stream);
+TIDE_API tide_status tide_host_capture_join(tide_allocator *alloc, tide_stream stream,
+                                            tide_stream capturing);
+TIDE_API tide_status tide_host_capture_end(tide_allocator *alloc, tide_stream stream);
 /* Make the n-th call (n >= 1, counted from now) of `op` fail; TIDE_OP_ANY
  * counts calls of every operation. n = 0 disarms. One arming per op. */
 TIDE_API tide_status tide_host_fail_call(tide_allocator *alloc, tide_backend_op op, uint64_t n);

@@ -1,12 +1,14 @@
 /* allocator.c: the device allocator behind the public API — creation, the
- * arena of each stream, malloc and free, the memory limit and the
- * out-of-memory path, streams, copies, the entry points of the pinned pool
- * (pinned.c), and the host backend's controls.
+ * arena of each stream (and of each stream in a capture pool), malloc and
+ * free, the memory limit and the out-of-memory path, streams, copies, the
+ * entry points of the pinned pool (pinned.c), and the host backend's
+ * controls.
  *
  * The fast path of tide_malloc/tide_free is: find the stream's arena in a
  * per-thread cache, take its lock, best fit (or merge) in its bins, update
- * its figures. Only growth, the out-of-memory path and frees on the wrong
- * stream leave it. */
+ * its figures. Only growth, the out-of-memory path, frees on the wrong
+ * stream and graph captures (pool.c, one predictable branch on a flag) leave
+ * it. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -95,6 +97,7 @@ tide_status tide_create(int device, const tide_config *config, tide_allocator **
   if ((rc = _tide_trace_init(&a->trace, a->conf.trace_capacity))) goto fail_backend;
   if ((rc = _tide_pinned_create(a, &a->pinned))) goto fail_trace;
   atomic_init(&a->limit, limit_of(a, a->conf.memory_fraction, a->conf.memory_limit));
+  _tide_captures_init(a);
   pthread_mutex_init(&a->arenas_mutex, NULL);
   pthread_mutex_init(&a->reclaim_mutex, NULL);
   pthread_mutex_init(&a->bufs_mutex, NULL);
@@ -118,6 +121,7 @@ tide_status tide_destroy(tide_allocator *a) {
   size_t n = atomic_load(&a->narenas);
   for (size_t i = 0; i < n; i++) unfreed += _tide_arena_destroy(a->arenas[i]);
   free(a->arenas);
+  _tide_captures_destroy(a);
   unfreed += _tide_pinned_destroy(a->pinned);
   a->backend.ops->destroy(a->backend.ctx);
   _tide_trace_destroy(&a->trace);
@@ -154,10 +158,11 @@ static inline unsigned cache_slot(uint64_t id, tide_stream stream) {
   return (unsigned)(h >> 4) % ARENA_CACHE;
 }
 
+/* The stream's own arena (not one of its capture pool arenas). */
 static _tide_arena *find_arena_locked(tide_allocator *a, tide_stream stream) {
   size_t n = atomic_load(&a->narenas);
   for (size_t i = 0; i < n; i++)
-    if (a->arenas[i]->stream == stream) return a->arenas[i];
+    if (a->arenas[i]->stream == stream && a->arenas[i]->pool_id == 0) return a->arenas[i];
   return NULL;
 }
 
@@ -221,6 +226,59 @@ static inline _tide_arena *arena_of(tide_allocator *a, tide_stream stream, bool 
 
 _tide_arena *_tide_arena_get(tide_allocator *a, tide_stream stream) {
   return arena_of(a, stream, true);
+}
+
+/* Add an arena's history to the allocator's retired figures (its current
+ * ones are all zero: it holds nothing). The active peak is folded in as it
+ * is summed (the larger of the allocated and active peaks), so the
+ * allocator's figures do not change. */
+static void retire_stats(_tide_arena_stats *to, _tide_arena_stats *from) {
+  for (int st = 0; st < _TIDE_ST_COUNT; st++)
+    for (int p = 0; p < TIDE_POOL_KINDS; p++) to->peak[st][p] += from->peak[st][p];
+  for (int k = 0; k < 2; k++)
+    for (int p = 0; p < TIDE_POOL_KINDS; p++) {
+      int stat = k == 0 ? _TIDE_ST_ALLOCATED : _TIDE_ST_ALLOCATIONS;
+      int64_t peak = from->peak[stat][p];
+      to->active_peak[k][p] += from->active_peak[k][p] > peak ? from->active_peak[k][p] : peak;
+    }
+  for (int c = 0; c < _TIDE_CT_COUNT; c++) to->counters[c] += from->counters[c];
+  memset(from, 0, sizeof *from);
+}
+
+/* Capture pool arenas stay in the table when their pool goes (snapshots of
+ * the table hold them): an unused one is given to the next pool. Under
+ * arenas_mutex. */
+static void give_to_pool(tide_allocator *a, _tide_arena *arena, struct tide_pool *pool,
+                         tide_stream stream) {
+  _tide_lock_acquire(&arena->lock);
+  if (arena->pool_id == _TIDE_UNUSED_ARENA) retire_stats(&a->retired_stats, &arena->stats);
+  arena->stream = stream;
+  arena->stream_gone = false;
+  arena->pool = pool;
+  arena->pool_id = pool->id;
+  arena->keep_cache = true;
+  _tide_lock_release(&arena->lock);
+}
+
+int _tide_arena_of_pool(tide_allocator *a, struct tide_pool *pool, tide_stream stream,
+                        _tide_arena **out) {
+  pthread_mutex_lock(&a->arenas_mutex);
+  size_t n = atomic_load(&a->narenas);
+  _tide_arena *unused = NULL;
+  int rc = TIDE_OK;
+  *out = NULL;
+  for (size_t i = 0; i < n && !*out; i++) {
+    if (a->arenas[i]->pool_id == pool->id && a->arenas[i]->stream == stream) *out = a->arenas[i];
+    if (!unused && a->arenas[i]->pool_id == _TIDE_UNUSED_ARENA) unused = a->arenas[i];
+  }
+  if (!*out && unused) {
+    give_to_pool(a, unused, pool, stream);
+    *out = unused;
+  } else if (!*out && (rc = add_arena_locked(a, stream, out)) == TIDE_OK) {
+    give_to_pool(a, *out, pool, stream);
+  }
+  pthread_mutex_unlock(&a->arenas_mutex);
+  return rc;
 }
 
 size_t _tide_arenas_snapshot(tide_allocator *a, _tide_arena ***out) {
@@ -298,8 +356,9 @@ static int release_all_cached(tide_allocator *a) {
   int first = TIDE_OK;
   for (size_t i = 0; i < n; i++) {
     _tide_lock_acquire(&arenas[i]->lock);
-    int rc = _tide_arena_process_events(arenas[i], true);
-    int rc2 = _tide_arena_release_cached(arenas[i]);
+    /* A capture pool with users keeps its memory: graphs replay into it. */
+    int rc = arenas[i]->keep_cache ? TIDE_OK : _tide_arena_process_events(arenas[i], true);
+    int rc2 = arenas[i]->keep_cache ? TIDE_OK : _tide_arena_release_cached(arenas[i]);
     _tide_lock_release(&arenas[i]->lock);
     if (!first) first = rc ? rc : rc2;
   }
@@ -361,6 +420,17 @@ static void *malloc_retry(tide_allocator *a, _tide_arena *arena, size_t size, si
 /* Allocation and freeing                                                    */
 /* ------------------------------------------------------------------------ */
 
+/* While captures are watched: the arena of the capture pool the stream's
+ * allocations go to, or the stream's own. */
+static TIDE_NOINLINE _tide_arena *capture_arena(tide_allocator *a, tide_stream stream) {
+  _tide_arena *arena = NULL;
+  if (_tide_capture_route(a, stream, &arena) != TIDE_OK) {
+    _tide_error_prefix("tide_malloc on stream %p: finding its capture pool failed", (void *)stream);
+    return NULL;
+  }
+  return arena ? arena : arena_of(a, stream, true);
+}
+
 void *tide_malloc(tide_allocator *a, size_t size, tide_stream stream) {
   CHECK_ALLOCATOR(a, NULL);
   if (TIDE_UNLIKELY(size == 0 || size > TIDE_MAX_ALLOC)) {
@@ -373,7 +443,9 @@ void *tide_malloc(tide_allocator *a, size_t size, tide_stream stream) {
   size_t rounded = TIDE_LIKELY(a->plain_rounding)
                        ? (size + TIDE_MIN_BLOCK - 1) & ~(TIDE_MIN_BLOCK - 1)
                        : _tide_round_size(&a->conf, size);
-  _tide_arena *arena = arena_of(a, stream, true);
+  _tide_arena *arena = TIDE_LIKELY(!atomic_load_explicit(&a->capture_watch, memory_order_relaxed))
+                           ? arena_of(a, stream, true)
+                           : capture_arena(a, stream);
   if (TIDE_UNLIKELY(!arena)) return NULL;
   void *ptr = NULL;
   _tide_lock_acquire(&arena->lock);
@@ -388,9 +460,9 @@ void *tide_malloc(tide_allocator *a, size_t size, tide_stream stream) {
 }
 
 /* Look for the block in every arena: a free on another stream than the
- * allocation's, or a bad pointer. */
-static tide_status free_slow(tide_allocator *a, uintptr_t addr, size_t size, bool sized,
-                             tide_stream stream) {
+ * allocation's, of a block of a capture pool, or a bad pointer. */
+tide_status _tide_free_slow(tide_allocator *a, uintptr_t addr, size_t size, bool sized,
+                            tide_stream stream) {
   _tide_arena **arenas;
   size_t n = _tide_arenas_snapshot(a, &arenas);
   int rc = TIDE_OK;
@@ -429,6 +501,8 @@ static tide_status free_any(tide_allocator *a, void *ptr, size_t size, bool size
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   if (!ptr) return TIDE_OK;
   uintptr_t addr = (uintptr_t)ptr;
+  if (TIDE_UNLIKELY(atomic_load_explicit(&a->capture_watch, memory_order_relaxed)))
+    return (tide_status)_tide_capture_free(a, addr, size, sized, stream);
   _tide_arena *arena = arena_of(a, stream, false);
   if (TIDE_LIKELY(arena != NULL)) {
     _tide_lock_acquire(&arena->lock);
@@ -440,7 +514,7 @@ static tide_status free_any(tide_allocator *a, void *ptr, size_t size, bool size
     }
     _tide_lock_release(&arena->lock);
   }
-  return free_slow(a, addr, size, sized, stream);
+  return _tide_free_slow(a, addr, size, sized, stream);
 }
 
 tide_status tide_free(tide_allocator *a, void *ptr, tide_stream stream) {
@@ -544,9 +618,11 @@ tide_status tide_block_info(tide_allocator *a, const void *ptr, void **base, siz
 
 tide_status tide_empty_cache(tide_allocator *a) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _tide_capture_settle(a); /* frees no capture defers now can be given back */
   pthread_mutex_lock(&a->reclaim_mutex);
   int rc = release_all_cached(a);
   pthread_mutex_unlock(&a->reclaim_mutex);
+  _tide_capture_settle(a); /* pools whose memory is all back go */
   _tide_trace(a, TIDE_TRACE_EMPTY_CACHE, 0, 0, 0, NULL);
   return (tide_status)rc;
 }
@@ -562,20 +638,25 @@ tide_status tide_stream_create(tide_allocator *a, tide_stream *out) {
   return (tide_status)a->backend.ops->stream_create(a->backend.ctx, out);
 }
 
-/* A stream about to go: give back its arena's cache while the stream can
- * still be waited for; blocks still allocated on it stay valid. */
+/* A stream about to go: give back its arenas' cache while the stream can
+ * still be waited for (not that of capture pools with users); blocks still
+ * allocated on it stay valid. */
 static void retire_arena(tide_allocator *a, tide_stream stream) {
-  pthread_mutex_lock(&a->arenas_mutex);
-  _tide_arena *arena = find_arena_locked(a, stream);
-  pthread_mutex_unlock(&a->arenas_mutex);
-  if (!arena) return;
+  _tide_arena **arenas;
+  size_t n = _tide_arenas_snapshot(a, &arenas);
   _tide_saved_error saved;
   _tide_error_save(&saved);
-  _tide_lock_acquire(&arena->lock);
-  _tide_arena_process_events(arena, true);
-  _tide_arena_release_cached(arena);
-  arena->stream_gone = true;
-  _tide_lock_release(&arena->lock);
+  for (size_t i = 0; i < n; i++) {
+    _tide_arena *arena = arenas[i];
+    _tide_lock_acquire(&arena->lock);
+    if (arena->stream == stream && arena->pool_id != _TIDE_UNUSED_ARENA) {
+      _tide_arena_process_events(arena, true);
+      if (!arena->keep_cache) _tide_arena_release_cached(arena);
+      arena->stream_gone = true;
+    }
+    _tide_lock_release(&arena->lock);
+  }
+  free(arenas);
   _tide_error_restore(&saved);
 }
 
@@ -693,6 +774,24 @@ tide_status tide_host_stream_release(tide_allocator *a, tide_stream stream) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   int rc = need_host(a, __func__);
   return (tide_status)(rc ? rc : _tide_host_stream_release(&a->backend, stream));
+}
+
+tide_status tide_host_capture_begin(tide_allocator *a, tide_stream stream) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  int rc = need_host(a, __func__);
+  return (tide_status)(rc ? rc : _tide_host_capture_begin(&a->backend, stream));
+}
+
+tide_status tide_host_capture_join(tide_allocator *a, tide_stream stream, tide_stream capturing) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  int rc = need_host(a, __func__);
+  return (tide_status)(rc ? rc : _tide_host_capture_join(&a->backend, stream, capturing));
+}
+
+tide_status tide_host_capture_end(tide_allocator *a, tide_stream stream) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  int rc = need_host(a, __func__);
+  return (tide_status)(rc ? rc : _tide_host_capture_end(&a->backend, stream));
 }
 
 tide_status tide_host_fail_call(tide_allocator *a, tide_backend_op op, uint64_t n) {

@@ -449,8 +449,11 @@ static int take_best_fit(_tide_arena *arena, size_t rounded, _tide_block **out) 
     *out = b;
     return TIDE_OK;
   }
-  maybe_collect_garbage(arena);
-  if (a->conf.release_holes && a->conf.expandable_segments) release_holes(arena, pool, rounded);
+  /* A capture pool's free pages may be written by graph replays: only growth. */
+  if (!arena->keep_cache) {
+    maybe_collect_garbage(arena);
+    if (a->conf.release_holes && a->conf.expandable_segments) release_holes(arena, pool, rounded);
+  }
   int rc = _tide_pool_grow(arena, pool, rounded, out);
   if (TIDE_UNLIKELY(arena->nspare_pages)) _tide_arena_release_spare_pages(arena);
   return rc;
@@ -785,4 +788,42 @@ int _tide_arena_explain_pointer(_tide_arena *arena, uintptr_t addr) {
                            "(or was freed and its page returned)",
                            p);
   }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Capture pools: deferred frees and restored blocks                         */
+/* ------------------------------------------------------------------------ */
+
+void _tide_arena_defer_free(_tide_arena *arena, _tide_block *b) {
+  count_free(arena, b);
+  _tide_trace(arena->alloc, TIDE_TRACE_FREE, b->segment->pool + 1, b->addr, b->size, arena->stream);
+  _tide_ptrmap_remove(&arena->live, b->addr);
+  b->state = _TIDE_PENDING;
+  count_pending(arena, b, +1);
+}
+
+int _tide_arena_finish_deferred(_tide_arena *arena, _tide_block *b, tide_stream stream) {
+  if (b->nstreams || stream != arena->stream) {
+    int rc = record_events(arena, b, stream);
+    if (rc) return rc; /* still deferred: tried again later */
+    forget_streams(b);
+    if (b->events) return TIDE_OK; /* now waits on events, pending as before */
+  }
+  count_pending(arena, b, -1);
+  _tide_arena_free_block(arena, b);
+  return TIDE_OK;
+}
+
+void _tide_arena_count_restored(_tide_arena *arena, _tide_block *b, size_t requested) {
+  b->state = _TIDE_ALLOCATED;
+  b->requested = requested;
+  count_allocation(arena, b, requested);
+  _tide_trace(arena->alloc, TIDE_TRACE_ALLOC, b->segment->pool + 1, b->addr, b->size,
+              arena->stream);
+}
+
+void _tide_arena_count_released(_tide_arena *arena, _tide_block *b) {
+  count_free(arena, b);
+  forget_streams(b);
+  _tide_trace(arena->alloc, TIDE_TRACE_FREE, b->segment->pool + 1, b->addr, b->size, arena->stream);
 }

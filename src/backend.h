@@ -32,7 +32,11 @@
  *   host backend copies at once).
  * - streams: NULL is the default stream. Events recorded on a stream complete
  *   once the work queued on it before the record is done; event_query answers
- *   TIDE_OK (done) or TIDE_ERR_NOT_READY. */
+ *   TIDE_OK (done) or TIDE_ERR_NOT_READY.
+ * - stream_capture_status: whether `stream` is being captured into a graph
+ *   now, and the id of its capture (never 0 while capturing; streams forked
+ *   into a capture share its id). Legal during a capture. The default stream
+ *   is never being captured. */
 #ifndef TIDE_BACKEND_H
 #define TIDE_BACKEND_H
 
@@ -71,6 +75,8 @@ typedef struct _tide_backend_ops {
   int (*stream_synchronize)(void *ctx, tide_stream stream);
   /* TIDE_OK if the stream exists (cheap; legal while it is being captured). */
   int (*stream_check)(void *ctx, tide_stream stream);
+  int (*stream_capture_status)(void *ctx, tide_stream stream, bool *capturing,
+                               uint64_t *capture_id);
   int (*event_create)(void *ctx, _tide_event *out);
   int (*event_destroy)(void *ctx, _tide_event event);
   int (*event_record)(void *ctx, _tide_event event, tide_stream stream);
@@ -101,6 +107,9 @@ bool _tide_cuda_usable(void);
 /* Host backend controls behind the tide_host_* functions. */
 int _tide_host_stream_hold(_tide_backend *b, tide_stream stream);
 int _tide_host_stream_release(_tide_backend *b, tide_stream stream);
+int _tide_host_capture_begin(_tide_backend *b, tide_stream stream);
+int _tide_host_capture_join(_tide_backend *b, tide_stream stream, tide_stream capturing);
+int _tide_host_capture_end(_tide_backend *b, tide_stream stream);
 int _tide_host_fail_call(_tide_backend *b, tide_backend_op op, uint64_t n);
 uint64_t _tide_host_call_count(_tide_backend *b, tide_backend_op op);
 uint64_t _tide_host_bytes_in_use(_tide_backend *b);

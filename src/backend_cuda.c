@@ -21,9 +21,10 @@
  * - Pinned host memory: cuMemHostAlloc (portable and device-mapped, as
  *   PyTorch's host allocator asks) / cuMemFreeHost. Copies: cuMemcpyAsync,
  *   which with unified addressing finds the direction from the pointers.
- *   These entry points and cuDeviceCanAccessPeer are optional: a driver
- *   without them still serves device memory, and the call that needs one
- *   says that the driver lacks it.
+ *   These entry points, cuDeviceCanAccessPeer and cuStreamGetCaptureInfo are
+ *   optional: a driver without them still serves device memory, and the
+ *   call that needs one says that the driver lacks it (without the last, no
+ *   stream is seen being captured).
  * - Context: the device's primary context, retained while the backend is
  *   open, so that memory and streams are shared with the CUDA runtime (and
  *   PyTorch). A call makes it current only if the calling thread has another
@@ -33,7 +34,9 @@
  *   mapping pages while a stream is being captured does not invalidate the
  *   capture. Waiting for a stream that is capturing, or for an event recorded
  *   in a capture, cannot work; those calls answer TIDE_ERR_NOT_READY with a
- *   message instead of breaking the capture.
+ *   message instead of breaking the capture. Whether a stream is being
+ *   captured, and into which capture, is cuStreamGetCaptureInfo's answer
+ *   (never asked of the legacy stream, which cannot be captured).
  * - Streams it creates are non-blocking, like PyTorch's: they never wait for
  *   the legacy default stream, which the allocator does not rely on (it orders
  *   reuse with events), and a capture on them is not broken by work another
@@ -186,6 +189,10 @@ typedef struct cuda_driver {
   CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
   CUresult (*mem_host_alloc)(void **, size_t, unsigned int);
   CUresult (*mem_free_host)(void *);
+  /* The signature since 11.3 (cuStreamGetCaptureInfo_v2), which the ABI
+   * asked for (12.0, or the driver's, at least 11.3) gets. */
+  CUresult (*stream_get_capture_info)(CUstream, CUstreamCaptureStatus *, cuuint64_t *, CUgraph *,
+                                      const CUgraphNode **, size_t *);
 } cuda_driver;
 
 typedef struct driver_symbol {
@@ -231,6 +238,7 @@ static const driver_symbol optional_symbols[] = {
     SYMBOL("cuMemcpyAsync", memcpy_async),
     SYMBOL("cuMemHostAlloc", mem_host_alloc),
     SYMBOL("cuMemFreeHost", mem_free_host),
+    SYMBOL("cuStreamGetCaptureInfo", stream_get_capture_info),
 };
 #undef SYMBOL
 
@@ -944,6 +952,39 @@ static int cuda_stream_check(void *ctx, tide_stream stream) {
   return TIDE_OK;
 }
 
+/* Whether `stream` is being captured, and its capture's id (streams forked
+ * into a capture share it). A query, legal during capture. */
+static int cuda_stream_capture_status(void *ctx, tide_stream stream, bool *capturing,
+                                      uint64_t *capture_id) {
+  cuda_device *d = ctx;
+  if (!capturing || !capture_id)
+    return _tide_error_set(TIDE_ERR_INVALID, "stream_capture_status: NULL output");
+  *capturing = false;
+  *capture_id = 0;
+  /* The legacy stream cannot be captured; asking about it while a blocking
+   * stream is being captured is an error the driver reports (and counts).
+   * Without the entry point no capture can be seen: tide_capture_begin then
+   * routes the one stream it names. */
+  if (!stream || !d->drv.stream_get_capture_info) return TIDE_OK;
+  char text[48];
+  scope s;
+  int rc = enter(d, &s, "asking whether a stream is being captured");
+  if (rc) return rc;
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  cuuint64_t id = 0;
+  CUresult r = d->drv.stream_get_capture_info(cu_stream(stream), &status, &id, NULL, NULL, NULL);
+  leave(d, &s);
+  if (r != CUDA_SUCCESS)
+    return fail(d, r, "cuStreamGetCaptureInfo", "asking whether %s is being captured",
+                stream_text(stream, text, sizeof text));
+  /* An invalidated capture still owns the stream until it ends: its
+   * allocations belong to it as well. */
+  *capturing = status != CU_STREAM_CAPTURE_STATUS_NONE;
+  *capture_id = *capturing ? (uint64_t)id : 0;
+  if (*capturing && *capture_id == 0) *capture_id = UINT64_MAX; /* ids are never 0 */
+  return TIDE_OK;
+}
+
 static int cuda_event_create(void *ctx, _tide_event *out) {
   cuda_device *d = ctx;
   if (!out) return _tide_error_set(TIDE_ERR_INVALID, "event_create: NULL output");
@@ -1057,6 +1098,7 @@ static const _tide_backend_ops cuda_ops = {
     .stream_destroy = cuda_stream_destroy,
     .stream_synchronize = cuda_stream_synchronize,
     .stream_check = cuda_stream_check,
+    .stream_capture_status = cuda_stream_capture_status,
     .event_create = cuda_event_create,
     .event_destroy = cuda_event_destroy,
     .event_record = cuda_event_record,

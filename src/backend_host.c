@@ -15,6 +15,11 @@
  * - Streams complete their work at once unless held; a held stream keeps
  *   every event recorded on it pending until it is released (as if a long
  *   kernel ran). Ids of streams and events are slot numbers plus generations.
+ * - Graph capture is emulated (tide_host_capture_*): a stream being captured
+ *   has a capture id, which streams joined to it share; waiting for it is
+ *   refused as the driver refuses it, and an event recorded on it belongs to
+ *   the graph: it never completes until it is recorded again outside a
+ *   capture (the driver answers CUDA_ERROR_CAPTURED_EVENT).
  * - Pinned host memory (host_alloc) is plain page-aligned anonymous memory,
  *   counted against nothing: the emulated device's capacity is device memory.
  *   Its ranges are remembered, so host_free knows their sizes.
@@ -75,6 +80,7 @@ static const char *const op_names[TIDE_OP_COUNT] = {
     [TIDE_OP_HOST_ALLOC] = "host_alloc",
     [TIDE_OP_HOST_FREE] = "host_free",
     [TIDE_OP_COPY] = "copy",
+    [TIDE_OP_CAPTURE_STATUS] = "capture_status",
 };
 
 const char *tide_backend_op_name(tide_backend_op op) {
@@ -113,7 +119,8 @@ typedef struct host_stream {
   uint32_t gen;
   bool alive; /* created and not destroyed (slot 0, the default stream, always) */
   bool held;
-  uint64_t submitted; /* tickets handed out; never reset, even when the slot is reused */
+  uint64_t capture_id; /* being captured into a graph (0: not) */
+  uint64_t submitted;  /* tickets handed out; never reset, even when the slot is reused */
   uint64_t completed;
 } host_stream;
 
@@ -121,6 +128,7 @@ typedef struct host_event {
   uint32_t gen;
   bool alive;
   bool recorded;
+  bool captured;   /* last recorded on a stream being captured: part of a graph */
   uint32_t stream; /* slot of the stream it was recorded on */
   uint64_t ticket;
 } host_event;
@@ -158,6 +166,7 @@ typedef struct host_device {
   host_event *events;
   size_t event_count, event_cap;
   index_stack free_events;
+  uint64_t next_capture_id;
 
   _Atomic uint64_t calls[TIDE_OP_COUNT];
   _Atomic uint64_t fail_at[TIDE_OP_COUNT]; /* the call number that fails; 0: none */
@@ -713,6 +722,7 @@ static int host_stream_create(void *ctx, tide_stream *out) {
   }
   d->streams[slot].alive = true;
   d->streams[slot].held = false;
+  d->streams[slot].capture_id = 0;
   *out = stream_id(d, slot);
   unlock(d);
   return TIDE_OK;
@@ -749,9 +759,15 @@ static int host_stream_synchronize(void *ctx, tide_stream stream) {
     unlock(d);
     return TIDE_ERR_INVALID;
   }
-  bool held = d->streams[slot].held;
+  bool held = d->streams[slot].held, capturing = d->streams[slot].capture_id != 0;
   unlock(d);
   char text[48];
+  if (capturing)
+    return _tide_error_set(TIDE_ERR_NOT_READY,
+                           "stream_synchronize: %s is being captured into a graph, so its work "
+                           "does not run now and waiting for it is illegal; try again after the "
+                           "capture ends",
+                           stream_text(stream, text, sizeof text));
   if (held)
     return _tide_error_set(TIDE_ERR_NOT_READY,
                            "stream_synchronize: %s is held, so waiting for it would never end; "
@@ -769,6 +785,25 @@ static int host_stream_check(void *ctx, tide_stream stream) {
   return known ? TIDE_OK : TIDE_ERR_INVALID;
 }
 
+static int host_stream_capture_status(void *ctx, tide_stream stream, bool *capturing,
+                                      uint64_t *capture_id) {
+  host_device *d = ctx;
+  int rc = enter(d, TIDE_OP_CAPTURE_STATUS);
+  if (rc) return rc;
+  if (!capturing || !capture_id)
+    return _tide_error_set(TIDE_ERR_INVALID, "stream_capture_status: NULL output");
+  lock(d);
+  uint32_t slot;
+  if (!stream_find(d, stream, "stream_capture_status", false, &slot)) {
+    unlock(d);
+    return TIDE_ERR_INVALID;
+  }
+  *capture_id = d->streams[slot].capture_id;
+  *capturing = *capture_id != 0;
+  unlock(d);
+  return TIDE_OK;
+}
+
 /* Event ids: (generation << 32) | (slot + 1), never NULL. */
 static bool event_find(host_device *d, _tide_event event, const char *op, uint32_t *slot) {
   uint64_t id = (uint64_t)(uintptr_t)event;
@@ -783,7 +818,15 @@ static bool event_find(host_device *d, _tide_event event, const char *op, uint32
 }
 
 static bool event_done(const host_device *d, const host_event *e) {
-  return !e->recorded || d->streams[e->stream].completed >= e->ticket;
+  return !e->captured && (!e->recorded || d->streams[e->stream].completed >= e->ticket);
+}
+
+static int captured_event(tide_stream stream, const char *op) {
+  char text[48];
+  return _tide_error_set(TIDE_ERR_NOT_READY,
+                         "%s: the event was recorded on %s while it was being captured into a "
+                         "graph; it completes only when the graph runs",
+                         op, stream_text(stream, text, sizeof text));
 }
 
 static int host_event_create(void *ctx, _tide_event *out) {
@@ -847,8 +890,11 @@ static int host_event_record(void *ctx, _tide_event event, tide_stream stream) {
   host_event *e = &d->events[eslot];
   e->recorded = true;
   e->stream = sslot;
-  e->ticket = ++s->submitted;
-  if (!s->held) s->completed = s->submitted;
+  e->captured = s->capture_id != 0; /* a node of the graph, not work of the stream */
+  if (!e->captured) {
+    e->ticket = ++s->submitted;
+    if (!s->held) s->completed = s->submitted;
+  }
   unlock(d);
   return TIDE_OK;
 }
@@ -863,8 +909,11 @@ static int host_event_query(void *ctx, _tide_event event) {
     unlock(d);
     return TIDE_ERR_INVALID;
   }
-  bool done = event_done(d, &d->events[slot]);
+  host_event *e = &d->events[slot];
+  bool done = event_done(d, e), captured = e->captured;
+  tide_stream stream = stream_id(d, e->stream);
   unlock(d);
+  if (captured) return captured_event(stream, "event_query");
   return done ? TIDE_OK : _tide_error_set(TIDE_ERR_NOT_READY, "event not complete yet");
 }
 
@@ -879,10 +928,11 @@ static int host_event_synchronize(void *ctx, _tide_event event) {
     return TIDE_ERR_INVALID;
   }
   host_event *e = &d->events[slot];
-  bool done = event_done(d, e);
+  bool done = event_done(d, e), captured = e->captured;
   tide_stream stream = done ? NULL : stream_id(d, e->stream);
   unlock(d);
   char text[48];
+  if (captured) return captured_event(stream, "event_synchronize");
   if (!done)
     return _tide_error_set(TIDE_ERR_NOT_READY,
                            "event_synchronize: the event waits on %s, which is held, so waiting "
@@ -1035,6 +1085,7 @@ static const _tide_backend_ops host_ops = {
     .stream_destroy = host_stream_destroy,
     .stream_synchronize = host_stream_synchronize,
     .stream_check = host_stream_check,
+    .stream_capture_status = host_stream_capture_status,
     .event_create = host_event_create,
     .event_destroy = host_event_destroy,
     .event_record = host_event_record,
@@ -1163,6 +1214,72 @@ int _tide_host_stream_release(_tide_backend *b, tide_stream stream) {
   if (!s->alive) stream_retire(d, slot);
   unlock(d);
   return TIDE_OK;
+}
+
+/* The slot of a live stream other than the default one, for the capture
+ * controls; false with a message. Under the lock. */
+static bool capturable(host_device *d, tide_stream stream, const char *op, uint32_t *slot) {
+  if (!stream) {
+    _tide_error_set(TIDE_ERR_INVALID, "%s: the default stream cannot be captured", op);
+    return false;
+  }
+  return stream_find(d, stream, op, false, slot);
+}
+
+int _tide_host_capture_begin(_tide_backend *b, tide_stream stream) {
+  host_device *d = host_of(b);
+  if (!d) return not_host("capture begin");
+  lock(d);
+  uint32_t slot;
+  int rc = TIDE_OK;
+  if (!capturable(d, stream, "capture begin", &slot))
+    rc = TIDE_ERR_INVALID;
+  else if (d->streams[slot].capture_id)
+    rc = _tide_error_set(TIDE_ERR_INVALID, "capture begin: stream %p is already being captured",
+                         (void *)stream);
+  else
+    d->streams[slot].capture_id = ++d->next_capture_id;
+  unlock(d);
+  return rc;
+}
+
+int _tide_host_capture_join(_tide_backend *b, tide_stream stream, tide_stream capturing) {
+  host_device *d = host_of(b);
+  if (!d) return not_host("capture join");
+  lock(d);
+  uint32_t slot, from;
+  int rc = TIDE_OK;
+  if (!capturable(d, stream, "capture join", &slot) ||
+      !capturable(d, capturing, "capture join", &from))
+    rc = TIDE_ERR_INVALID;
+  else if (!d->streams[from].capture_id || d->streams[slot].capture_id)
+    rc = _tide_error_set(TIDE_ERR_INVALID,
+                         "capture join: stream %p must be being captured and stream %p not",
+                         (void *)capturing, (void *)stream);
+  else
+    d->streams[slot].capture_id = d->streams[from].capture_id;
+  unlock(d);
+  return rc;
+}
+
+int _tide_host_capture_end(_tide_backend *b, tide_stream stream) {
+  host_device *d = host_of(b);
+  if (!d) return not_host("capture end");
+  lock(d);
+  uint32_t slot;
+  int rc = TIDE_OK;
+  if (!capturable(d, stream, "capture end", &slot)) {
+    rc = TIDE_ERR_INVALID;
+  } else if (!d->streams[slot].capture_id) {
+    rc = _tide_error_set(TIDE_ERR_INVALID, "capture end: stream %p is not being captured",
+                         (void *)stream);
+  } else {
+    uint64_t id = d->streams[slot].capture_id;
+    for (size_t i = 1; i < d->stream_count; i++)
+      if (d->streams[i].capture_id == id) d->streams[i].capture_id = 0;
+  }
+  unlock(d);
+  return rc;
 }
 
 int _tide_host_fail_call(_tide_backend *b, tide_backend_op op, uint64_t n) {

@@ -527,6 +527,15 @@ static void format_peer_access(const _tide_conf_values *v, char *buf, size_t len
   format_bool(v->peer_access, buf, len);
 }
 
+static bool parse_capture_detection(const char *s, _tide_conf_values *v, char *why,
+                                    size_t why_len) {
+  return parse_bool(s, &v->capture_detection, why, why_len);
+}
+
+static void format_capture_detection(const _tide_conf_values *v, char *buf, size_t len) {
+  format_bool(v->capture_detection, buf, len);
+}
+
 static const option options[] = {
     {"backend", "auto",
      "device backend: cuda, host (an emulated device in host memory), or auto (cuda where a "
@@ -578,6 +587,10 @@ static const option options[] = {
      "and write the allocator's blocks, so kernels on several GPUs can share them; the host "
      "backend has one address space and ignores it",
      "True or False (also true/false/1/0)", parse_peer_access, format_peer_access},
+    {"capture_detection", "False",
+     "allocations from a stream being captured into a CUDA graph go to a private pool of that "
+     "capture even without tide_capture_begin (costs a driver query per allocation and free)",
+     "True or False (also true/false/1/0)", parse_capture_detection, format_capture_detection},
     {"trace", "0", "events kept in the trace ring, read with tide_trace_read (0: off)",
      "a whole number from 0 to 16777216", parse_trace, format_trace},
     {"host_capacity", "24GiB", "memory of each emulated device of the host backend",

@@ -1,8 +1,8 @@
 /* core.h: the allocator's own data structures — blocks, segments, bins,
- * pools, arenas and the allocator — and the functions the core files
- * (bins.c, ptrmap.c, segment.c, arena.c, allocator.c, stats.c, trace.c,
- * snapshot.c) call across each other. Everything here is guarded by the lock
- * of the arena that owns it, unless a comment says otherwise. */
+ * pools, arenas, capture pools and the allocator — and the functions the
+ * core files (bins.c, ptrmap.c, segment.c, arena.c, allocator.c, pool.c,
+ * checkpoint.c, stats.c, trace.c, snapshot.c) call across each other. Everything here is guarded by
+ * the lock of the arena that owns it, unless a comment says otherwise. */
 #ifndef TIDE_CORE_H
 #define TIDE_CORE_H
 
@@ -320,7 +320,16 @@ typedef struct _tide_arena {
   uint64_t clock; /* allocations so far: the gc clock */
   _tide_arena_stats stats;
   int64_t unpublished; /* allocated bytes not yet added to the allocator's */
+  /* Capture pools (pool.c): the blocks a stream allocated in one pool have
+   * an arena of their own, so a pool never shares memory with the stream's
+   * arena and stream-ordered reuse works inside it as anywhere. */
+  uint64_t pool_id;       /* 0: the stream's own arena; _TIDE_UNUSED_ARENA: none */
+  struct tide_pool *pool; /* the capture pool (NULL for the stream's own arena) */
+  bool keep_cache;        /* its pool has users: free memory may back graph replays */
 } _tide_arena;
+
+/* The pool_id of an arena left by a pool that is gone, for the next pool. */
+#define _TIDE_UNUSED_ARENA UINT64_MAX
 
 /* With several streams, each arena adds its allocated bytes to the shared
  * allocator-wide counter once the change since the last addition reaches
@@ -370,6 +379,17 @@ const _tide_block *_tide_arena_containing_block(const _tide_arena *arena, uintpt
 /* A user pointer that is not a live block: classify it for the message. */
 int _tide_arena_explain_pointer(_tide_arena *arena, uintptr_t addr);
 
+/* For capture pools (pool.c, checkpoint.c), under the arena lock. A free
+ * deferred by a capture: counted as freed, out of the live map, pending
+ * (but on no event) until _tide_arena_finish_deferred orders it after the
+ * streams it was freed on and recorded on (it may then wait on events). */
+void _tide_arena_defer_free(_tide_arena *arena, _tide_block *b);
+int _tide_arena_finish_deferred(_tide_arena *arena, _tide_block *b, tide_stream stream);
+/* Count block b, linked in its segment, as allocated (restored by a
+ * checkpoint) or as freed (released by one); the live map is the caller's. */
+void _tide_arena_count_restored(_tide_arena *arena, _tide_block *b, size_t requested);
+void _tide_arena_count_released(_tide_arena *arena, _tide_block *b);
+
 /* Segments (segment.c), under the arena lock. */
 size_t _tide_round_size(const _tide_conf_values *conf, size_t size);
 size_t _tide_fixed_segment_size(size_t rounded, size_t granularity);
@@ -399,6 +419,73 @@ int _tide_pool_release_empty_segments(_tide_arena *arena, _tide_pool *pool);
 void _tide_arena_release_spare_pages(_tide_arena *arena);
 /* Try again to give back what the backend refused earlier. */
 int _tide_arena_retry_orphans(_tide_arena *arena);
+/* The address-ordered list of unmapped blocks of a pool. */
+void _tide_unmapped_insert(_tide_pool *pool, _tide_block *b);
+void _tide_unmapped_remove(_tide_pool *pool, _tide_block *b);
+
+/* ------------------------------------------------------------------------ */
+/* Capture pools (pool.c, checkpoint.c)                                      */
+/* ------------------------------------------------------------------------ */
+
+#define _TIDE_POOL_MAGIC 0x74696465506ful /* "tideP" */
+
+/* A capture pool: the arenas whose pool_id is its id hold its memory. Under
+ * the allocator's capture mutex, except `id` and `alloc` (fixed). */
+struct tide_pool {
+  long magic;
+  struct tide_allocator *alloc;
+  struct tide_pool *next; /* the allocator's pools */
+  uint64_t id;
+  int uses;     /* users: the creator, each graph; 0: its memory is going back */
+  int captures; /* begins (or detected captures) that allocate to it now */
+};
+
+/* Where the allocations of a capture go: those of `stream`, or, when
+ * capture_id is not 0, those of every stream of that capture. */
+typedef struct _tide_capture {
+  struct _tide_capture *next;
+  tide_stream stream;
+  uint64_t capture_id;
+  struct tide_pool *pool;
+  bool detected; /* made by capture_detection, not by tide_capture_begin */
+} _tide_capture;
+
+/* A free deferred until no stream it waits for is being captured. */
+typedef struct _tide_deferred {
+  struct _tide_deferred *next;
+  _tide_arena *arena;
+  _tide_block *block;
+  tide_stream stream; /* the free's */
+} _tide_deferred;
+
+typedef struct _tide_captures {
+  pthread_mutex_t mutex; /* before arenas_mutex and arena locks, never after */
+  _tide_capture *active;
+  struct tide_pool *pools;
+  _tide_deferred *deferred;
+  uint64_t next_pool_id;
+} _tide_captures;
+
+void _tide_captures_init(struct tide_allocator *a);
+/* Frees what the capture state holds (the arenas are the caller's). */
+void _tide_captures_destroy(struct tide_allocator *a);
+/* The arena of `stream` in the pool its allocations go to now; *out NULL
+ * when they go to the stream's own arena. */
+int _tide_capture_route(struct tide_allocator *a, tide_stream stream, _tide_arena **out);
+/* tide_free while captures are watched: defers what a capture must defer. */
+int _tide_capture_free(struct tide_allocator *a, uintptr_t addr, size_t size, bool sized,
+                       tide_stream stream);
+/* Retry deferred frees; let go of pools whose memory is all back. */
+void _tide_capture_settle(struct tide_allocator *a);
+/* A handle that looks like a pool (for its allocator to be reached). */
+bool _tide_capture_pool_valid(const struct tide_pool *pool);
+/* TIDE_OK if the pool has users, else TIDE_ERR_STATE naming `op`. Under
+ * the capture mutex. */
+int _tide_capture_pool_live(const struct tide_pool *pool, const char *op);
+/* A stable copy of the arenas of pool `id`, as _tide_arenas_snapshot. */
+size_t _tide_capture_pool_arenas(struct tide_allocator *a, uint64_t id, _tide_arena ***out);
+/* Drop captures found by capture_detection whose capture has ended. */
+void _tide_capture_prune(struct tide_allocator *a);
 
 /* ------------------------------------------------------------------------ */
 /* The allocator (allocator.c)                                               */
@@ -422,10 +509,11 @@ struct tide_allocator {
   _tide_backend backend;
   size_t granularity;
   size_t page_size;
-  bool plain_rounding;     /* no roundup_power2_divisions: sizes round to 512 B */
-  size_t total_memory;     /* the device's */
-  _Atomic size_t limit;    /* reserved may not exceed this */
-  atomic_bool shared_peak; /* several arenas: keep `allocated` (read under arena locks) */
+  bool plain_rounding;       /* no roundup_power2_divisions: sizes round to 512 B */
+  size_t total_memory;       /* the device's */
+  _Atomic size_t limit;      /* reserved may not exceed this */
+  atomic_bool shared_peak;   /* several arenas: keep `allocated` (read under arena locks) */
+  _Atomic int capture_watch; /* captures to route or frees deferred: see pool.c */
   /* Shared counters, each on its own cache line so that writing them does
    * not evict the read-mostly fields above from other cores (the allocator
    * is allocated 64-byte aligned for this). */
@@ -436,6 +524,10 @@ struct tide_allocator {
   _tide_arena **arenas;
   _Atomic size_t narenas;
   size_t arenas_cap;
+  /* The figures of arenas a pool that is gone left to the next pool: the
+   * allocator's figures keep them, the new pool's start from zero. Under
+   * arenas_mutex. */
+  _tide_arena_stats retired_stats;
   pthread_mutex_t reclaim_mutex; /* one thread frees cached memory at a time */
   _Atomic uint64_t num_alloc_retries;
   _Atomic uint64_t num_ooms;
@@ -444,6 +536,7 @@ struct tide_allocator {
   struct _tide_pinned *pinned; /* the pinned host memory pool (pinned.c) */
   pthread_mutex_t bufs_mutex;  /* guards the list of growable buffers */
   struct tide_buf *bufs;       /* live growable buffers (buffer.c) */
+  _tide_captures captures;     /* capture pools (pool.c) */
 };
 
 /* A live allocator: not NULL, aligned as allocators are (a stray pointer
@@ -483,5 +576,14 @@ size_t _tide_largest_free_block(struct tide_allocator *a);
 
 /* Arenas of an allocator: a stable copy of the table for iteration. */
 size_t _tide_arenas_snapshot(struct tide_allocator *a, _tide_arena ***out);
+/* The arena of `stream` in capture pool `pool`, made on first use (an
+ * unused arena is taken again first). */
+int _tide_arena_of_pool(struct tide_allocator *a, struct tide_pool *pool, tide_stream stream,
+                        _tide_arena **out);
+/* A free tide_free's fast path did not finish: look in every arena. */
+tide_status _tide_free_slow(struct tide_allocator *a, uintptr_t addr, size_t size, bool sized,
+                            tide_stream stream);
+/* The figures of the arenas of capture pool `pool_id`. */
+void _tide_stats_collect_pool(struct tide_allocator *a, uint64_t pool_id, tide_stats *out);
 
 #endif /* TIDE_CORE_H */

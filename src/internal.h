@@ -11,6 +11,8 @@
  *              pending (freed, waiting on events of other streams) or
  *              unmapped (virtual space of an expandable segment, no pages).
  * - pool:      the small (requests up to 1 MiB) or large blocks of an arena.
+ * - capture pool: private memory of CUDA graphs (tide_pool): allocations
+ *              made during a capture go there, never to an arena's pools.
  * - arena:     the pools, segments and live blocks of one stream, behind
  *              one lock: streams never contend with each other.
  * - reserved:  physical bytes held; allocated: bytes handed to users.
@@ -46,10 +48,12 @@
 #define TIDE_LIKELY(x) __builtin_expect(!!(x), 1)
 #define TIDE_UNLIKELY(x) __builtin_expect(!!(x), 0)
 #define TIDE_PRINTF(f, a) __attribute__((format(printf, f, a)))
+#define TIDE_NOINLINE __attribute__((noinline))
 #else
 #define TIDE_LIKELY(x) (x)
 #define TIDE_UNLIKELY(x) (x)
 #define TIDE_PRINTF(f, a)
+#define TIDE_NOINLINE
 #endif
 
 /* ------------------------------------------------------------------------ */
@@ -98,6 +102,7 @@ typedef struct _tide_conf_values {
   size_t host_granularity; /* the emulated device's mapping granularity */
   int host_devices;        /* emulated devices */
   bool peer_access;        /* CUDA: every GPU that can reach ours may use it */
+  bool capture_detection;  /* every allocation asks whether its stream is being captured */
 } _tide_conf_values;
 
 /* The values of a config (tide_config is opaque outside conf.c). */

@@ -803,3 +803,11 @@ void _tide_pool_teardown(_tide_arena *arena, _tide_pool *pool) {
   }
   pool->unmapped = NULL;
 }
+
+/* ------------------------------------------------------------------------ */
+/* For checkpoint restores (checkpoint.c)                                    */
+/* ------------------------------------------------------------------------ */
+
+void _tide_unmapped_insert(_tide_pool *pool, _tide_block *b) { unmapped_insert(pool, b); }
+
+void _tide_unmapped_remove(_tide_pool *pool, _tide_block *b) { unmapped_remove(pool, b); }

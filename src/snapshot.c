@@ -61,10 +61,10 @@ static const char *state_name(uint8_t state) {
 static void put_segment(text *t, const _tide_arena *arena, const _tide_segment *seg, bool *first) {
   put(t,
       "%s\n    {\"address\": %llu, \"size\": %zu, \"mapped\": %zu, \"pool\": \"%s\", "
-      "\"kind\": \"%s\", \"stream\": %llu, \"blocks\": [",
+      "\"kind\": \"%s\", \"stream\": %llu, \"capture_pool\": %llu, \"blocks\": [",
       *first ? "" : ",", (unsigned long long)seg->base, seg->size, seg->mapped,
       seg->pool == _TIDE_SMALL ? "small" : "large", seg->expandable ? "expandable" : "fixed",
-      (unsigned long long)(uintptr_t)arena->stream);
+      (unsigned long long)(uintptr_t)arena->stream, (unsigned long long)arena->pool_id);
   *first = false;
   for (const _tide_block *b = seg->first; b; b = b->next)
     put(t, "%s\n      {\"address\": %llu, \"size\": %zu, \"state\": \"%s\", \"requested\": %zu}",

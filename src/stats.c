@@ -1,4 +1,5 @@
-/* stats.c: the allocator's figures, summed over the arenas of its streams.
+/* stats.c: the allocator's figures, summed over the arenas of its streams
+ * (and of its capture pools, whose figures are also given alone).
  *
  * Each arena keeps exact current and peak figures under its own lock, so
  * counting costs no shared writes. With one stream the arena's figures are
@@ -66,6 +67,9 @@ int _tide_stats_collect(tide_allocator *a, tide_stats *out) {
     _tide_lock_release(&arenas[i]->lock);
   }
   free(arenas);
+  pthread_mutex_lock(&a->arenas_mutex);
+  add_arena(out, &a->retired_stats);
+  pthread_mutex_unlock(&a->arenas_mutex);
   if (atomic_load(&a->shared_peak)) out->allocated_bytes[0].peak = atomic_load(&a->allocated.peak);
   out->reserved_bytes[0].current = atomic_load(&a->reserved.cur);
   out->reserved_bytes[0].peak = atomic_load(&a->reserved.peak);
@@ -74,6 +78,19 @@ int _tide_stats_collect(tide_allocator *a, tide_stats *out) {
   out->num_sync_all_streams = atomic_load(&a->num_sync_all_streams);
   out->memory_limit = atomic_load(&a->limit);
   return TIDE_OK;
+}
+
+void _tide_stats_collect_pool(tide_allocator *a, uint64_t pool_id, tide_stats *out) {
+  memset(out, 0, sizeof *out);
+  _tide_arena **arenas;
+  size_t n = _tide_arenas_snapshot(a, &arenas);
+  for (size_t i = 0; i < n; i++) {
+    _tide_lock_acquire(&arenas[i]->lock);
+    if (arenas[i]->pool_id == pool_id) add_arena(out, &arenas[i]->stats);
+    _tide_lock_release(&arenas[i]->lock);
+  }
+  free(arenas);
+  out->memory_limit = atomic_load(&a->limit);
 }
 
 tide_status tide_get_stats(tide_allocator *a, tide_stats *out) {
@@ -97,6 +114,10 @@ tide_status tide_reset_peak_stats(tide_allocator *a) {
     _tide_lock_release(&arenas[i]->lock);
   }
   free(arenas);
+  pthread_mutex_lock(&a->arenas_mutex);
+  memset(a->retired_stats.peak, 0, sizeof a->retired_stats.peak); /* its current figures are 0 */
+  memset(a->retired_stats.active_peak, 0, sizeof a->retired_stats.active_peak);
+  pthread_mutex_unlock(&a->arenas_mutex);
   atomic_store(&a->allocated.peak, atomic_load(&a->allocated.cur));
   atomic_store(&a->reserved.peak, atomic_load(&a->reserved.cur));
   return TIDE_OK;
@@ -107,7 +128,8 @@ size_t _tide_largest_free_block(tide_allocator *a) {
   size_t n = _tide_arenas_snapshot(a, &arenas), largest = 0;
   for (size_t i = 0; i < n; i++) {
     _tide_lock_acquire(&arenas[i]->lock);
-    for (int kind = 0; kind < 2; kind++) {
+    /* A capture pool's free blocks serve only its captures. */
+    for (int kind = 0; kind < 2 && arenas[i]->pool_id == 0; kind++) {
       const _tide_block *b = _tide_bins_largest(&arenas[i]->pools[kind].bins);
       if (b && b->size > largest) largest = b->size;
     }

@@ -11,9 +11,11 @@
  *   access, non-blocking streams, events without timing); that it leaves the
  *   calling thread's context and capture mode as it found them and maps
  *   memory in relaxed capture mode; that it never waits for a capturing
- *   stream; out of memory; and the allocator on top of it, from several
- *   threads. The fake checks the preconditions the driver checks and keeps
- *   its own books, so a leak or a bad argument shows. */
+ *   stream; how it asks whether a stream is being captured; capture pools
+ *   on the driver (pages mapped during a capture, forked streams, deferred
+ *   frees, no event recorded in a capture); out of memory; and the
+ *   allocator on top of it, from several threads. The fake checks the preconditions the driver
+ * checks and keeps its own books, so a leak or a bad argument shows. */
 #include <dlfcn.h>
 #include <link.h>
 #include <pthread.h>
@@ -223,6 +225,7 @@ typedef struct f_stream {
   unsigned flags;
   void *ctx; /* the context it belongs to */
   bool capturing;
+  uint64_t capture_id; /* while capturing */
   bool held;
   bool destroyed; /* a handle the driver no longer knows */
   uint64_t submitted, completed;
@@ -276,6 +279,8 @@ static struct fake {
   int asked_abi;
   uint64_t asked_flags;
   bool legacy_implicit; /* a blocking stream captures: the legacy stream must not be used */
+  int capture_queries;  /* cuStreamGetCaptureInfo calls */
+  int captured_events;  /* events recorded on a capturing stream */
   /* What the backend must never do. */
   int no_context;      /* a call without the primary context current */
   int not_relaxed;     /* memory calls outside relaxed capture mode */
@@ -691,6 +696,23 @@ static fres f_stream_is_capturing(void *s, int *status) {
   return F_SUCCESS;
 }
 
+static fres f_stream_get_capture_info(void *s, int *status, uint64_t *id, void **graph,
+                                      const void **deps, size_t *ndeps) {
+  fake_lock();
+  bool ok = device_call("cuStreamGetCaptureInfo", false);
+  fake.capture_queries++;
+  if (ok && !s) problem(&fake.bad_arguments, "cuStreamGetCaptureInfo of the legacy stream");
+  if (ok && (graph || deps || ndeps))
+    problem(&fake.bad_arguments, "cuStreamGetCaptureInfo asked for the graph");
+  fake_unlock();
+  if (!ok) return F_INVALID_CONTEXT;
+  f_stream *st = stream_of(s);
+  if (st->destroyed) return F_INVALID_HANDLE;
+  *status = st->capturing ? 1 : 0;
+  *id = st->capturing ? st->capture_id : 0;
+  return F_SUCCESS;
+}
+
 static fres f_stream_synchronize(void *s) {
   fres r = F_INVALID_CONTEXT;
   fake_lock();
@@ -745,6 +767,7 @@ static fres f_event_record(void *e, void *s) {
   f_stream *st = stream_of(s);
   ev->stream = st;
   ev->captured = st->capturing;
+  fake.captured_events += st->capturing;
   ev->ticket = ++st->submitted;
   if (!st->held) st->completed = st->submitted;
   r = F_SUCCESS;
@@ -815,6 +838,7 @@ static const struct {
     FN("cuStreamDestroy", f_stream_destroy),
     FN("cuStreamSynchronize", f_stream_synchronize),
     FN("cuStreamIsCapturing", f_stream_is_capturing),
+    FN("cuStreamGetCaptureInfo", f_stream_get_capture_info),
     FN("cuStreamGetCtx", f_stream_get_ctx),
     FN("cuEventCreate", f_event_create),
     FN("cuEventDestroy", f_event_destroy),
@@ -899,6 +923,7 @@ static void install_fake(fake_config cfg) {
   fake.asked_abi = 0;
   fake.asked_flags = 0;
   fake.legacy_implicit = false;
+  fake.capture_queries = fake.captured_events = 0;
   fake.no_context = fake.not_relaxed = fake.broken_captures = fake.bad_arguments = 0;
   fake.first_problem[0] = '\0';
   fake_unlock();
@@ -1211,9 +1236,109 @@ static void test_fake_streams_and_events(void **state) {
   assert_fake_clean();
 }
 
+/* Whether a stream is being captured: cuStreamGetCaptureInfo's answer, with
+ * the capture's id; never asked of the legacy stream. */
+static void test_fake_capture_status(void **state) {
+  (void)state;
+  use_fake(healthy());
+  _tide_backend b;
+  open_fake(&b);
+  const _tide_backend_ops *ops = b.ops;
+  tide_stream s = NULL;
+  assert_int_equal(ops->stream_create(b.ctx, &s), TIDE_OK);
+  f_stream *fs = (f_stream *)(void *)s;
+  bool capturing = true;
+  uint64_t id = 9;
+  assert_int_equal(ops->stream_capture_status(b.ctx, s, &capturing, &id), TIDE_OK);
+  assert_false(capturing);
+  assert_int_equal(id, 0);
+  fs->capturing = true;
+  fs->capture_id = 42;
+  assert_int_equal(ops->stream_capture_status(b.ctx, s, &capturing, &id), TIDE_OK);
+  assert_true(capturing);
+  assert_int_equal(id, 42);
+  int asked = fake.capture_queries;
+  fake.legacy_implicit = true; /* asking about the legacy stream would be an error */
+  assert_int_equal(ops->stream_capture_status(b.ctx, NULL, &capturing, &id), TIDE_OK);
+  assert_false(capturing);
+  assert_int_equal(fake.capture_queries, asked);
+  fake.legacy_implicit = false;
+  fs->capturing = false;
+  fs->destroyed = true;
+  assert_int_equal(ops->stream_capture_status(b.ctx, s, &capturing, &id), TIDE_ERR_INVALID);
+  assert_message_has("cuStreamGetCaptureInfo");
+  fs->destroyed = false;
+  assert_int_equal(ops->stream_destroy(b.ctx, s), TIDE_OK);
+  b.ops->destroy(b.ctx);
+  assert_fake_clean();
+}
+
 /* ------------------------------------------------------------------------ */
 /* The allocator on the fake driver                                          */
 /* ------------------------------------------------------------------------ */
+
+/* A capture pool on the driver: pages are mapped during the capture (in
+ * relaxed mode, never waiting for the capturing stream), a stream forked
+ * into the capture allocates to the pool too, a block of the usual memory
+ * freed in the capture is deferred without an event recorded in it, and
+ * the last release gives the pool's memory back. */
+static void test_fake_capture_pool(void **state) {
+  (void)state;
+  use_fake(healthy());
+  tide_allocator *a = create_ok("backend:cuda");
+  tide_stream s, fork, other;
+  assert_int_equal(tide_stream_create(a, &s), TIDE_OK);
+  assert_int_equal(tide_stream_create(a, &fork), TIDE_OK);
+  assert_int_equal(tide_stream_create(a, &other), TIDE_OK);
+  f_stream *fs = (f_stream *)(void *)s, *ff = (f_stream *)(void *)fork;
+  void *before = tide_malloc(a, 4 * MiB, s);
+  assert_non_null(before);
+  size_t used_before = fake.used;
+  tide_pool *pool = NULL;
+  assert_int_equal(tide_pool_create(a, &pool), TIDE_OK);
+
+  fs->capturing = true; /* cudaStreamBeginCapture */
+  fs->capture_id = 5;
+  assert_int_equal(tide_capture_begin(a, s, pool), TIDE_OK);
+  void *p = tide_malloc(a, 24 * MiB, s);
+  assert_non_null(p);
+  assert_true(fake.used > used_before); /* new pages, mapped in the capture */
+  ff->capturing = true;                 /* forked into the capture */
+  ff->capture_id = 5;
+  void *q = tide_malloc(a, 3 * MiB, fork);
+  void *r = tide_malloc(a, 3 * MiB, other);
+  assert_non_null(q);
+  assert_non_null(r);
+  tide_stats ps;
+  assert_int_equal(tide_pool_get_stats(pool, &ps), TIDE_OK);
+  assert_int_equal(ps.allocated_bytes[0].current, 27 * MiB);
+  assert_int_equal(tide_free(a, before, s), TIDE_OK); /* deferred */
+  assert_int_equal(tide_free(a, q, s), TIDE_OK);      /* needs s: deferred */
+  assert_int_equal(tide_free(a, p, s), TIDE_OK);      /* the pool's, on its stream */
+  assert_int_equal(fake.captured_events, 0);
+  /* s cannot be waited for, so its own cache stays; the pool keeps its pages. */
+  assert_int_equal(tide_empty_cache(a), TIDE_ERR_NOT_READY);
+  assert_int_equal(tide_pool_get_stats(pool, &ps), TIDE_OK);
+  assert_true(ps.reserved_bytes[0].current >= (int64_t)(27 * MiB));
+
+  fs->capturing = ff->capturing = false; /* cudaStreamEndCapture */
+  assert_int_equal(tide_capture_end(a, s), TIDE_OK);
+  tide_stats st = stats_of(a);
+  /* before is free again; q waits for an event on s, recorded now: r and q. */
+  assert_int_equal(st.active_bytes[0].current, 6 * MiB);
+  assert_int_equal(fake.captured_events, 0);
+  assert_int_equal(tide_free(a, r, other), TIDE_OK);
+  assert_int_equal(tide_pool_release(pool), TIDE_OK);
+  assert_int_equal(tide_pool_release(pool), TIDE_OK);
+  assert_int_equal(tide_empty_cache(a), TIDE_OK);
+  assert_int_equal(fake.used, 0);
+  assert_true(fake.capture_queries > 0);
+  for (tide_stream *x = (tide_stream[]){s, fork, other, NULL}; *x; x++)
+    assert_int_equal(tide_stream_destroy(a, *x), TIDE_OK);
+  assert_int_equal(tide_destroy(a), TIDE_OK);
+  assert_fake_clean();
+  assert_fake_empty();
+}
 
 static void churn(tide_allocator *a, tide_stream stream, uint64_t seed, int rounds) {
   enum { SLOTS = 24 };
@@ -1409,6 +1534,8 @@ int main(void) {
       cmocka_unit_test_teardown(test_fake_memory_calls, teardown_fake),
       cmocka_unit_test_teardown(test_fake_context_and_mode_restored, teardown_fake),
       cmocka_unit_test_teardown(test_fake_streams_and_events, teardown_fake),
+      cmocka_unit_test_teardown(test_fake_capture_status, teardown_fake),
+      cmocka_unit_test_teardown(test_fake_capture_pool, teardown_fake),
       cmocka_unit_test_teardown(test_fake_allocator, teardown_fake),
       cmocka_unit_test_teardown(test_fake_out_of_memory, teardown_fake),
       cmocka_unit_test_teardown(test_fake_stream_ordered_free, teardown_fake),

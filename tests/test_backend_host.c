@@ -732,6 +732,13 @@ static int call_op_once(op_fixture *x, tide_backend_op op) {
     if (rc != TIDE_OK) assert_int_equal(o->host_free(c, host), TIDE_OK);
     break;
   case TIDE_OP_COPY: rc = o->copy(c, bytes_to, bytes_from, sizeof bytes_to, x->stream); break;
+  case TIDE_OP_CAPTURE_STATUS: {
+    bool capturing = true;
+    uint64_t id = 1;
+    rc = o->stream_capture_status(c, x->stream, &capturing, &id);
+    if (rc == TIDE_OK) assert_true(!capturing && id == 0);
+    break;
+  }
   case TIDE_OP_ANY:
   case TIDE_OP_COUNT: break;
   }

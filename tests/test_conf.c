@@ -60,6 +60,7 @@ static const char *const all_keys[] = {
     "release_holes",
     "release_slack",
     "peer_access",
+    "capture_detection",
     "trace",
     "host_capacity",
     "host_granularity",
@@ -83,6 +84,7 @@ static void test_defaults(void **state) {
   assert_true(v->memory_fraction == 1.0);
   assert_int_equal(v->memory_limit, 0);
   assert_true(v->release_holes);
+  assert_false(v->capture_detection);
   assert_int_equal(v->trace_capacity, 0);
   assert_int_equal(v->host_capacity, 24 * TIDE_GiB);
   assert_int_equal(v->host_granularity, 2 * TIDE_MiB);
@@ -226,8 +228,8 @@ static void test_values_reach_the_struct(void **state) {
                                      "backend:host,expandable_segments:False,page_size_mb:20,"
                                      "max_split_size_mb:200,garbage_collection_threshold:0.75,"
                                      "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
-                                     "release_slack:0.05,peer_access:False,trace:100,host_capacity:"
-                                     "8GiB,host_granularity:64KiB,"
+                                     "release_slack:0.05,peer_access:False,capture_detection:True,"
+                                     "trace:100,host_capacity:8GiB,host_granularity:64KiB,"
                                      "host_devices:4,roundup_power2_divisions:8"),
                    TIDE_OK);
   const _tide_conf_values *v = _tide_config_values(config);
@@ -241,6 +243,7 @@ static void test_values_reach_the_struct(void **state) {
   assert_false(v->release_holes);
   assert_true(v->release_slack == 0.05);
   assert_false(v->peer_access);
+  assert_true(v->capture_detection);
   assert_int_equal(v->trace_capacity, 100);
   assert_int_equal(v->host_capacity, 8 * TIDE_GiB);
   assert_int_equal(v->host_granularity, 64 * TIDE_KiB);

@@ -1,0 +1,587 @@
+/* pool.c: capture pools, the private memory of CUDA graphs — pools and their
+ * users, which allocations go to which pool, and the frees a capture defers.
+ * Checkpoints of a pool and their restore are in checkpoint.c.
+ *
+ * The semantics are those of PyTorch's graph private pools
+ * (beginAllocateToPool, endAllocateToPool, releasePool, use_count):
+ * - A pool's memory is held by arenas of its own, one per stream that
+ *   allocated in it (arena.pool_id), so stream-ordered reuse, growth of
+ *   expandable segments and the figures work there as in any arena. While
+ *   the pool has users those arenas never give memory back (keep_cache):
+ *   a graph's replays write the blocks its capture freed.
+ * - The fast paths of tide_malloc and tide_free test one flag,
+ *   capture_watch, which is nonzero only while a capture is routed to a
+ *   pool, capture_detection is on, or a free is deferred; then they come
+ *   here, where locks and driver queries are affordable.
+ * - Routing: a begin on a stream being captured routes that capture (all of
+ *   its streams share its id: cuStreamGetCaptureInfo); a begin on a stream
+ *   not being captured routes that stream. With capture_detection, a
+ *   capture nobody began gets a pool of its own.
+ * - Deferral: reusing memory inside a graph is safe only where the graph
+ *   orders the reuse. A block of a stream's own memory freed by a stream
+ *   being captured is not free for the rest of the program until the
+ *   capture ends, and a free that would record an event on a stream being
+ *   captured (the event would be a node of the graph, never completing) must
+ *   wait too; both are deferred until no stream they involve is captured.
+ *   A pool's block freed on its own stream is free at once: the same
+ *   capture may take it again.
+ *
+ * Locks: the capture mutex comes before arenas_mutex and the arena locks;
+ * no code takes it while holding one of those. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+
+static _Atomic uint64_t next_pool_id = 1; /* ids are never reused in the process */
+
+/* ------------------------------------------------------------------------ */
+/* State                                                                     */
+/* ------------------------------------------------------------------------ */
+
+/* Under the mutex: what makes the fast paths come here. */
+static void update_watch(tide_allocator *a) {
+  int watch = a->conf.capture_detection ? 1 : 0;
+  for (const _tide_capture *c = a->captures.active; c; c = c->next) watch++;
+  if (a->captures.deferred) watch++;
+  atomic_store_explicit(&a->capture_watch, watch, memory_order_release);
+}
+
+void _tide_captures_init(tide_allocator *a) {
+  pthread_mutex_init(&a->captures.mutex, NULL);
+  a->captures.active = NULL;
+  a->captures.pools = NULL;
+  a->captures.deferred = NULL;
+  atomic_init(&a->capture_watch, a->conf.capture_detection ? 1 : 0);
+}
+
+void _tide_captures_destroy(tide_allocator *a) {
+  while (a->captures.active) {
+    _tide_capture *c = a->captures.active;
+    a->captures.active = c->next;
+    free(c);
+  }
+  while (a->captures.deferred) {
+    _tide_deferred *d = a->captures.deferred;
+    a->captures.deferred = d->next;
+    free(d);
+  }
+  while (a->captures.pools) {
+    tide_pool *p = a->captures.pools;
+    a->captures.pools = p->next;
+    p->magic = 0;
+    free(p);
+  }
+  pthread_mutex_destroy(&a->captures.mutex);
+}
+
+bool _tide_capture_pool_valid(const tide_pool *pool) {
+  return pool && (uintptr_t)pool % _Alignof(tide_pool) == 0 && pool->magic == _TIDE_POOL_MAGIC &&
+         _tide_allocator_valid(pool->alloc);
+}
+
+#define CHECK_POOL(pool)                                                                           \
+  do {                                                                                             \
+    if (!_tide_capture_pool_valid(pool))                                                           \
+      return (tide_status)_tide_error_set(TIDE_ERR_INVALID,                                        \
+                                          "%s: not a live tidalloc capture pool (NULL, gone "      \
+                                          "after its last release, or corrupted handle)",          \
+                                          __func__);                                               \
+  } while (0)
+
+int _tide_capture_pool_live(const tide_pool *pool, const char *op) {
+  if (pool->uses > 0) return TIDE_OK;
+  return _tide_error_set(TIDE_ERR_STATE,
+                         "%s: capture pool %llu was released by its last user; it can no "
+                         "longer be used",
+                         op, (unsigned long long)pool->id);
+}
+
+size_t _tide_capture_pool_arenas(tide_allocator *a, uint64_t id, _tide_arena ***out) {
+  pthread_mutex_lock(&a->arenas_mutex);
+  size_t n = atomic_load(&a->narenas), kept = 0;
+  *out = malloc((n ? n : 1) * sizeof **out);
+  for (size_t i = 0; i < n && *out; i++)
+    if (a->arenas[i]->pool_id == id) (*out)[kept++] = a->arenas[i];
+  pthread_mutex_unlock(&a->arenas_mutex);
+  return kept;
+}
+
+/* Whether `stream` is being captured, and into which capture. */
+static int capture_status(tide_allocator *a, tide_stream stream, bool *capturing, uint64_t *id) {
+  const _tide_backend *be = &a->backend;
+  *capturing = false;
+  *id = 0;
+  if (!be->ops->stream_capture_status) return TIDE_OK;
+  return be->ops->stream_capture_status(be->ctx, stream, capturing, id);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Pools and their users                                                     */
+/* ------------------------------------------------------------------------ */
+
+static tide_pool *new_pool(tide_allocator *a) {
+  tide_pool *p = calloc(1, sizeof *p);
+  if (!p) {
+    _tide_error_set(TIDE_ERR_OOM, "out of host memory for a capture pool");
+    return NULL;
+  }
+  p->magic = _TIDE_POOL_MAGIC;
+  p->alloc = a;
+  p->id = atomic_fetch_add(&next_pool_id, 1);
+  p->uses = 1;
+  return p;
+}
+
+tide_status tide_pool_create(tide_allocator *a, tide_pool **out) {
+  if (!_tide_allocator_valid(a) || !out)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_pool_create: %s is NULL or invalid",
+                                        out ? "the allocator" : "out");
+  *out = NULL;
+  tide_pool *p = new_pool(a);
+  if (!p) return tide_last_status();
+  pthread_mutex_lock(&a->captures.mutex);
+  p->next = a->captures.pools;
+  a->captures.pools = p;
+  pthread_mutex_unlock(&a->captures.mutex);
+  *out = p;
+  return TIDE_OK;
+}
+
+tide_status tide_pool_retain(tide_pool *pool) {
+  CHECK_POOL(pool);
+  tide_allocator *a = pool->alloc;
+  pthread_mutex_lock(&a->captures.mutex);
+  int rc = _tide_capture_pool_live(pool, __func__);
+  if (!rc) pool->uses++;
+  pthread_mutex_unlock(&a->captures.mutex);
+  return (tide_status)rc;
+}
+
+uint64_t tide_pool_id(const tide_pool *pool) {
+  return _tide_capture_pool_valid(pool) ? pool->id : 0;
+}
+
+tide_status tide_pool_get_stats(tide_pool *pool, tide_stats *out) {
+  CHECK_POOL(pool);
+  if (!out)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_pool_get_stats: out is NULL");
+  _tide_stats_collect_pool(pool->alloc, pool->id, out);
+  return TIDE_OK;
+}
+
+static bool arena_empty(const _tide_arena *arena) {
+  return !arena->pools[_TIDE_SMALL].segments && !arena->pools[_TIDE_LARGE].segments &&
+         arena->live.count == 0 && arena->npending == 0 && arena->norphans == 0 &&
+         arena->nspare_pages == 0;
+}
+
+/* Under the capture mutex: a released pool whose arenas hold nothing goes;
+ * its arenas wait for the next pool. */
+static void reap_pool(tide_allocator *a, tide_pool *pool) {
+  bool empty = true;
+  pthread_mutex_lock(&a->arenas_mutex);
+  size_t n = atomic_load(&a->narenas);
+  for (size_t i = 0; i < n; i++) {
+    _tide_arena *arena = a->arenas[i];
+    if (arena->pool_id != pool->id) continue;
+    _tide_lock_acquire(&arena->lock);
+    if (arena_empty(arena)) {
+      arena->pool_id = _TIDE_UNUSED_ARENA;
+      arena->pool = NULL;
+      arena->stream = NULL;
+      arena->keep_cache = false;
+    } else {
+      empty = false;
+    }
+    _tide_lock_release(&arena->lock);
+  }
+  pthread_mutex_unlock(&a->arenas_mutex);
+  if (!empty) return;
+  for (tide_pool **at = &a->captures.pools; *at; at = &(*at)->next) {
+    if (*at != pool) continue;
+    *at = pool->next;
+    pool->magic = 0;
+    free(pool);
+    return;
+  }
+}
+
+static void reap_pools(tide_allocator *a) {
+  pthread_mutex_lock(&a->captures.mutex);
+  tide_pool *next;
+  for (tide_pool *p = a->captures.pools; p; p = next) {
+    next = p->next;
+    if (p->uses == 0 && p->captures == 0) reap_pool(a, p);
+  }
+  pthread_mutex_unlock(&a->captures.mutex);
+}
+
+/* The last user went: the pool's free memory goes back to the device; what
+ * is still allocated or waits on streams goes with a later tide_empty_cache. */
+static int give_back(tide_allocator *a, tide_pool *pool) {
+  _tide_arena **arenas;
+  size_t n = _tide_capture_pool_arenas(a, pool->id, &arenas);
+  int first = TIDE_OK;
+  _tide_saved_error saved = {0};
+  pthread_mutex_lock(&a->reclaim_mutex);
+  for (size_t i = 0; i < n; i++) {
+    _tide_lock_acquire(&arenas[i]->lock);
+    arenas[i]->keep_cache = false;
+    _tide_arena_process_events(arenas[i], false);
+    int rc = _tide_arena_release_cached(arenas[i]);
+    _tide_lock_release(&arenas[i]->lock);
+    if (rc && !first) {
+      first = rc;
+      _tide_error_save(&saved);
+    }
+  }
+  pthread_mutex_unlock(&a->reclaim_mutex);
+  free(arenas);
+  reap_pools(a);
+  return first ? _tide_error_restore(&saved) : TIDE_OK;
+}
+
+tide_status tide_pool_release(tide_pool *pool) {
+  CHECK_POOL(pool);
+  tide_allocator *a = pool->alloc;
+  _tide_capture_prune(a);
+  pthread_mutex_lock(&a->captures.mutex);
+  int rc = _tide_capture_pool_live(pool, __func__);
+  /* Each capture in progress holds a use: those are not the caller's to drop. */
+  if (!rc && pool->uses <= pool->captures)
+    rc = _tide_error_set(TIDE_ERR_STATE,
+                         "tide_pool_release: pool %llu has no user to release but the %d "
+                         "capture(s) allocating to it; end them (tide_capture_end) first",
+                         (unsigned long long)pool->id, pool->captures);
+  bool last = !rc && --pool->uses == 0;
+  pthread_mutex_unlock(&a->captures.mutex);
+  if (rc || !last) return (tide_status)rc;
+  rc = give_back(a, pool);
+  if (rc)
+    _tide_error_prefix("tide_pool_release: the pool is released, but part of its memory goes "
+                       "back only at the next tide_empty_cache");
+  return (tide_status)rc;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Which pool an allocation goes to                                          */
+/* ------------------------------------------------------------------------ */
+
+/* The begin made on `stream` itself (by capture id or not). Under the mutex. */
+static _tide_capture *begun_on(tide_allocator *a, tide_stream stream) {
+  for (_tide_capture *c = a->captures.active; c; c = c->next)
+    if (!c->detected && c->stream == stream) return c;
+  return NULL;
+}
+
+static _tide_capture *of_capture(tide_allocator *a, uint64_t id) {
+  for (_tide_capture *c = a->captures.active; c; c = c->next)
+    if (c->capture_id == id) return c;
+  return NULL;
+}
+
+static bool routes_captures(tide_allocator *a) {
+  if (a->conf.capture_detection) return true;
+  for (const _tide_capture *c = a->captures.active; c; c = c->next)
+    if (c->capture_id) return true;
+  return false;
+}
+
+/* Under the mutex: a pool for capture `id`, found by capture_detection. */
+static int detect(tide_allocator *a, tide_stream stream, uint64_t id, tide_pool **out) {
+  _tide_capture *c = calloc(1, sizeof *c);
+  tide_pool *p = c ? new_pool(a) : NULL;
+  if (!p) {
+    free(c);
+    return _tide_error_set(TIDE_ERR_OOM, "out of host memory for the pool of a capture");
+  }
+  p->captures = 1; /* its one user (uses = 1) is the graph */
+  p->next = a->captures.pools;
+  a->captures.pools = p;
+  *c = (_tide_capture){
+      .next = a->captures.active, .stream = stream, .capture_id = id, .pool = p, .detected = true};
+  a->captures.active = c;
+  update_watch(a);
+  *out = p;
+  return TIDE_OK;
+}
+
+/* The pool allocations on `stream` go to now, or NULL. */
+static int pool_of_stream(tide_allocator *a, tide_stream stream, tide_pool **out) {
+  pthread_mutex_lock(&a->captures.mutex);
+  _tide_capture *c = begun_on(a, stream);
+  *out = c && !c->capture_id ? c->pool : NULL;
+  bool ask = !*out && routes_captures(a);
+  pthread_mutex_unlock(&a->captures.mutex);
+  if (!ask) return TIDE_OK;
+  bool capturing;
+  uint64_t id;
+  int rc = capture_status(a, stream, &capturing, &id);
+  if (rc || !capturing) return rc;
+  pthread_mutex_lock(&a->captures.mutex);
+  c = of_capture(a, id);
+  if (c)
+    *out = c->pool;
+  else if (a->conf.capture_detection)
+    rc = detect(a, stream, id, out);
+  pthread_mutex_unlock(&a->captures.mutex);
+  return rc;
+}
+
+static void retry_deferred(tide_allocator *a);
+
+int _tide_capture_route(tide_allocator *a, tide_stream stream, _tide_arena **out) {
+  *out = NULL;
+  retry_deferred(a);
+  if (a->conf.capture_detection) _tide_capture_prune(a);
+  tide_pool *pool = NULL;
+  int rc = pool_of_stream(a, stream, &pool);
+  if (rc || !pool) return rc;
+  return _tide_arena_of_pool(a, pool, stream, out);
+}
+
+tide_status tide_capture_pool(tide_allocator *a, tide_stream stream, tide_pool **out) {
+  if (!_tide_allocator_valid(a) || !out)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID,
+                                        "tide_capture_pool: %s is NULL or invalid",
+                                        out ? "the allocator" : "out");
+  *out = NULL;
+  if (a->conf.capture_detection) _tide_capture_prune(a);
+  int rc = pool_of_stream(a, stream, out);
+  if (!rc && !*out)
+    rc = _tide_error_set(TIDE_ERR_INVALID,
+                         "tide_capture_pool: allocations on stream %p go to the allocator's usual "
+                         "memory, not to a capture pool",
+                         (void *)stream);
+  return (tide_status)rc;
+}
+
+void _tide_capture_prune(tide_allocator *a) {
+  pthread_mutex_lock(&a->captures.mutex);
+  size_t n = 0;
+  for (const _tide_capture *c = a->captures.active; c; c = c->next) n += c->detected;
+  _tide_capture *seen = n ? malloc(n * sizeof *seen) : NULL;
+  n = 0;
+  for (const _tide_capture *c = a->captures.active; c && seen; c = c->next)
+    if (c->detected) seen[n++] = *c;
+  pthread_mutex_unlock(&a->captures.mutex);
+  /* Asked without the mutex: the driver may be slow. */
+  for (size_t i = 0; i < n; i++) {
+    bool capturing;
+    uint64_t id;
+    int rc = capture_status(a, seen[i].stream, &capturing, &id);
+    seen[i].detected = rc == TIDE_OK && (!capturing || id != seen[i].capture_id); /* now: ended */
+  }
+  pthread_mutex_lock(&a->captures.mutex);
+  for (size_t i = 0; i < n; i++) {
+    if (!seen[i].detected) continue;
+    for (_tide_capture **at = &a->captures.active; *at; at = &(*at)->next) {
+      _tide_capture *c = *at;
+      if (!c->detected || c->capture_id != seen[i].capture_id) continue;
+      *at = c->next;
+      c->pool->captures--;
+      free(c);
+      break;
+    }
+  }
+  if (n) update_watch(a);
+  pthread_mutex_unlock(&a->captures.mutex);
+  free(seen);
+}
+
+tide_status tide_capture_begin(tide_allocator *a, tide_stream stream, tide_pool *pool) {
+  if (!_tide_allocator_valid(a))
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_capture_begin: bad allocator");
+  CHECK_POOL(pool);
+  if (pool->alloc != a)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID,
+                                        "tide_capture_begin: pool %llu belongs to another "
+                                        "allocator",
+                                        (unsigned long long)pool->id);
+  bool capturing;
+  uint64_t id;
+  int rc = capture_status(a, stream, &capturing, &id);
+  if (rc) {
+    _tide_error_prefix("tide_capture_begin on stream %p", (void *)stream);
+    return (tide_status)rc;
+  }
+  _tide_capture *c = calloc(1, sizeof *c);
+  if (!c) return (tide_status)_tide_error_set(TIDE_ERR_OOM, "out of host memory for a capture");
+  pthread_mutex_lock(&a->captures.mutex);
+  rc = _tide_capture_pool_live(pool, __func__);
+  if (!rc && begun_on(a, stream))
+    rc = _tide_error_set(TIDE_ERR_STATE,
+                         "tide_capture_begin: stream %p already has a capture begun (end it "
+                         "with tide_capture_end first)",
+                         (void *)stream);
+  if (!rc && capturing && of_capture(a, id))
+    rc = _tide_error_set(TIDE_ERR_STATE,
+                         "tide_capture_begin: the capture stream %p is part of already "
+                         "allocates to pool %llu",
+                         (void *)stream, (unsigned long long)of_capture(a, id)->pool->id);
+  if (!rc) {
+    *c = (_tide_capture){.next = a->captures.active,
+                         .stream = stream,
+                         .capture_id = capturing ? id : 0,
+                         .pool = pool};
+    a->captures.active = c;
+    pool->uses++; /* the graph's */
+    pool->captures++;
+    update_watch(a);
+  }
+  pthread_mutex_unlock(&a->captures.mutex);
+  if (rc) free(c);
+  return (tide_status)rc;
+}
+
+tide_status tide_capture_end(tide_allocator *a, tide_stream stream) {
+  if (!_tide_allocator_valid(a))
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_capture_end: bad allocator");
+  pthread_mutex_lock(&a->captures.mutex);
+  _tide_capture *found = NULL;
+  for (_tide_capture **at = &a->captures.active; *at; at = &(*at)->next) {
+    if ((*at)->detected || (*at)->stream != stream) continue;
+    found = *at;
+    *at = found->next;
+    found->pool->captures--;
+    update_watch(a);
+    break;
+  }
+  pthread_mutex_unlock(&a->captures.mutex);
+  if (!found)
+    return (tide_status)_tide_error_set(TIDE_ERR_STATE,
+                                        "tide_capture_end: no capture was begun on stream %p "
+                                        "(tide_capture_begin)",
+                                        (void *)stream);
+  free(found);
+  retry_deferred(a);
+  return TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Frees during captures                                                     */
+/* ------------------------------------------------------------------------ */
+
+static tide_stream recorded(const _tide_block *b, unsigned i) {
+  return i < _TIDE_INLINE_STREAMS ? b->streams[i] : b->more_streams[i - _TIDE_INLINE_STREAMS];
+}
+
+/* Whether `stream` is being captured; a stream that no longer exists is not
+ * (the free's own checks report it). */
+static int captured(tide_allocator *a, tide_stream stream, bool *yes) {
+  uint64_t id;
+  int rc = capture_status(a, stream, yes, &id);
+  if (rc == TIDE_ERR_INVALID) {
+    *yes = false;
+    return TIDE_OK;
+  }
+  return rc;
+}
+
+/* Whether freeing b (of `arena`) on `stream` must wait until no stream it
+ * involves is being captured. Under the arena lock. */
+static int must_defer(tide_allocator *a, const _tide_arena *arena, const _tide_block *b,
+                      tide_stream stream, bool *defer) {
+  *defer = false;
+  /* The freeing stream matters for a stream's own memory (freed in a
+   * capture), and for a pool's when the free needs an event on it; every
+   * recorded stream gets an event. */
+  int rc = TIDE_OK;
+  if (arena->pool_id == 0 || stream != arena->stream) rc = captured(a, stream, defer);
+  for (unsigned i = 0; i < b->nstreams && !rc && !*defer; i++)
+    rc = captured(a, recorded(b, i), defer);
+  return rc;
+}
+
+/* Frees deferred by captures that have ended become real frees. */
+static void retry_deferred(tide_allocator *a) {
+  pthread_mutex_lock(&a->captures.mutex);
+  _tide_deferred *list = a->captures.deferred;
+  a->captures.deferred = NULL;
+  pthread_mutex_unlock(&a->captures.mutex);
+  if (!list) return;
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
+  _tide_deferred *kept = NULL, *last = NULL, *next;
+  for (_tide_deferred *d = list; d; d = next) {
+    next = d->next;
+    bool defer = true;
+    _tide_lock_acquire(&d->arena->lock);
+    bool done = must_defer(a, d->arena, d->block, d->stream, &defer) == TIDE_OK && !defer &&
+                _tide_arena_finish_deferred(d->arena, d->block, d->stream) == TIDE_OK;
+    _tide_lock_release(&d->arena->lock);
+    if (done) {
+      free(d);
+      continue;
+    }
+    d->next = kept;
+    kept = d;
+    if (!last) last = d;
+  }
+  _tide_error_restore(&saved);
+  pthread_mutex_lock(&a->captures.mutex);
+  if (last) {
+    last->next = a->captures.deferred;
+    a->captures.deferred = kept;
+  }
+  update_watch(a);
+  pthread_mutex_unlock(&a->captures.mutex);
+}
+
+int _tide_capture_free(tide_allocator *a, uintptr_t addr, size_t size, bool sized,
+                       tide_stream stream) {
+  retry_deferred(a);
+  _tide_deferred *node = malloc(sizeof *node); /* before any lock; unused if not deferred */
+  _tide_arena **arenas;
+  size_t n = _tide_arenas_snapshot(a, &arenas);
+  int rc = -1; /* not found (or the wrong size): the slow path explains */
+  bool deferred = false, wrong_size = false;
+  for (size_t i = 0; i < n && rc < 0 && !wrong_size; i++) {
+    _tide_arena *arena = arenas[i];
+    _tide_lock_acquire(&arena->lock);
+    _tide_block *b = _tide_arena_live(arena, addr);
+    wrong_size = b && sized && b->requested != size;
+    if (b && !wrong_size) {
+      bool defer = false;
+      rc = must_defer(a, arena, b, stream, &defer);
+      if (rc) {
+        rc = _tide_error_set(tide_last_status(),
+                             "cannot free %p: asking whether the streams it involves are being "
+                             "captured failed (%s); the block is still allocated",
+                             (void *)addr, tide_last_error());
+      } else if (defer && !node) {
+        rc = _tide_error_set(TIDE_ERR_OOM,
+                             "cannot free %p during a capture: out of host memory to defer it; "
+                             "the block is still allocated",
+                             (void *)addr);
+      } else if (defer) {
+        _tide_arena_defer_free(arena, b);
+        *node = (_tide_deferred){.arena = arena, .block = b, .stream = stream};
+        deferred = true;
+        rc = TIDE_OK;
+      } else {
+        rc = _tide_arena_free(arena, b, stream);
+      }
+    }
+    _tide_lock_release(&arena->lock);
+  }
+  free(arenas);
+  if (deferred) {
+    pthread_mutex_lock(&a->captures.mutex);
+    node->next = a->captures.deferred;
+    a->captures.deferred = node;
+    update_watch(a);
+    pthread_mutex_unlock(&a->captures.mutex);
+  } else {
+    free(node);
+  }
+  if (rc < 0) return _tide_free_slow(a, addr, size, sized, stream);
+  return rc;
+}
+
+void _tide_capture_settle(tide_allocator *a) {
+  retry_deferred(a);
+  _tide_capture_prune(a);
+  reap_pools(a);
+}
