@@ -469,6 +469,11 @@ int _tide_stats_collect(struct tide_allocator *a, tide_stats *out);
 /* Largest free block over every arena. */
 size_t _tide_largest_free_block(struct tide_allocator *a);
 
+/* The consistency check behind tide_check (validate.c): TIDE_OK, or
+ * TIDE_ERR_STATE with the first broken invariant written into `why` (or
+ * TIDE_ERR_OOM when the check had no memory). Takes every lock it needs. */
+int _tide_validate(struct tide_allocator *a, char *why, size_t len);
+
 /* Arenas of an allocator: a stable copy of the table for iteration. */
 size_t _tide_arenas_snapshot(struct tide_allocator *a, _tide_arena ***out);
 

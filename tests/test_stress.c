@@ -442,6 +442,7 @@ static void check_quiescent(stress_run *run) {
    * exactly what the device holds. */
   assert_int_equal((uint64_t)st.reserved_bytes[TIDE_POOL_ALL].current,
                    tide_host_bytes_in_use(run->a));
+  if (tide_check(run->a) != TIDE_OK) fail_msg("%s: %s", run->setup->name, tide_last_error());
 }
 
 /* ------------------------------------------------------------------------ */
