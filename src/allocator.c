@@ -374,7 +374,10 @@ void *tide_malloc(tide_allocator *a, size_t size, tide_stream stream) {
   _tide_lock_release(&arena->lock);
   if (TIDE_LIKELY(rc == TIDE_OK)) return ptr;
   if (rc != TIDE_ERR_OOM) {
-    _tide_error_prefix("tide_malloc(%zu bytes) failed in the device backend", size);
+    if (rc == TIDE_ERR_BACKEND)
+      _tide_error_prefix("tide_malloc(%zu bytes) failed in the device backend", size);
+    else
+      _tide_error_prefix("tide_malloc(%zu bytes)", size);
     return NULL;
   }
   return malloc_retry(a, arena, size, rounded, stream);

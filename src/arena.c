@@ -446,8 +446,18 @@ static int take_best_fit(_tide_arena *arena, size_t rounded, _tide_block **out) 
 
 int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **out) {
   struct tide_allocator *a = arena->alloc;
-  /* Allocating on it means the handle names a live stream (again). */
-  if (TIDE_UNLIKELY(arena->stream_gone)) arena->stream_gone = false;
+  /* A destroyed stream takes no allocation (its cache could never be given
+   * back: there is nothing to wait for), unless its handle names a live
+   * stream again (the driver may reuse it for a new stream). */
+  if (TIDE_UNLIKELY(arena->stream_gone)) {
+    const _tide_backend *be = &a->backend;
+    if (be->ops->stream_check && be->ops->stream_check(be->ctx, arena->stream))
+      return _tide_error_set(TIDE_ERR_INVALID,
+                             "stream %p was destroyed (tide_stream_destroy): nothing can be "
+                             "allocated on it",
+                             (void *)arena->stream);
+    arena->stream_gone = false;
+  }
   if (TIDE_UNLIKELY(arena->npending)) _tide_arena_process_events(arena, false);
   _tide_block *b = take_quick(arena, rounded);
   if (TIDE_UNLIKELY(!b)) {

@@ -34,10 +34,6 @@
 #define MIN_CLASS 12u /* 4 KiB */
 #define CLASSES 64u
 
-/* The stream of a block whose stream was destroyed: no request reuses it at
- * once, since no request can come from that stream. */
-#define NO_STREAM ((tide_stream)(uintptr_t)UINTPTR_MAX)
-
 typedef enum block_state {
   BLOCK_FREE = 0,      /* in its class's free list */
   BLOCK_ALLOCATED = 1, /* handed to the user */
@@ -55,6 +51,9 @@ typedef struct pinned_block {
   uint32_t events;                  /* pending blocks: events still outstanding */
   uint8_t state;                    /* block_state */
   uint8_t cls;                      /* log2 of size */
+  uint8_t stream_gone;              /* `stream` was destroyed: no request reuses it at once (a new
+                                       stream may get its handle), no event goes to it; the block
+                                       may still be freed on it */
   struct pinned_block *prev, *next; /* its class's free list */
 } pinned_block;
 
@@ -415,7 +414,7 @@ static int add_stream(pinned_block *b, tide_stream s) {
 static pinned_block *take_cached(_tide_pinned *pool, unsigned cls, tide_stream stream) {
   pinned_block *found = NULL;
   for (pinned_block *b = pool->free_lists[cls]; b && !found; b = b->next)
-    if (b->stream == stream) found = b;
+    if (b->stream == stream && !b->stream_gone) found = b;
   for (pinned_block *b = pool->free_lists[cls]; b && !found; b = b->next)
     if (settled(pool, b, false)) found = b;
   if (!found) return NULL;
@@ -429,6 +428,7 @@ static pinned_block *take_cached(_tide_pinned *pool, unsigned cls, tide_stream s
 static void hand_out(_tide_pinned *pool, pinned_block *b, size_t size, tide_stream stream) {
   b->state = BLOCK_ALLOCATED;
   b->stream = stream;
+  b->stream_gone = 0;
   b->requested = size;
   count_alloc(pool, b, +1);
 }
@@ -560,7 +560,7 @@ static int order_free(_tide_pinned *pool, pinned_block *b, tide_stream freed_on)
     if (!rc && e) pool->pending[pool->npending++] = (pending_event){.event = e, .block = b};
   }
   _tide_event ready = NULL;
-  if (!rc && b->stream != NO_STREAM) rc = mark_stream(pool, b->stream, &ready);
+  if (!rc && !b->stream_gone) rc = mark_stream(pool, b->stream, &ready);
   if (rc) {
     for (size_t j = start; j < pool->npending; j++) give_event(pool, pool->pending[j].event);
     pool->npending = start;
@@ -649,7 +649,7 @@ void _tide_pinned_stream_gone(_tide_pinned *pool, tide_stream stream) {
    * any) say when their work is done. */
   be->ops->stream_synchronize(be->ctx, stream);
   for (size_t i = 0; i < pool->nblocks; i++)
-    if (pool->blocks[i]->stream == stream) pool->blocks[i]->stream = NO_STREAM;
+    if (pool->blocks[i]->stream == stream) pool->blocks[i]->stream_gone = 1;
   pthread_mutex_unlock(&pool->lock);
   _tide_error_restore(&saved);
 }

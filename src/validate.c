@@ -117,7 +117,8 @@ static int by_record(const void *x, const void *y) {
 
 /* Whether b is a block of the arena's segments (not a stray record). */
 static bool known(const checker *c, const _tide_block *b) {
-  return b && bsearch(&b, c->blocks, c->nblocks, sizeof *c->blocks, by_record) != NULL;
+  return b && c->nblocks &&
+         bsearch(&b, c->blocks, c->nblocks, sizeof *c->blocks, by_record) != NULL;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -519,7 +520,7 @@ static bool check_arena(checker *c, sums *s) {
           arena->pools[kind].kind);
     if (!check_segments(c, s, &arena->pools[kind])) return false;
   }
-  qsort(c->blocks, c->nblocks, sizeof *c->blocks, by_record);
+  if (c->nblocks) qsort(c->blocks, c->nblocks, sizeof *c->blocks, by_record);
   for (size_t i = 1; i < c->nblocks; i++)
     CHECK(c, c->blocks[i] != c->blocks[i - 1], "block record %p lies in two places",
           (void *)c->blocks[i]);

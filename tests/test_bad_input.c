@@ -442,6 +442,49 @@ static void malloc_on_unknown_stream(void **state) {
   still_works(f);
 }
 
+/* A stream destroyed after blocks were allocated and freed on it: a new
+ * allocation on it is refused (its cache could never be given back: there
+ * is nothing to wait for), and emptying the cache still works. */
+static void malloc_on_destroyed_stream(void **state) {
+  fixture *f = *state;
+  tide_stream s;
+  tu_assert_ok(tide_stream_create(f->a, &s));
+  uint64_t seq;
+  void *p = alloc_filled(f, 3 * TU_MiB, s, &seq);
+  tu_assert_ok(tide_free(f->a, p, s));
+  tu_assert_ok(tide_stream_destroy(f->a, s));
+  tide_clear_error();
+  assert_null(tide_malloc(f->a, 3 * TU_MiB, s));
+  tu_assert_last_error(TIDE_ERR_INVALID, "destroyed");
+  tu_assert_ok(tide_empty_cache(f->a));
+  tu_assert_ok(tide_check(f->a));
+  assert_int_equal(tide_host_bytes_in_use(f->a), 0);
+  still_works(f);
+}
+
+/* A block allocated on a stream that is then destroyed is freed on that
+ * stream as on any other, device memory and pinned memory alike. */
+static void free_on_destroyed_own_stream(void **state) {
+  fixture *f = *state;
+  tide_stream s;
+  tu_assert_ok(tide_stream_create(f->a, &s));
+  uint64_t seq;
+  void *p = alloc_filled(f, TU_MiB, s, &seq);
+  void *pinned = tide_pinned_malloc(f->a, 10000, s);
+  assert_non_null(pinned);
+  tu_assert_ok(tide_stream_destroy(f->a, s));
+  tu_assert_pattern(p, TU_MiB, seq, TU_PATTERN_DEFAULT);
+  tu_assert_ok(tide_free(f->a, p, s));
+  tu_assert_ok(tide_pinned_free(f->a, pinned, s));
+  tu_assert_ok(tide_empty_cache(f->a));
+  tu_assert_ok(tide_pinned_empty_cache(f->a));
+  tu_assert_ok(tide_check(f->a));
+  tide_stats st;
+  tu_assert_ok(tide_pinned_get_stats(f->a, &st));
+  assert_int_equal(st.reserved_bytes[0].current, 0);
+  still_works(f);
+}
+
 static void host_controls(void **state) {
   fixture *f = *state;
   expect_error(tide_host_fail_call(f->a, TIDE_OP_COUNT, 1), TIDE_ERR_INVALID, NULL);
@@ -741,6 +784,8 @@ int main(void) {
       BOTH(record_on_unknown_stream),
       BOTH(record_on_destroyed_stream),
       BOTH(malloc_on_unknown_stream),
+      BOTH(malloc_on_destroyed_stream),
+      BOTH(free_on_destroyed_own_stream),
       BOTH(host_controls),
       BOTH(null_outputs),
       cmocka_unit_test(null_allocator),
