@@ -328,9 +328,10 @@ static bool parse_roundup_entry(const char *begin, const char *end, unsigned *di
   if (!copy_range(kb, ke, key, sizeof key) || !copy_range(vb, ve, value, sizeof value))
     return set_why(why, why_len, "a list entry is too long"), false;
   unsigned divisions;
-  char inner[64];
+  char inner[64], key_text[SHOWN_MAX + 8];
+  shown(kb, ke, key_text, sizeof key_text); /* the key as a message may quote it */
   if (!parse_divisions(value, &divisions, inner, sizeof inner))
-    return snprintf(why, why_len, "list entry \"%s\": %s", key, inner), false;
+    return snprintf(why, why_len, "list entry \"%s\": %s", key_text, inner), false;
   if (*saw_rest) return set_why(why, why_len, "an entry follows \">\""), false;
   if (strcmp(key, ">") == 0) {
     for (int i = *last + 1; i < TIDE_ROUNDUP_INTERVALS; i++) div[i] = divisions;
@@ -339,8 +340,8 @@ static bool parse_roundup_entry(const char *begin, const char *end, unsigned *di
   }
   uint64_t mib;
   if (!parse_uint(key, (uint64_t)1 << ROUNDUP_LAST, &mib, inner, sizeof inner) || !is_pow2(mib))
-    return snprintf(why, why_len, "list key \"%s\" is not a power of two from 1 to %llu MiB", key,
-                    1ULL << ROUNDUP_LAST),
+    return snprintf(why, why_len, "list key \"%s\" is not a power of two from 1 to %llu MiB",
+                    key_text, 1ULL << ROUNDUP_LAST),
            false;
   int index = (int)log2_u64(mib);
   if (index <= *last) return set_why(why, why_len, "list keys must rise"), false;

@@ -304,32 +304,46 @@ static bool check_segments(checker *c, sums *s, const _tide_pool *pool) {
 
 static bool bit_of(const uint64_t *words, size_t i) { return (words[i / 64] >> (i % 64)) & 1; }
 
+static bool check_bin(checker *c, const _tide_pool *pool, uint32_t bin, size_t *n, size_t limit) {
+  const _tide_block *prev = NULL;
+  for (const _tide_block *b = pool->bins.head[bin]; b; prev = b, b = b->link_next) {
+    CHECK(c, ++*n <= limit, "the bins of pool %d hold more entries than its %zu free blocks",
+          pool->kind, limit);
+    CHECK(c, known(c, b), "bin %u of pool %d holds %p, which is no block of the arena", bin,
+          pool->kind, (void *)b);
+    CHECK(c, b->state == _TIDE_FREE && b->segment->pool == pool->kind,
+          "bin %u of pool %d holds %s block %#lx of pool %d", bin, pool->kind, state_name(b->state),
+          (unsigned long)b->addr, b->segment->pool);
+    CHECK(c, b->bin == bin && _tide_bin_of(b->size) == bin,
+          "free block %#lx of %zu bytes lies in bin %u, says bin %u, belongs in bin %u",
+          (unsigned long)b->addr, b->size, bin, b->bin, _tide_bin_of(b->size));
+    CHECK(c, b->link_prev == prev, "free block %#lx in bin %u: its prev link is %p, not %p",
+          (unsigned long)b->addr, bin, (void *)b->link_prev, (void *)prev);
+  }
+  return true;
+}
+
 static bool check_bins(checker *c, const sums *s, const _tide_pool *pool) {
+  static const _tide_block *const empty[64];
   const _tide_bins *bins = &pool->bins;
   size_t n = 0, limit = s->free_blocks[pool->kind];
-  for (uint32_t bin = 0; bin < _TIDE_BIN_COUNT; bin++) {
-    CHECK(c, bit_of(bins->map, bin) == (bins->head[bin] != NULL),
-          "bin %u of pool %d: its bitmap bit says %s, its list is %s", bin, pool->kind,
-          bit_of(bins->map, bin) ? "full" : "empty", bins->head[bin] ? "full" : "empty");
-    const _tide_block *prev = NULL;
-    for (const _tide_block *b = bins->head[bin]; b; prev = b, b = b->link_next) {
-      CHECK(c, ++n <= limit, "the bins of pool %d hold more entries than its %zu free blocks",
-            pool->kind, limit);
-      CHECK(c, known(c, b), "bin %u of pool %d holds %p, which is no block of the arena", bin,
-            pool->kind, (void *)b);
-      CHECK(c, b->state == _TIDE_FREE && b->segment->pool == pool->kind,
-            "bin %u of pool %d holds %s block %#lx of pool %d", bin, pool->kind,
-            state_name(b->state), (unsigned long)b->addr, b->segment->pool);
-      CHECK(c, b->bin == bin && _tide_bin_of(b->size) == bin,
-            "free block %#lx of %zu bytes lies in bin %u, says bin %u, belongs in bin %u",
-            (unsigned long)b->addr, b->size, bin, b->bin, _tide_bin_of(b->size));
-      CHECK(c, b->link_prev == prev, "free block %#lx in bin %u: its prev link is %p, not %p",
-            (unsigned long)b->addr, bin, (void *)b->link_prev, (void *)prev);
-    }
-  }
-  for (uint32_t w = 0; w < _TIDE_BIN_WORDS; w++)
+  for (uint32_t w = 0; w < _TIDE_BIN_WORDS; w++) {
+    uint32_t first = w * 64, count = _TIDE_BIN_COUNT - first < 64 ? _TIDE_BIN_COUNT - first : 64;
     CHECK(c, bit_of(bins->summary, w) == (bins->map[w] != 0),
           "pool %d: the summary bit of bitmap word %u disagrees with it", pool->kind, w);
+    if (bins->map[w] == 0) { /* the common case, checked in one sweep */
+      CHECK(c, memcmp(&bins->head[first], empty, count * sizeof *bins->head) == 0,
+            "pool %d: bins %u..%u are marked empty, one of them is not", pool->kind, first,
+            first + count - 1);
+      continue;
+    }
+    for (uint32_t bin = first; bin < first + count; bin++) {
+      CHECK(c, bit_of(bins->map, bin) == (bins->head[bin] != NULL),
+            "bin %u of pool %d: its bitmap bit says %s, its list is %s", bin, pool->kind,
+            bit_of(bins->map, bin) ? "full" : "empty", bins->head[bin] ? "full" : "empty");
+      if (bins->head[bin] && !check_bin(c, pool, bin, &n, limit)) return false;
+    }
+  }
   CHECK(c, n == limit && bins->count == n,
         "pool %d has %zu free blocks, %zu in its bins, and counts %zu", pool->kind, limit, n,
         bins->count);

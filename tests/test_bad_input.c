@@ -656,6 +656,29 @@ static void bad_config_text(void **state) {
   free(after);
 }
 
+/* Messages quote the user's text, made printable: bytes that are not
+ * printable ASCII (here inside a list key) would make them unreadable. */
+static void bad_config_message_is_printable(void **state) {
+  (void)state;
+  static const char *const texts[] = {
+      "roundup_power2_divisions:[256:1,1\xb1\xb1:2]",
+      "roundup_power2_divisions:[\x01\x7f:x]",
+      "\xff\xfe:1",
+      "page_size_mb:\x1b[31m",
+  };
+  tide_config *c = NULL;
+  tu_assert_ok(tide_config_new(&c));
+  for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++) {
+    tide_clear_error();
+    tu_assert_status(tide_config_parse(c, texts[i]), TIDE_ERR_CONFIG);
+    const char *msg = tide_last_error();
+    for (const char *p = msg; *p; p++)
+      if (*p < 0x20 || *p >= 0x7f)
+        fail_msg("the message for text %zu has byte 0x%02x: %s", i, (unsigned char)*p, msg);
+  }
+  tide_config_free(c);
+}
+
 /* tide_create(..., NULL, ...) reads TIDALLOC_CONF: garbage there is a
  * configuration error, and a later good value works. */
 static void bad_environment(void **state) {
@@ -790,6 +813,7 @@ int main(void) {
       BOTH(null_outputs),
       cmocka_unit_test(null_allocator),
       cmocka_unit_test(bad_config_text),
+      cmocka_unit_test(bad_config_message_is_printable),
       cmocka_unit_test(bad_environment),
       cmocka_unit_test(bad_devices),
       cmocka_unit_test(process_wide_lifecycle),
