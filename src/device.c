@@ -31,7 +31,12 @@ static int ensure_config(void) {
 tide_status tide_conf_set(const char *text) {
   if (!text) return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_conf_set: text is NULL");
   pthread_mutex_lock(&process_mutex);
-  int rc = ensure_config();
+  /* No allocator will be created from it any more: refused, not ignored. */
+  int rc = shut_down ? _tide_error_set(TIDE_ERR_STATE,
+                                       "tide_conf_set(\"%s\") after tide_shutdown: the "
+                                       "process-wide allocators are gone, nothing would use it",
+                                       text)
+                     : ensure_config();
   tide_config *next = rc ? NULL : _tide_config_clone(process_config);
   if (!rc && !next) rc = tide_last_status();
   if (!rc) rc = tide_config_parse(next, text);

@@ -113,6 +113,7 @@ static void still_works(fixture *f) {
   assert_int_equal(after.requested_bytes[0].current, before.requested_bytes[0].current);
   assert_int_equal(after.allocations[0].current, before.allocations[0].current);
   assert_int_equal((uint64_t)after.reserved_bytes[0].current, tide_host_bytes_in_use(f->a));
+  tu_assert_ok(tide_check(f->a));
 }
 
 /* `expr` fails with `want` and a message containing `needle`. */
@@ -288,6 +289,32 @@ static void from_another_allocator(void **state) {
   tu_assert_pattern(p, TU_MiB, seq, TU_PATTERN_DEFAULT);
   tu_assert_ok(tide_block_info(other, q, NULL, NULL, NULL));
   expect_live(f, (void *[]){p}, (size_t[]){TU_MiB}, 1);
+  tu_assert_ok(tide_free(other, q, NULL));
+  tu_assert_ok(tide_destroy(other));
+  tu_assert_ok(tide_free(f->a, p, NULL));
+  still_works(f);
+}
+
+/* A block of another device's allocator (the host backend's second
+ * emulated device): not ours, and both allocators stay as they were. */
+static void from_another_device(void **state) {
+  fixture *f = *state;
+  tide_allocator *other = NULL;
+  tide_config *c = tu_config("host_devices:2,host_capacity:256MiB");
+  tu_assert_ok(tide_create(1, c, &other));
+  tide_config_free(c);
+  void *q = tide_malloc(other, 2 * TU_MiB, NULL);
+  assert_non_null(q);
+  tu_fill(q, 2 * TU_MiB, 78, TU_PATTERN_DEFAULT);
+  uint64_t seq;
+  void *p = alloc_filled(f, TU_MiB, NULL, &seq);
+  expect_error(tide_free(f->a, q, NULL), TIDE_ERR_BAD_POINTER, "not allocated by this");
+  expect_error(tide_free(f->a, q, f->side), TIDE_ERR_BAD_POINTER, "not allocated by this");
+  expect_error(tide_free_sized(f->a, q, 2 * TU_MiB, NULL), TIDE_ERR_BAD_POINTER, NULL);
+  expect_error(tide_record_stream(f->a, q, NULL), TIDE_ERR_BAD_POINTER, NULL);
+  expect_error(tide_free(other, p, NULL), TIDE_ERR_BAD_POINTER, "device 1");
+  tu_assert_pattern(q, 2 * TU_MiB, 78, TU_PATTERN_DEFAULT);
+  tu_assert_ok(tide_check(other));
   tu_assert_ok(tide_free(other, q, NULL));
   tu_assert_ok(tide_destroy(other));
   tu_assert_ok(tide_free(f->a, p, NULL));
@@ -777,6 +804,8 @@ static void process_wide_lifecycle(void **state) {
   tide_clear_error();
   assert_null(tide_device(1));
   tu_assert_last_error(TIDE_ERR_STATE, NULL);
+  /* A configuration nothing will use is refused, not silently kept. */
+  expect_error(tide_conf_set("page_size_mb:2"), TIDE_ERR_STATE, "tide_shutdown");
   tu_assert_ok(tide_shutdown()); /* twice is harmless */
 }
 
@@ -800,6 +829,7 @@ int main(void) {
       BOTH(interior_and_misaligned),
       BOTH(block_info_of_interior_pointer),
       BOTH(from_another_allocator),
+      BOTH(from_another_device),
       BOTH(wrong_size),
       BOTH(impossible_sizes),
       BOTH(memory_limits),
