@@ -288,16 +288,15 @@ tide_status tide_set_memory_limit(tide_allocator *a, size_t bytes) {
 static int release_all_cached(tide_allocator *a) {
   _tide_arena **arenas;
   size_t n = _tide_arenas_snapshot(a, &arenas);
-  int first = TIDE_OK;
+  _tide_first_error first = {0};
   for (size_t i = 0; i < n; i++) {
     _tide_lock_acquire(&arenas[i]->lock);
-    int rc = _tide_arena_process_events(arenas[i], true);
-    int rc2 = _tide_arena_release_cached(arenas[i]);
+    _tide_first_error_note(&first, _tide_arena_process_events(arenas[i], true));
+    _tide_first_error_note(&first, _tide_arena_release_cached(arenas[i]));
     _tide_lock_release(&arenas[i]->lock);
-    if (!first) first = rc ? rc : rc2;
   }
   free(arenas);
-  return first;
+  return _tide_first_error_end(&first);
 }
 
 static void out_of_memory(tide_allocator *a, tide_stream stream, size_t size, size_t rounded,

@@ -652,14 +652,14 @@ int _tide_arena_free(_tide_arena *arena, _tide_block *b, tide_stream stream) {
 int _tide_arena_process_events(_tide_arena *arena, bool wait) {
   const _tide_backend *be = &arena->alloc->backend;
   size_t kept = 0;
-  int first_error = TIDE_OK;
+  _tide_first_error first = {0};
   for (size_t i = 0; i < arena->npending; i++) {
     _tide_pending p = arena->pending[i];
     int rc = wait ? be->ops->event_synchronize(be->ctx, p.event)
                   : be->ops->event_query(be->ctx, p.event);
     if (rc != TIDE_OK) {
       arena->pending[kept++] = p;
-      if (!first_error && (wait || rc != TIDE_ERR_NOT_READY)) first_error = rc;
+      if (wait || rc != TIDE_ERR_NOT_READY) _tide_first_error_note(&first, rc);
       continue;
     }
     give_event(arena, p.event);
@@ -669,7 +669,7 @@ int _tide_arena_process_events(_tide_arena *arena, bool wait) {
     }
   }
   arena->npending = kept;
-  return first_error;
+  return _tide_first_error_end(&first);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -700,12 +700,14 @@ int _tide_arena_release_cached(_tide_arena *arena) {
   if (rc) return rc;
   /* Orphans first: a range may be unreserved only once nothing is mapped in it. */
   int orphans = arena->norphans ? _tide_arena_retry_orphans(arena) : TIDE_OK;
-  int small = _tide_pool_release_cached(arena, &arena->pools[_TIDE_SMALL]);
-  int large = _tide_pool_release_cached(arena, &arena->pools[_TIDE_LARGE]);
+  _tide_first_error first = {0};
+  _tide_first_error_note(&first, _tide_pool_release_cached(arena, &arena->pools[_TIDE_SMALL]));
+  _tide_first_error_note(&first, _tide_pool_release_cached(arena, &arena->pools[_TIDE_LARGE]));
   /* What the backend refused just now gets one more try, and is reported
    * if it is still held. */
   if (arena->norphans) orphans = _tide_arena_retry_orphans(arena);
-  return small ? small : large ? large : orphans;
+  _tide_first_error_note(&first, orphans);
+  return _tide_first_error_end(&first);
 }
 
 /* Oldest free first; among equals, the lowest address (a stable order). */

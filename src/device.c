@@ -94,17 +94,14 @@ tide_allocator *tide_device(int device) {
 
 tide_status tide_shutdown(void) {
   pthread_mutex_lock(&process_mutex);
-  int first = TIDE_OK;
+  _tide_first_error first = {0};
   for (int d = 0; d < MAX_DEVICES; d++) {
     tide_allocator *a = atomic_exchange(&devices[d], NULL);
-    if (a) {
-      int rc = tide_destroy(a);
-      if (!first) first = rc;
-    }
+    if (a) _tide_first_error_note(&first, tide_destroy(a));
   }
   shut_down = true;
   tide_config_free(process_config);
   process_config = NULL;
   pthread_mutex_unlock(&process_mutex);
-  return (tide_status)first;
+  return (tide_status)_tide_first_error_end(&first);
 }

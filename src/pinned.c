@@ -267,7 +267,7 @@ static void event_done(_tide_pinned *pool, size_t i) {
 static int process_events(_tide_pinned *pool, bool wait) {
   const _tide_backend *be = backend(pool);
   size_t kept = 0;
-  int first = TIDE_OK;
+  _tide_first_error first = {0};
   for (size_t i = 0; i < pool->npending; i++) {
     _tide_event e = pool->pending[i].event;
     int rc = wait ? be->ops->event_synchronize(be->ctx, e) : be->ops->event_query(be->ctx, e);
@@ -275,11 +275,11 @@ static int process_events(_tide_pinned *pool, bool wait) {
       event_done(pool, i);
       continue;
     }
-    if (!first && (wait || rc != TIDE_ERR_NOT_READY)) first = rc;
+    if (wait || rc != TIDE_ERR_NOT_READY) _tide_first_error_note(&first, rc);
     pool->pending[kept++] = pool->pending[i];
   }
   pool->npending = kept;
-  return first;
+  return _tide_first_error_end(&first);
 }
 
 /* Whether the work queued on a free block's stream before its free is done:
@@ -626,18 +626,20 @@ static int release(_tide_pinned *pool, pinned_block *b) {
 
 int _tide_pinned_empty_cache(_tide_pinned *pool) {
   pthread_mutex_lock(&pool->lock);
-  int first = process_events(pool, true);
+  _tide_first_error first = {0};
+  _tide_first_error_note(&first, process_events(pool, true));
   for (unsigned cls = 0; cls < CLASSES; cls++) {
     pinned_block *next;
     for (pinned_block *b = pool->free_lists[cls]; b; b = next) {
       next = b->next;
-      int rc = settled(pool, b, true) ? release(pool, b) : (int)tide_last_status();
-      if (!first) first = rc;
+      _tide_first_error_note(&first,
+                             settled(pool, b, true) ? release(pool, b) : (int)tide_last_status());
     }
   }
   pthread_mutex_unlock(&pool->lock);
-  if (first) _tide_error_prefix("tide_pinned_empty_cache: a cached pinned block was kept");
-  return first;
+  int rc = _tide_first_error_end(&first);
+  if (rc) _tide_error_prefix("tide_pinned_empty_cache: a cached pinned block was kept");
+  return rc;
 }
 
 void _tide_pinned_stream_gone(_tide_pinned *pool, tide_stream stream) {

@@ -885,6 +885,40 @@ static void faults_refused_unmap_twice_page_adopted(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* tide_empty_cache meets two failures: a free waits on a held stream
+ * (TIDE_ERR_NOT_READY), then an unmap is refused (TIDE_ERR_BACKEND). It
+ * returns the first, and the message must be the first's too, not the
+ * last one's. */
+static void faults_first_failure_keeps_its_message(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create("host_capacity:1GiB,expandable_segments:True");
+  tide_stream side;
+  tu_assert_ok(tide_stream_create(a, &side));
+  void *p = tide_malloc(a, 4 * TU_MiB, NULL);
+  void *q = tide_malloc(a, 4 * TU_MiB, NULL);
+  assert_non_null(p);
+  assert_non_null(q);
+  tu_assert_ok(tide_free(a, q, NULL)); /* cached: its pages will be unmapped */
+  tu_assert_ok(tide_host_stream_hold(a, side));
+  tu_assert_ok(tide_free(a, p, side)); /* waits for the held stream */
+  tu_assert_ok(tide_host_fail_call(a, TIDE_OP_UNMAP, 1));
+  uint64_t unmaps = tide_host_call_count(a, TIDE_OP_UNMAP);
+  tide_clear_error();
+  tide_status rc = tide_empty_cache(a);
+  assert_true(tide_host_call_count(a, TIDE_OP_UNMAP) > unmaps); /* both failures happened */
+  tu_assert_status(rc, TIDE_ERR_NOT_READY);
+  if (tide_last_status() != rc)
+    fail_msg("tide_empty_cache returned %s, but the message is of %s: %s", tide_status_name(rc),
+             tide_status_name(tide_last_status()), tide_last_error());
+  tu_assert_last_error(TIDE_ERR_NOT_READY, "held");
+  tu_assert_ok(tide_check(a));
+  tu_assert_ok(tide_host_stream_release(a, side));
+  tu_assert_ok(tide_empty_cache(a));
+  assert_int_equal(tide_host_bytes_in_use(a), 0);
+  tu_assert_ok(tide_stream_destroy(a, side));
+  tu_assert_ok(tide_destroy(a));
+}
+
 /* Giving the cache back with a refused mapping still pending: the range
  * around it is unreserved only once nothing is mapped in it, so each range
  * is unreserved by exactly one call (the backend refuses an unreserve of a
@@ -1005,6 +1039,7 @@ int main(void) {
       cmocka_unit_test(faults_device_counters_match),
       cmocka_unit_test(faults_refused_unmap_keeps_range_usable),
       cmocka_unit_test(faults_refused_unmap_twice_page_adopted),
+      cmocka_unit_test(faults_first_failure_keeps_its_message),
       cmocka_unit_test(faults_unreserve_after_orphans),
       cmocka_unit_test(faults_every_op_failed),
       cmocka_unit_test(faults_every_call_site_failed),
