@@ -106,6 +106,8 @@ test-tsan: deps
 # each for FUZZ_SECONDS; the library is instrumented for coverage
 # (fuzzer-no-link), the programs link libFuzzer (CMakeLists.txt, TIDE_FUZZ).
 FUZZ_SECONDS ?= 60
+FUZZ_CSV ?=
+FUZZ_TARGETS ?=
 FUZZ_CFLAGS := -fsanitize=fuzzer-no-link,address,undefined $(SAN_CFLAGS_COMMON)
 
 fuzz: deps
@@ -113,7 +115,8 @@ fuzz: deps
 	cmake -S . -B build-fuzz $(SAN_CMAKE) -DCMAKE_C_FLAGS="$(FUZZ_CFLAGS)" -DTIDE_FUZZ=ON \
 	  -DTIDE_BUILD_TESTS=OFF -DTIDE_BUILD_TOOLS=OFF -DTIDE_BUILD_EXAMPLES=OFF $(CMAKE_ARGS)
 	$(CMAKE_BUILD) build-fuzz -j$(JOBS)
-	FUZZ_SECONDS=$(FUZZ_SECONDS) NO_ASLR="$(NO_ASLR)" scripts/fuzz.sh build-fuzz
+	FUZZ_SECONDS=$(FUZZ_SECONDS) NO_ASLR="$(NO_ASLR)" FUZZ_CSV="$(FUZZ_CSV)" \
+	  FUZZ_TARGETS="$(FUZZ_TARGETS)" scripts/fuzz.sh build-fuzz
 
 # tests/gpu holds the GPU tests: a CMakeLists.txt that the root project adds
 # with -DTIDE_GPU_TESTS=ON (it enables CUDA, links tidalloc_static and labels
