@@ -9,6 +9,9 @@
 #   make test-unit    only the first step; test-asan and test-tsan: the others
 #   make gpu-test     the GPU tests of tests/gpu (build-gpu/), on a machine with CUDA;
 #                     SANITIZE=1: the same under compute-sanitizer memcheck
+#   make fuzz         the libFuzzer targets of fuzz/ (build-fuzz/, clang), each for
+#                     FUZZ_SECONDS (default 60); prints the executions reached.
+#                     FUZZ_CSV=file appends them, FUZZ_TARGETS="conf ops" picks
 #   make install      install into PREFIX (default /usr/local; DESTDIR is honoured)
 #   make format       clang-format every C file in place; format-check only checks
 #   make clean        remove the build directories
@@ -50,13 +53,13 @@ CMAKE_BUILD := env -u MAKEFLAGS -u MAKELEVEL -u MFLAGS cmake --build
 
 CTEST := ctest --output-on-failure --no-tests=error -j$(JOBS)
 
-.PHONY: all deps build run test test-unit test-asan test-tsan gpu-test gpu-test-cmake \
+.PHONY: all deps build run test test-unit test-asan test-tsan fuzz gpu-test gpu-test-cmake \
         gpu-test-make gpu-test-empty gpu-test-none install format format-check clean help
 
 all: build
 
 help:
-	@sed -n '3,17s/^# \{0,1\}//p' Makefile
+	@sed -n '3,20s/^# \{0,1\}//p' Makefile
 
 deps:
 	@scripts/deps.sh
@@ -99,6 +102,22 @@ test-tsan: deps
 	       "*stress* or *thread* to run it under ThreadSanitizer" >&2; exit 1; }
 	cd build-tsan && $(NO_ASLR) $(CTEST) -L 'stress|threads'
 
+# The fuzz targets run under AddressSanitizer and UndefinedBehaviorSanitizer,
+# each for FUZZ_SECONDS; the library is instrumented for coverage
+# (fuzzer-no-link), the programs link libFuzzer (CMakeLists.txt, TIDE_FUZZ).
+FUZZ_SECONDS ?= 60
+FUZZ_CSV ?=
+FUZZ_TARGETS ?=
+FUZZ_CFLAGS := -fsanitize=fuzzer-no-link,address,undefined $(SAN_CFLAGS_COMMON)
+
+fuzz: deps
+	@echo "== libFuzzer targets, $(FUZZ_SECONDS) s each (build-fuzz/)"
+	cmake -S . -B build-fuzz $(SAN_CMAKE) -DCMAKE_C_FLAGS="$(FUZZ_CFLAGS)" -DTIDE_FUZZ=ON \
+	  -DTIDE_BUILD_TESTS=OFF -DTIDE_BUILD_TOOLS=OFF -DTIDE_BUILD_EXAMPLES=OFF $(CMAKE_ARGS)
+	$(CMAKE_BUILD) build-fuzz -j$(JOBS)
+	FUZZ_SECONDS=$(FUZZ_SECONDS) NO_ASLR="$(NO_ASLR)" FUZZ_CSV="$(FUZZ_CSV)" \
+	  FUZZ_TARGETS="$(FUZZ_TARGETS)" scripts/fuzz.sh build-fuzz
+
 # tests/gpu holds the GPU tests: a CMakeLists.txt that the root project adds
 # with -DTIDE_GPU_TESTS=ON (it enables CUDA, links tidalloc_static and labels
 # its tests "gpu", and "gpu-memcheck" for the same under compute-sanitizer),
@@ -133,7 +152,7 @@ gpu-test-none:
 install: build
 	cmake --install build --prefix "$(PREFIX)"
 
-C_FILES = $(shell find src tools tests examples include -name '*.[ch]' 2>/dev/null | sort)
+C_FILES = $(shell find src tools tests examples include fuzz -name '*.[ch]' 2>/dev/null | sort)
 
 format:
 	@scripts/deps.sh format
@@ -144,4 +163,4 @@ format-check:
 	clang-format --dry-run --Werror $(C_FILES)
 
 clean:
-	rm -rf build build-asan build-tsan build-gpu
+	rm -rf build build-asan build-tsan build-gpu build-fuzz

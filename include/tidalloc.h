@@ -281,6 +281,18 @@ typedef struct tide_trace_event {
 TIDE_API tide_status tide_trace_read(tide_allocator *alloc, tide_trace_event *out, size_t cap,
                                      size_t *n, uint64_t *dropped);
 
+/* Check the allocator's internal consistency: that the blocks of every
+ * segment tile it without gaps or overlaps, that free blocks are merged and
+ * sit in the right size bin, that the map of live blocks, the lists of
+ * pending and unmapped blocks and the mapped pages agree with the blocks,
+ * that every statistic equals its sum over the blocks, and the same for the
+ * pinned pool. TIDE_OK, or TIDE_ERR_STATE with the first broken invariant in
+ * tide_last_error(). It takes every lock of the allocator for the length of
+ * a walk over all blocks and changes nothing: call it between operations
+ * (after each step of a test, or when chasing a corruption), not on a hot
+ * path. Safe while other threads use the allocator. */
+TIDE_API tide_status tide_check(tide_allocator *alloc);
+
 /* ------------------------------------------------------------------------ */
 /* Growable buffers                                                         */
 /* ------------------------------------------------------------------------ */

@@ -353,17 +353,18 @@ tide_status tide_set_memory_limit(tide_allocator *a, size_t bytes) {
 static int release_all_cached(tide_allocator *a) {
   _tide_arena **arenas;
   size_t n = _tide_arenas_snapshot(a, &arenas);
-  int first = TIDE_OK;
+  _tide_first_error first = {0};
   for (size_t i = 0; i < n; i++) {
     _tide_lock_acquire(&arenas[i]->lock);
     /* A capture pool with users keeps its memory: graphs replay into it. */
-    int rc = arenas[i]->keep_cache ? TIDE_OK : _tide_arena_process_events(arenas[i], true);
-    int rc2 = arenas[i]->keep_cache ? TIDE_OK : _tide_arena_release_cached(arenas[i]);
+    if (!arenas[i]->keep_cache) {
+      _tide_first_error_note(&first, _tide_arena_process_events(arenas[i], true));
+      _tide_first_error_note(&first, _tide_arena_release_cached(arenas[i]));
+    }
     _tide_lock_release(&arenas[i]->lock);
-    if (!first) first = rc ? rc : rc2;
   }
   free(arenas);
-  return first;
+  return _tide_first_error_end(&first);
 }
 
 static void out_of_memory(tide_allocator *a, tide_stream stream, size_t size, size_t rounded,
@@ -453,7 +454,10 @@ void *tide_malloc(tide_allocator *a, size_t size, tide_stream stream) {
   _tide_lock_release(&arena->lock);
   if (TIDE_LIKELY(rc == TIDE_OK)) return ptr;
   if (rc != TIDE_ERR_OOM) {
-    _tide_error_prefix("tide_malloc(%zu bytes) failed in the device backend", size);
+    if (rc == TIDE_ERR_BACKEND)
+      _tide_error_prefix("tide_malloc(%zu bytes) failed in the device backend", size);
+    else
+      _tide_error_prefix("tide_malloc(%zu bytes)", size);
     return NULL;
   }
   return malloc_retry(a, arena, size, rounded, stream);

@@ -461,8 +461,18 @@ static int take_best_fit(_tide_arena *arena, size_t rounded, _tide_block **out) 
 
 int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **out) {
   struct tide_allocator *a = arena->alloc;
-  /* Allocating on it means the handle names a live stream (again). */
-  if (TIDE_UNLIKELY(arena->stream_gone)) arena->stream_gone = false;
+  /* A destroyed stream takes no allocation (its cache could never be given
+   * back: there is nothing to wait for), unless its handle names a live
+   * stream again (the driver may reuse it for a new stream). */
+  if (TIDE_UNLIKELY(arena->stream_gone)) {
+    const _tide_backend *be = &a->backend;
+    if (be->ops->stream_check && be->ops->stream_check(be->ctx, arena->stream))
+      return _tide_error_set(TIDE_ERR_INVALID,
+                             "stream %p was destroyed (tide_stream_destroy): nothing can be "
+                             "allocated on it",
+                             (void *)arena->stream);
+    arena->stream_gone = false;
+  }
   if (TIDE_UNLIKELY(arena->npending)) _tide_arena_process_events(arena, false);
   _tide_block *b = take_quick(arena, rounded);
   if (TIDE_UNLIKELY(!b)) {
@@ -657,14 +667,14 @@ int _tide_arena_free(_tide_arena *arena, _tide_block *b, tide_stream stream) {
 int _tide_arena_process_events(_tide_arena *arena, bool wait) {
   const _tide_backend *be = &arena->alloc->backend;
   size_t kept = 0;
-  int first_error = TIDE_OK;
+  _tide_first_error first = {0};
   for (size_t i = 0; i < arena->npending; i++) {
     _tide_pending p = arena->pending[i];
     int rc = wait ? be->ops->event_synchronize(be->ctx, p.event)
                   : be->ops->event_query(be->ctx, p.event);
     if (rc != TIDE_OK) {
       arena->pending[kept++] = p;
-      if (!first_error && (wait || rc != TIDE_ERR_NOT_READY)) first_error = rc;
+      if (wait || rc != TIDE_ERR_NOT_READY) _tide_first_error_note(&first, rc);
       continue;
     }
     give_event(arena, p.event);
@@ -674,7 +684,7 @@ int _tide_arena_process_events(_tide_arena *arena, bool wait) {
     }
   }
   arena->npending = kept;
-  return first_error;
+  return _tide_first_error_end(&first);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -705,12 +715,14 @@ int _tide_arena_release_cached(_tide_arena *arena) {
   if (rc) return rc;
   /* Orphans first: a range may be unreserved only once nothing is mapped in it. */
   int orphans = arena->norphans ? _tide_arena_retry_orphans(arena) : TIDE_OK;
-  int small = _tide_pool_release_cached(arena, &arena->pools[_TIDE_SMALL]);
-  int large = _tide_pool_release_cached(arena, &arena->pools[_TIDE_LARGE]);
+  _tide_first_error first = {0};
+  _tide_first_error_note(&first, _tide_pool_release_cached(arena, &arena->pools[_TIDE_SMALL]));
+  _tide_first_error_note(&first, _tide_pool_release_cached(arena, &arena->pools[_TIDE_LARGE]));
   /* What the backend refused just now gets one more try, and is reported
    * if it is still held. */
   if (arena->norphans) orphans = _tide_arena_retry_orphans(arena);
-  return small ? small : large ? large : orphans;
+  _tide_first_error_note(&first, orphans);
+  return _tide_first_error_end(&first);
 }
 
 /* Oldest free first; among equals, the lowest address (a stable order). */

@@ -114,4 +114,21 @@ int _tide_host_fail_call(_tide_backend *b, tide_backend_op op, uint64_t n);
 uint64_t _tide_host_call_count(_tide_backend *b, tide_backend_op op);
 uint64_t _tide_host_bytes_in_use(_tide_backend *b);
 
+/* How many calls of `op` had been made when the last injected failure
+ * fired (that call included): a test can then aim a second failure at the
+ * next call of another operation after the first failure. */
+uint64_t _tide_host_calls_at_failure(_tide_backend *b, tide_backend_op op);
+
+/* Calls of one operation from one call site of the allocator (the return
+ * address of the operation), and how many of them were made to fail. */
+typedef struct _tide_host_site {
+  tide_backend_op op;
+  uintptr_t site;
+  uint64_t calls, failures;
+} _tide_host_site;
+
+/* Up to `cap` call sites seen so far into `out`; returns how many there are
+ * (more than `cap` when `out` is too small). For tests of fault coverage. */
+size_t _tide_host_sites(_tide_backend *b, _tide_host_site *out, size_t cap);
+
 #endif /* TIDE_BACKEND_H */

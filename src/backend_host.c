@@ -31,6 +31,9 @@
  *   other ranges are ordinary host memory.
  * - Peer access: there is only one address space, so there is nothing to do.
  * - Every operation counts its calls and may be told to fail its n-th call.
+ *   It also counts calls and failures per call site (the operation and the
+ *   return address of its call), so that a fault sweep can tell which call
+ *   sites of the allocator it never made to fail.
  *
  * One mutex guards the tables; call counters and fault triggers are atomics. */
 #ifndef _GNU_SOURCE
@@ -140,6 +143,17 @@ typedef struct index_stack {
   size_t cap;
 } index_stack;
 
+/* Calls of one operation from one call site, in an open-addressed table
+ * keyed by (return address << 5 | op); slots are claimed, never freed. */
+#define SITE_SLOTS 512u
+_Static_assert(TIDE_OP_COUNT <= 32, "site keys keep the operation in 5 bits");
+
+typedef struct host_site {
+  _Atomic uint64_t key; /* 0: free */
+  _Atomic uint64_t calls;
+  _Atomic uint64_t failures;
+} host_site;
+
 typedef struct host_device {
   pthread_mutex_t lock;
   int device;
@@ -169,7 +183,9 @@ typedef struct host_device {
   uint64_t next_capture_id;
 
   _Atomic uint64_t calls[TIDE_OP_COUNT];
-  _Atomic uint64_t fail_at[TIDE_OP_COUNT]; /* the call number that fails; 0: none */
+  _Atomic uint64_t fail_at[TIDE_OP_COUNT];          /* the call number that fails; 0: none */
+  _Atomic uint64_t calls_at_failure[TIDE_OP_COUNT]; /* when the last injected failure fired */
+  host_site sites[SITE_SLOTS];
 } host_device;
 
 static void lock(host_device *d) { pthread_mutex_lock(&d->lock); }
@@ -187,20 +203,49 @@ static int oom_tables(const char *what) {
 /* Call counting and injected failures                                      */
 /* ------------------------------------------------------------------------ */
 
+/* Count a call of `op` from `site`; a full table drops it (no site of the
+ * library is near that many). */
+static void note_site(host_device *d, tide_backend_op op, uintptr_t site, bool failed) {
+  uint64_t key = ((uint64_t)site << 5) | (uint64_t)op;
+  uint64_t h = key * UINT64_C(0x9E3779B97F4A7C15);
+  for (unsigned probe = 0; probe < SITE_SLOTS; probe++) {
+    host_site *s = &d->sites[(unsigned)(h >> 40) % SITE_SLOTS];
+    uint64_t have = atomic_load_explicit(&s->key, memory_order_acquire);
+    if (have == 0 && atomic_compare_exchange_strong(&s->key, &have, key)) have = key;
+    if (have == key) {
+      atomic_fetch_add_explicit(&s->calls, 1, memory_order_relaxed);
+      if (failed) atomic_fetch_add_explicit(&s->failures, 1, memory_order_relaxed);
+      return;
+    }
+    h += (uint64_t)1 << 40;
+  }
+}
+
 /* Every counted operation starts here: count the call, then fail it if it
- * is the one a test asked to fail. */
-static int enter(host_device *d, tide_backend_op op) {
+ * is the one a test asked to fail. `site` is the return address of the
+ * operation, the allocator's call site (ENTER passes it). */
+static int enter(host_device *d, tide_backend_op op, uintptr_t site) {
   uint64_t k = atomic_fetch_add(&d->calls[op], 1) + 1;
   uint64_t any = atomic_fetch_add(&d->calls[TIDE_OP_ANY], 1) + 1;
-  if (atomic_load(&d->fail_at[op]) == k)
+  bool fail_op = atomic_load(&d->fail_at[op]) == k;
+  bool fail_any = !fail_op && atomic_load(&d->fail_at[TIDE_OP_ANY]) == any;
+  note_site(d, op, site, fail_op || fail_any);
+  if (fail_op || fail_any)
+    for (int o = 0; o < TIDE_OP_COUNT; o++)
+      atomic_store(&d->calls_at_failure[o], atomic_load(&d->calls[o]));
+  if (fail_op)
     return _tide_error_set(TIDE_ERR_BACKEND, "injected failure: %s call %llu", op_names[op],
                            (unsigned long long)k);
-  if (atomic_load(&d->fail_at[TIDE_OP_ANY]) == any)
+  if (fail_any)
     return _tide_error_set(TIDE_ERR_BACKEND,
                            "injected failure: %s call %llu (call %llu of any operation)",
                            op_names[op], (unsigned long long)k, (unsigned long long)any);
   return TIDE_OK;
 }
+
+/* In an operation: its own return address is where the allocator called it
+ * (operations are only called through the table, never inlined). */
+#define ENTER(d, op) enter((d), (op), (uintptr_t)__builtin_return_address(0))
 
 /* ------------------------------------------------------------------------ */
 /* Units of the memfd                                                       */
@@ -383,7 +428,7 @@ static int host_granularity(void *ctx, size_t *bytes) {
 
 static int host_mem_info(void *ctx, size_t *free_bytes, size_t *total_bytes) {
   host_device *d = ctx;
-  int rc = enter(d, TIDE_OP_MEM_INFO);
+  int rc = ENTER(d, TIDE_OP_MEM_INFO);
   if (rc) return rc;
   if (!free_bytes || !total_bytes)
     return _tide_error_set(TIDE_ERR_INVALID, "mem_info: NULL output");
@@ -403,7 +448,7 @@ static bool multiple_of(size_t value, size_t unit) { return value % unit == 0; }
 static int host_reserve(void *ctx, size_t size, size_t align, uintptr_t *addr) {
   host_device *d = ctx;
   char a[32], b[32];
-  int rc = enter(d, TIDE_OP_RESERVE);
+  int rc = ENTER(d, TIDE_OP_RESERVE);
   if (rc) return rc;
   if (!addr) return _tide_error_set(TIDE_ERR_INVALID, "reserve: NULL output");
   if (align == 0) align = d->granularity;
@@ -443,7 +488,7 @@ static int host_reserve(void *ctx, size_t size, size_t align, uintptr_t *addr) {
 
 static int host_unreserve(void *ctx, uintptr_t addr, size_t size) {
   host_device *d = ctx;
-  int rc = enter(d, TIDE_OP_UNRESERVE);
+  int rc = ENTER(d, TIDE_OP_UNRESERVE);
   if (rc) return rc;
   lock(d);
   size_t i = range_find_le(&d->reserved, addr);
@@ -484,7 +529,7 @@ static int create_oom(host_device *d, size_t size, bool fits_in_total) {
 static int host_create(void *ctx, size_t size, _tide_handle *out) {
   host_device *d = ctx;
   char g[32];
-  int rc = enter(d, TIDE_OP_CREATE);
+  int rc = ENTER(d, TIDE_OP_CREATE);
   if (rc) return rc;
   if (!out) return _tide_error_set(TIDE_ERR_INVALID, "create: NULL output");
   if (size == 0 || !multiple_of(size, d->granularity))
@@ -529,7 +574,7 @@ static int host_create(void *ctx, size_t size, _tide_handle *out) {
 
 static int host_release(void *ctx, _tide_handle handle) {
   host_device *d = ctx;
-  int rc = enter(d, TIDE_OP_RELEASE);
+  int rc = ENTER(d, TIDE_OP_RELEASE);
   if (rc) return rc;
   lock(d);
   uint32_t slot;
@@ -564,7 +609,7 @@ static bool range_args_ok(host_device *d, const char *op, uintptr_t addr, size_t
 static int host_map(void *ctx, uintptr_t addr, size_t size, _tide_handle handle) {
   host_device *d = ctx;
   char hs[32];
-  int rc = enter(d, TIDE_OP_MAP);
+  int rc = ENTER(d, TIDE_OP_MAP);
   if (rc) return rc;
   if (!range_args_ok(d, "map", addr, size)) return TIDE_ERR_BACKEND;
   lock(d);
@@ -607,7 +652,7 @@ fail:
 
 static int host_set_access(void *ctx, uintptr_t addr, size_t size) {
   host_device *d = ctx;
-  int rc = enter(d, TIDE_OP_SET_ACCESS);
+  int rc = ENTER(d, TIDE_OP_SET_ACCESS);
   if (rc) return rc;
   if (!range_args_ok(d, "set_access", addr, size)) return TIDE_ERR_BACKEND;
   lock(d);
@@ -628,7 +673,7 @@ static int host_set_access(void *ctx, uintptr_t addr, size_t size) {
 
 static int host_unmap(void *ctx, uintptr_t addr, size_t size) {
   host_device *d = ctx;
-  int rc = enter(d, TIDE_OP_UNMAP);
+  int rc = ENTER(d, TIDE_OP_UNMAP);
   if (rc) return rc;
   lock(d);
   size_t i = range_find_le(&d->mapped, addr);
@@ -701,7 +746,7 @@ static void stream_retire(host_device *d, uint32_t slot) {
 
 static int host_stream_create(void *ctx, tide_stream *out) {
   host_device *d = ctx;
-  int rc = enter(d, TIDE_OP_STREAM_CREATE);
+  int rc = ENTER(d, TIDE_OP_STREAM_CREATE);
   if (rc) return rc;
   if (!out) return _tide_error_set(TIDE_ERR_INVALID, "stream_create: NULL output");
   lock(d);
@@ -730,7 +775,7 @@ static int host_stream_create(void *ctx, tide_stream *out) {
 
 static int host_stream_destroy(void *ctx, tide_stream stream) {
   host_device *d = ctx;
-  int rc = enter(d, TIDE_OP_STREAM_DESTROY);
+  int rc = ENTER(d, TIDE_OP_STREAM_DESTROY);
   if (rc) return rc;
   if (!stream)
     return _tide_error_set(TIDE_ERR_INVALID,
@@ -751,7 +796,7 @@ static int host_stream_destroy(void *ctx, tide_stream stream) {
 
 static int host_stream_synchronize(void *ctx, tide_stream stream) {
   host_device *d = ctx;
-  int rc = enter(d, TIDE_OP_STREAM_SYNCHRONIZE);
+  int rc = ENTER(d, TIDE_OP_STREAM_SYNCHRONIZE);
   if (rc) return rc;
   lock(d);
   uint32_t slot;
@@ -788,7 +833,7 @@ static int host_stream_check(void *ctx, tide_stream stream) {
 static int host_stream_capture_status(void *ctx, tide_stream stream, bool *capturing,
                                       uint64_t *capture_id) {
   host_device *d = ctx;
-  int rc = enter(d, TIDE_OP_CAPTURE_STATUS);
+  int rc = ENTER(d, TIDE_OP_CAPTURE_STATUS);
   if (rc) return rc;
   if (!capturing || !capture_id)
     return _tide_error_set(TIDE_ERR_INVALID, "stream_capture_status: NULL output");
@@ -831,7 +876,7 @@ static int captured_event(tide_stream stream, const char *op) {
 
 static int host_event_create(void *ctx, _tide_event *out) {
   host_device *d = ctx;
-  int rc = enter(d, TIDE_OP_EVENT_CREATE);
+  int rc = ENTER(d, TIDE_OP_EVENT_CREATE);
   if (rc) return rc;
   if (!out) return _tide_error_set(TIDE_ERR_INVALID, "event_create: NULL output");
   lock(d);
@@ -860,7 +905,7 @@ static int host_event_create(void *ctx, _tide_event *out) {
 
 static int host_event_destroy(void *ctx, _tide_event event) {
   host_device *d = ctx;
-  int rc = enter(d, TIDE_OP_EVENT_DESTROY);
+  int rc = ENTER(d, TIDE_OP_EVENT_DESTROY);
   if (rc) return rc;
   lock(d);
   uint32_t slot;
@@ -877,7 +922,7 @@ static int host_event_destroy(void *ctx, _tide_event event) {
 
 static int host_event_record(void *ctx, _tide_event event, tide_stream stream) {
   host_device *d = ctx;
-  int rc = enter(d, TIDE_OP_EVENT_RECORD);
+  int rc = ENTER(d, TIDE_OP_EVENT_RECORD);
   if (rc) return rc;
   lock(d);
   uint32_t eslot, sslot;
@@ -901,7 +946,7 @@ static int host_event_record(void *ctx, _tide_event event, tide_stream stream) {
 
 static int host_event_query(void *ctx, _tide_event event) {
   host_device *d = ctx;
-  int rc = enter(d, TIDE_OP_EVENT_QUERY);
+  int rc = ENTER(d, TIDE_OP_EVENT_QUERY);
   if (rc) return rc;
   lock(d);
   uint32_t slot;
@@ -919,7 +964,7 @@ static int host_event_query(void *ctx, _tide_event event) {
 
 static int host_event_synchronize(void *ctx, _tide_event event) {
   host_device *d = ctx;
-  int rc = enter(d, TIDE_OP_EVENT_SYNCHRONIZE);
+  int rc = ENTER(d, TIDE_OP_EVENT_SYNCHRONIZE);
   if (rc) return rc;
   lock(d);
   uint32_t slot;
@@ -950,7 +995,7 @@ static size_t system_page(void) { return (size_t)sysconf(_SC_PAGESIZE); }
 static int host_host_alloc(void *ctx, size_t size, void **out) {
   host_device *d = ctx;
   char a[32];
-  int rc = enter(d, TIDE_OP_HOST_ALLOC);
+  int rc = ENTER(d, TIDE_OP_HOST_ALLOC);
   if (rc) return rc;
   if (!out) return _tide_error_set(TIDE_ERR_INVALID, "host_alloc: NULL output");
   size_t page = system_page();
@@ -978,7 +1023,7 @@ static int host_host_alloc(void *ctx, size_t size, void **out) {
 
 static int host_host_free(void *ctx, void *ptr) {
   host_device *d = ctx;
-  int rc = enter(d, TIDE_OP_HOST_FREE);
+  int rc = ENTER(d, TIDE_OP_HOST_FREE);
   if (rc) return rc;
   lock(d);
   size_t i = range_find_le(&d->pinned, (uintptr_t)ptr);
@@ -1020,7 +1065,7 @@ static bool copy_range_ok(host_device *d, const char *side, uintptr_t addr, size
 
 static int host_copy(void *ctx, void *dst, const void *src, size_t bytes, tide_stream stream) {
   host_device *d = ctx;
-  int rc = enter(d, TIDE_OP_COPY);
+  int rc = ENTER(d, TIDE_OP_COPY);
   if (rc) return rc;
   uintptr_t to = (uintptr_t)dst, from = (uintptr_t)src;
   if (!dst || !src || bytes == 0 || to + bytes < to || from + bytes < from)
@@ -1296,6 +1341,28 @@ uint64_t _tide_host_call_count(_tide_backend *b, tide_backend_op op) {
   host_device *d = host_of(b);
   if (!d || (int)op < 0 || op >= TIDE_OP_COUNT) return 0;
   return atomic_load(&d->calls[op]);
+}
+
+uint64_t _tide_host_calls_at_failure(_tide_backend *b, tide_backend_op op) {
+  host_device *d = host_of(b);
+  if (!d || (int)op < 0 || op >= TIDE_OP_COUNT) return 0;
+  return atomic_load(&d->calls_at_failure[op]);
+}
+
+size_t _tide_host_sites(_tide_backend *b, _tide_host_site *out, size_t cap) {
+  host_device *d = host_of(b);
+  size_t n = 0;
+  for (unsigned i = 0; d && i < SITE_SLOTS; i++) {
+    uint64_t key = atomic_load_explicit(&d->sites[i].key, memory_order_acquire);
+    if (key == 0) continue;
+    if (n < cap)
+      out[n] = (_tide_host_site){.op = (tide_backend_op)(key & 31),
+                                 .site = (uintptr_t)(key >> 5),
+                                 .calls = atomic_load(&d->sites[i].calls),
+                                 .failures = atomic_load(&d->sites[i].failures)};
+    n++;
+  }
+  return n;
 }
 
 uint64_t _tide_host_bytes_in_use(_tide_backend *b) {

@@ -47,14 +47,13 @@ static size_t pages_for(size_t bytes, size_t page) { return (bytes + page - 1) /
 /* Accounting (under the arena lock)                                         */
 /* ------------------------------------------------------------------------ */
 
-static void count_pages(tide_buf *b, int64_t pages) {
+/* A page created and mapped (its budget is taken already). */
+static void count_page(tide_buf *b) {
   _tide_arena *arena = b->arena;
   _tide_lock_acquire(&arena->lock);
-  _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, _TIDE_LARGE, pages * (int64_t)b->page);
-  arena->stats.counters[pages > 0 ? _TIDE_CT_PAGES_MAPPED : _TIDE_CT_PAGES_UNMAPPED] +=
-      (uint64_t)(pages > 0 ? pages : -pages);
-  arena->stats.counters[pages > 0 ? _TIDE_CT_DEVICE_ALLOC : _TIDE_CT_DEVICE_FREE] +=
-      (uint64_t)(pages > 0 ? pages : -pages);
+  _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, _TIDE_LARGE, (int64_t)b->page);
+  arena->stats.counters[_TIDE_CT_PAGES_MAPPED]++;
+  arena->stats.counters[_TIDE_CT_DEVICE_ALLOC]++;
   _tide_lock_release(&arena->lock);
 }
 
@@ -77,17 +76,28 @@ static void count_length(tide_buf *b, int64_t delta, int64_t allocations) {
 
 static const _tide_backend *backend(const tide_buf *b) { return &b->alloc->backend; }
 
-/* Unmap (at every address it is mapped at) and release page i's handle. A
- * backend that refuses keeps the bytes counted: the memory is still held. */
+/* Unmap (at every address it is mapped at) and release page i's handle.
+ * What the backend refuses becomes an orphan of the arena, retried with
+ * its own: the handle's bytes stay reserved until it is released. */
 static void drop_page(tide_buf *b, size_t i) {
   const _tide_backend *be = backend(b);
   uintptr_t at = b->base + i * b->page;
-  bool ok = be->ops->unmap(be->ctx, at, b->page) == TIDE_OK;
-  if (b->ring) ok = be->ops->unmap(be->ctx, at + b->capacity, b->page) == TIDE_OK && ok;
-  if (ok && be->ops->release(be->ctx, b->handles[i]) == TIDE_OK) {
+  bool first = be->ops->unmap(be->ctx, at, b->page) == TIDE_OK;
+  bool second = !b->ring || be->ops->unmap(be->ctx, at + b->capacity, b->page) == TIDE_OK;
+  bool released = first && second && be->ops->release(be->ctx, b->handles[i]) == TIDE_OK;
+  _tide_arena *arena = b->arena;
+  _tide_lock_acquire(&arena->lock);
+  arena->stats.counters[_TIDE_CT_PAGES_UNMAPPED]++;
+  if (released) {
     _tide_budget_give(b->alloc, b->page);
-    count_pages(b, -1);
+    _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, _TIDE_LARGE, -(int64_t)b->page);
+    arena->stats.counters[_TIDE_CT_DEVICE_FREE]++;
+  } else {
+    _tide_orphan(arena, _TIDE_LARGE, first ? 0 : at, first ? 0 : b->page, b->handles[i], b->page, 0,
+                 0);
+    if (!second) _tide_orphan(arena, _TIDE_LARGE, at + b->capacity, b->page, 0, 0, 0, 0);
   }
+  _tide_lock_release(&arena->lock);
   b->handles[i] = 0;
 }
 
@@ -121,7 +131,7 @@ static int map_pages(tide_buf *b, size_t first, size_t count) {
       _tide_budget_give(b->alloc, b->page);
       break;
     }
-    count_pages(b, 1);
+    count_page(b);
   }
   if (!rc) {
     uintptr_t at = b->base + first * b->page;
@@ -280,7 +290,12 @@ static int check_options(tide_allocator *a, const tide_buf_options *o) {
 static void destroy_parts(tide_buf *b) {
   const _tide_backend *be = backend(b);
   if (b->release_pending) be->ops->event_destroy(be->ctx, b->release_event);
-  if (b->base) be->ops->unreserve(be->ctx, b->base, b->reserved_bytes);
+  if (b->base && be->ops->unreserve(be->ctx, b->base, b->reserved_bytes) != TIDE_OK) {
+    /* An orphaned mapping may still sit inside: retried after it. */
+    _tide_lock_acquire(&b->arena->lock);
+    _tide_orphan(b->arena, _TIDE_LARGE, 0, 0, 0, 0, b->base, b->reserved_bytes);
+    _tide_lock_release(&b->arena->lock);
+  }
   pthread_cond_destroy(&b->changed);
   pthread_mutex_destroy(&b->mutex);
   free(b->handles);
@@ -374,6 +389,27 @@ size_t _tide_bufs_destroy_all(tide_allocator *a) {
     n++;
   }
   return n;
+}
+
+void _tide_bufs_figures(tide_allocator *a, _tide_arena *const *arenas, size_t n,
+                        _tide_buf_figures *out) {
+  memset(out, 0, n * sizeof *out);
+  pthread_mutex_lock(&a->bufs_mutex);
+  for (tide_buf *b = a->bufs; b; b = b->next) {
+    pthread_mutex_lock(&b->mutex);
+    /* Pages the worker is mapping are counted already but not yet in `mapped`. */
+    while (b->busy || (b->async && b->want > b->mapped && !b->release_pending && !b->worker_error))
+      pthread_cond_wait(&b->changed, &b->mutex);
+    for (size_t i = 0; i < n; i++) {
+      if (arenas[i] != b->arena) continue;
+      out[i].length += (int64_t)b->length;
+      out[i].pages += b->mapped;
+      out[i].page = b->page;
+      out[i].count++;
+    }
+    pthread_mutex_unlock(&b->mutex);
+  }
+  pthread_mutex_unlock(&a->bufs_mutex);
 }
 
 /* A failure of the worker since the last call, as this call's error. */

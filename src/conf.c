@@ -5,9 +5,13 @@
  * applied). Each option's default is its text in the table, parsed like any
  * other value, so the table is the one place defaults live.
  *
- * Numbers are parsed and formatted here rather than with strtod, so that a
- * program's LC_NUMERIC (a decimal comma) cannot change what a config means.
+ * Numbers are scanned and formatted here rather than with plain strtod, so
+ * that a program's LC_NUMERIC (a decimal comma) cannot change what a config
+ * means; their value comes from strtod_l in the "C" locale, which rounds
+ * correctly, so that formatting a value and parsing the text gives it back.
  * The process-wide configuration (tide_conf_set/get) lives elsewhere. */
+#include <locale.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -105,6 +109,12 @@ static bool parse_uint(const char *s, uint64_t max, uint64_t *out, char *why, si
   return true;
 }
 
+/* The "C" locale for numbers, made once (0 if it cannot be made). */
+static locale_t c_numeric;
+static pthread_once_t c_numeric_once = PTHREAD_ONCE_INIT;
+
+static void make_c_numeric(void) { c_numeric = newlocale(LC_NUMERIC_MASK, "C", (locale_t)0); }
+
 /* Powers of ten that doubles hold exactly: one multiplication or division by
  * them rounds correctly (Clinger's fast path). */
 static const double exact_pow10[] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,
@@ -115,7 +125,8 @@ static double scale_pow10(uint64_t mantissa, long exp10) {
   if (mantissa <= ((uint64_t)1 << 53) && exp10 >= -22 && exp10 <= 22)
     return exp10 >= 0 ? (double)mantissa * exact_pow10[exp10]
                       : (double)mantissa / exact_pow10[-exp10];
-  /* Beyond the fast path the result may be off by an ulp; fine for options. */
+  /* Beyond the fast path the result may be off by an ulp: only without the
+   * "C" locale (see parse_decimal). */
   double value = (double)mantissa;
   if (exp10 > 400) return value * 1e300 * 1e300;
   if (exp10 < -400) return 0.0;
@@ -127,6 +138,7 @@ static double scale_pow10(uint64_t mantissa, long exp10) {
 /* A decimal number without sign: digits, an optional fraction, an optional
  * exponent ("0.5", ".25", "1e-3"). No NaN, no infinity, no hex. */
 static bool parse_decimal(const char *s, double *out, char *why, size_t why_len) {
+  const char *start = s;
   uint64_t mantissa = 0;
   long exp10 = 0, exponent = 0;
   int significant = 0, digits = 0;
@@ -158,7 +170,12 @@ static bool parse_decimal(const char *s, double *out, char *why, size_t why_len)
     exp10 += negative ? -exponent : exponent;
   }
   if (*s != '\0') return set_why(why, why_len, "not a number"), false;
-  double value = mantissa == 0 ? 0.0 : scale_pow10(mantissa, exp10);
+  /* The text is a plain decimal number now: strtod_l in the "C" locale
+   * rounds it correctly (the mantissa above keeps 19 digits only). */
+  pthread_once(&c_numeric_once, make_c_numeric);
+  double value = mantissa == 0 ? 0.0
+                 : c_numeric   ? strtod_l(start, NULL, c_numeric)
+                               : scale_pow10(mantissa, exp10);
   if (value > 1.7976931348623157e308) return set_why(why, why_len, "too large"), false;
   if (mantissa != 0 && value == 0.0) return set_why(why, why_len, "too small"), false;
   *out = value;
@@ -328,9 +345,10 @@ static bool parse_roundup_entry(const char *begin, const char *end, unsigned *di
   if (!copy_range(kb, ke, key, sizeof key) || !copy_range(vb, ve, value, sizeof value))
     return set_why(why, why_len, "a list entry is too long"), false;
   unsigned divisions;
-  char inner[64];
+  char inner[64], key_text[SHOWN_MAX + 8];
+  shown(kb, ke, key_text, sizeof key_text); /* the key as a message may quote it */
   if (!parse_divisions(value, &divisions, inner, sizeof inner))
-    return snprintf(why, why_len, "list entry \"%s\": %s", key, inner), false;
+    return snprintf(why, why_len, "list entry \"%s\": %s", key_text, inner), false;
   if (*saw_rest) return set_why(why, why_len, "an entry follows \">\""), false;
   if (strcmp(key, ">") == 0) {
     for (int i = *last + 1; i < TIDE_ROUNDUP_INTERVALS; i++) div[i] = divisions;
@@ -339,8 +357,8 @@ static bool parse_roundup_entry(const char *begin, const char *end, unsigned *di
   }
   uint64_t mib;
   if (!parse_uint(key, (uint64_t)1 << ROUNDUP_LAST, &mib, inner, sizeof inner) || !is_pow2(mib))
-    return snprintf(why, why_len, "list key \"%s\" is not a power of two from 1 to %llu MiB", key,
-                    1ULL << ROUNDUP_LAST),
+    return snprintf(why, why_len, "list key \"%s\" is not a power of two from 1 to %llu MiB",
+                    key_text, 1ULL << ROUNDUP_LAST),
            false;
   int index = (int)log2_u64(mib);
   if (index <= *last) return set_why(why, why_len, "list keys must rise"), false;

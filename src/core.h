@@ -552,6 +552,17 @@ _tide_arena *_tide_arena_get(struct tide_allocator *a, tide_stream stream);
  * free pages inside them as growth would (release_holes), so that reserved
  * memory stays near the allocated peak. Under the arena lock. */
 void _tide_arena_make_room(_tide_arena *arena, size_t bytes);
+/* What the growable buffers of each of n arenas add to its figures, for
+ * tide_check: their lengths (allocated and requested bytes), mapped pages
+ * (reserved bytes, pages and handles) and count (allocations). Waits for
+ * their workers to be idle; takes no arena lock. */
+typedef struct _tide_buf_figures {
+  int64_t length, count;
+  uint64_t pages;
+  size_t page;
+} _tide_buf_figures;
+void _tide_bufs_figures(struct tide_allocator *a, _tide_arena *const *arenas, size_t n,
+                        _tide_buf_figures *out);
 /* Destroy the growable buffers left (tide_destroy); returns how many. */
 size_t _tide_bufs_destroy_all(struct tide_allocator *a);
 
@@ -573,6 +584,11 @@ static inline void _tide_trace(struct tide_allocator *a, tide_trace_kind kind, i
 int _tide_stats_collect(struct tide_allocator *a, tide_stats *out);
 /* Largest free block over every arena. */
 size_t _tide_largest_free_block(struct tide_allocator *a);
+
+/* The consistency check behind tide_check (validate.c): TIDE_OK, or
+ * TIDE_ERR_STATE with the first broken invariant written into `why` (or
+ * TIDE_ERR_OOM when the check had no memory). Takes every lock it needs. */
+int _tide_validate(struct tide_allocator *a, char *why, size_t len);
 
 /* Arenas of an allocator: a stable copy of the table for iteration. */
 size_t _tide_arenas_snapshot(struct tide_allocator *a, _tide_arena ***out);

@@ -31,7 +31,12 @@ static int ensure_config(void) {
 tide_status tide_conf_set(const char *text) {
   if (!text) return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_conf_set: text is NULL");
   pthread_mutex_lock(&process_mutex);
-  int rc = ensure_config();
+  /* No allocator will be created from it any more: refused, not ignored. */
+  int rc = shut_down ? _tide_error_set(TIDE_ERR_STATE,
+                                       "tide_conf_set(\"%s\") after tide_shutdown: the "
+                                       "process-wide allocators are gone, nothing would use it",
+                                       text)
+                     : ensure_config();
   tide_config *next = rc ? NULL : _tide_config_clone(process_config);
   if (!rc && !next) rc = tide_last_status();
   if (!rc) rc = tide_config_parse(next, text);
@@ -89,17 +94,14 @@ tide_allocator *tide_device(int device) {
 
 tide_status tide_shutdown(void) {
   pthread_mutex_lock(&process_mutex);
-  int first = TIDE_OK;
+  _tide_first_error first = {0};
   for (int d = 0; d < MAX_DEVICES; d++) {
     tide_allocator *a = atomic_exchange(&devices[d], NULL);
-    if (a) {
-      int rc = tide_destroy(a);
-      if (!first) first = rc;
-    }
+    if (a) _tide_first_error_note(&first, tide_destroy(a));
   }
   shut_down = true;
   tide_config_free(process_config);
   process_config = NULL;
   pthread_mutex_unlock(&process_mutex);
-  return (tide_status)first;
+  return (tide_status)_tide_first_error_end(&first);
 }

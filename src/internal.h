@@ -72,6 +72,20 @@ typedef struct _tide_saved_error {
 } _tide_saved_error;
 void _tide_error_save(_tide_saved_error *saved);
 int _tide_error_restore(const _tide_saved_error *saved);
+/* The first of several failures with its own message, which the later ones
+ * would overwrite: note each result as it comes, end with the first. */
+typedef struct _tide_first_error {
+  int status;
+  _tide_saved_error saved;
+} _tide_first_error;
+static inline void _tide_first_error_note(_tide_first_error *first, int status) {
+  if (status == 0 || first->status != 0) return;
+  first->status = status;
+  _tide_error_save(&first->saved);
+}
+static inline int _tide_first_error_end(const _tide_first_error *first) {
+  return first->status ? _tide_error_restore(&first->saved) : 0;
+}
 /* Format a byte count for messages: "1.50 GiB", "512 B". buf >= 32 bytes. */
 const char *_tide_format_bytes(uint64_t bytes, char *buf, size_t len);
 

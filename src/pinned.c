@@ -24,6 +24,7 @@
  * Everything is guarded by one mutex: allocating pinned memory is not a hot
  * path. The backend's pinned allocation runs outside it, as it is slow. */
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,10 +33,6 @@
 
 #define MIN_CLASS 12u /* 4 KiB */
 #define CLASSES 64u
-
-/* The stream of a block whose stream was destroyed: no request reuses it at
- * once, since no request can come from that stream. */
-#define NO_STREAM ((tide_stream)(uintptr_t)UINTPTR_MAX)
 
 typedef enum block_state {
   BLOCK_FREE = 0,      /* in its class's free list */
@@ -54,6 +51,9 @@ typedef struct pinned_block {
   uint32_t events;                  /* pending blocks: events still outstanding */
   uint8_t state;                    /* block_state */
   uint8_t cls;                      /* log2 of size */
+  uint8_t stream_gone;              /* `stream` was destroyed: no request reuses it at once (a new
+                                       stream may get its handle), no event goes to it; the block
+                                       may still be freed on it */
   struct pinned_block *prev, *next; /* its class's free list */
 } pinned_block;
 
@@ -267,7 +267,7 @@ static void event_done(_tide_pinned *pool, size_t i) {
 static int process_events(_tide_pinned *pool, bool wait) {
   const _tide_backend *be = backend(pool);
   size_t kept = 0;
-  int first = TIDE_OK;
+  _tide_first_error first = {0};
   for (size_t i = 0; i < pool->npending; i++) {
     _tide_event e = pool->pending[i].event;
     int rc = wait ? be->ops->event_synchronize(be->ctx, e) : be->ops->event_query(be->ctx, e);
@@ -275,11 +275,11 @@ static int process_events(_tide_pinned *pool, bool wait) {
       event_done(pool, i);
       continue;
     }
-    if (!first && (wait || rc != TIDE_ERR_NOT_READY)) first = rc;
+    if (wait || rc != TIDE_ERR_NOT_READY) _tide_first_error_note(&first, rc);
     pool->pending[kept++] = pool->pending[i];
   }
   pool->npending = kept;
-  return first;
+  return _tide_first_error_end(&first);
 }
 
 /* Whether the work queued on a free block's stream before its free is done:
@@ -414,7 +414,7 @@ static int add_stream(pinned_block *b, tide_stream s) {
 static pinned_block *take_cached(_tide_pinned *pool, unsigned cls, tide_stream stream) {
   pinned_block *found = NULL;
   for (pinned_block *b = pool->free_lists[cls]; b && !found; b = b->next)
-    if (b->stream == stream) found = b;
+    if (b->stream == stream && !b->stream_gone) found = b;
   for (pinned_block *b = pool->free_lists[cls]; b && !found; b = b->next)
     if (settled(pool, b, false)) found = b;
   if (!found) return NULL;
@@ -428,6 +428,7 @@ static pinned_block *take_cached(_tide_pinned *pool, unsigned cls, tide_stream s
 static void hand_out(_tide_pinned *pool, pinned_block *b, size_t size, tide_stream stream) {
   b->state = BLOCK_ALLOCATED;
   b->stream = stream;
+  b->stream_gone = 0;
   b->requested = size;
   count_alloc(pool, b, +1);
 }
@@ -559,7 +560,7 @@ static int order_free(_tide_pinned *pool, pinned_block *b, tide_stream freed_on)
     if (!rc && e) pool->pending[pool->npending++] = (pending_event){.event = e, .block = b};
   }
   _tide_event ready = NULL;
-  if (!rc && b->stream != NO_STREAM) rc = mark_stream(pool, b->stream, &ready);
+  if (!rc && !b->stream_gone) rc = mark_stream(pool, b->stream, &ready);
   if (rc) {
     for (size_t j = start; j < pool->npending; j++) give_event(pool, pool->pending[j].event);
     pool->npending = start;
@@ -625,18 +626,20 @@ static int release(_tide_pinned *pool, pinned_block *b) {
 
 int _tide_pinned_empty_cache(_tide_pinned *pool) {
   pthread_mutex_lock(&pool->lock);
-  int first = process_events(pool, true);
+  _tide_first_error first = {0};
+  _tide_first_error_note(&first, process_events(pool, true));
   for (unsigned cls = 0; cls < CLASSES; cls++) {
     pinned_block *next;
     for (pinned_block *b = pool->free_lists[cls]; b; b = next) {
       next = b->next;
-      int rc = settled(pool, b, true) ? release(pool, b) : (int)tide_last_status();
-      if (!first) first = rc;
+      _tide_first_error_note(&first,
+                             settled(pool, b, true) ? release(pool, b) : (int)tide_last_status());
     }
   }
   pthread_mutex_unlock(&pool->lock);
-  if (first) _tide_error_prefix("tide_pinned_empty_cache: a cached pinned block was kept");
-  return first;
+  int rc = _tide_first_error_end(&first);
+  if (rc) _tide_error_prefix("tide_pinned_empty_cache: a cached pinned block was kept");
+  return rc;
 }
 
 void _tide_pinned_stream_gone(_tide_pinned *pool, tide_stream stream) {
@@ -648,7 +651,143 @@ void _tide_pinned_stream_gone(_tide_pinned *pool, tide_stream stream) {
    * any) say when their work is done. */
   be->ops->stream_synchronize(be->ctx, stream);
   for (size_t i = 0; i < pool->nblocks; i++)
-    if (pool->blocks[i]->stream == stream) pool->blocks[i]->stream = NO_STREAM;
+    if (pool->blocks[i]->stream == stream) pool->blocks[i]->stream_gone = 1;
   pthread_mutex_unlock(&pool->lock);
   _tide_error_restore(&saved);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Consistency (tide_check)                                                  */
+/* ------------------------------------------------------------------------ */
+
+typedef struct pinned_sums {
+  int64_t cur[_TIDE_ST_COUNT][TIDE_POOL_KINDS];
+  size_t free_blocks, pending_blocks;
+} pinned_sums;
+
+static void sum_add(pinned_sums *s, int stat, const pinned_block *b, int64_t value) {
+  s->cur[stat][0] += value;
+  s->cur[stat][pool_of(b) + 1] += value;
+}
+
+static bool pinned_fail(char *why, size_t len, const char *fmt, ...) TIDE_PRINTF(3, 4);
+
+static bool pinned_fail(char *why, size_t len, const char *fmt, ...) {
+  int used = snprintf(why, len, "pinned pool: ");
+  va_list ap;
+  va_start(ap, fmt);
+  if (used >= 0 && (size_t)used < len) vsnprintf(why + used, len - (size_t)used, fmt, ap);
+  va_end(ap);
+  return false;
+}
+
+#define PCHECK(cond, ...)                                                                          \
+  do {                                                                                             \
+    if (!(cond)) return pinned_fail(why, len, __VA_ARGS__);                                        \
+  } while (0)
+
+/* The table: sorted, disjoint, every block a whole class of its state. */
+static bool check_table(const _tide_pinned *pool, pinned_sums *s, char *why, size_t len) {
+  for (size_t i = 0; i < pool->nblocks; i++) {
+    const pinned_block *b = pool->blocks[i];
+    PCHECK(b && b->size >= ((size_t)1 << MIN_CLASS) && b->size == (size_t)1 << b->cls &&
+               b->addr % ((size_t)1 << MIN_CLASS) == 0,
+           "block %zu (%p) has size %zu, class %u", i, b ? (void *)b->addr : NULL, b ? b->size : 0,
+           b ? b->cls : 0);
+    PCHECK(i == 0 || pool->blocks[i - 1]->addr + pool->blocks[i - 1]->size <= b->addr,
+           "blocks %p and %p overlap or are out of order", (void *)pool->blocks[i - 1]->addr,
+           (void *)b->addr);
+    PCHECK(b->nstreams <= b->streams_cap, "block %p records %u streams in room for %u",
+           (void *)b->addr, b->nstreams, b->streams_cap);
+    PCHECK(b->state == BLOCK_ALLOCATED || b->nstreams == 0,
+           "freed block %p still has %u recorded streams", (void *)b->addr, b->nstreams);
+    PCHECK((b->state == BLOCK_PENDING) == (b->events > 0),
+           "block %p in state %u waits for %u events", (void *)b->addr, b->state, b->events);
+    sum_add(s, _TIDE_ST_RESERVED, b, (int64_t)b->size);
+    sum_add(s, _TIDE_ST_SEGMENTS, b, 1);
+    switch (b->state) {
+    case BLOCK_FREE: s->free_blocks++; break;
+    case BLOCK_ALLOCATED:
+      PCHECK(b->requested > 0 && b->requested <= b->size && !b->ready,
+             "allocated block %p of %zu bytes: %zu asked for, ready event %p", (void *)b->addr,
+             b->size, b->requested, b->ready);
+      sum_add(s, _TIDE_ST_ALLOCATED, b, (int64_t)b->size);
+      sum_add(s, _TIDE_ST_REQUESTED, b, (int64_t)b->requested);
+      sum_add(s, _TIDE_ST_ALLOCATIONS, b, 1);
+      break;
+    case BLOCK_PENDING:
+      s->pending_blocks++;
+      sum_add(s, _TIDE_ST_PENDING, b, (int64_t)b->size);
+      sum_add(s, _TIDE_ST_PENDING_BLOCKS, b, 1);
+      break;
+    default: return pinned_fail(why, len, "block %p has state %u", (void *)b->addr, b->state);
+    }
+  }
+  return true;
+}
+
+/* Free lists hold exactly the free blocks, each in its class's list; every
+ * pending entry names a pending block, as often as it waits for events. */
+static bool check_lists(const _tide_pinned *pool, const pinned_sums *s, char *why, size_t len) {
+  size_t listed = 0;
+  for (unsigned cls = 0; cls < CLASSES; cls++) {
+    const pinned_block *prev = NULL;
+    for (const pinned_block *b = pool->free_lists[cls]; b; prev = b, b = b->next) {
+      PCHECK(++listed <= s->free_blocks, "the free lists are longer than the %zu free blocks",
+             s->free_blocks);
+      PCHECK(table_find(pool, b->addr) == b && b->state == BLOCK_FREE && b->cls == cls &&
+                 b->prev == prev,
+             "free list %u holds %p, not a free block of that class linked there", cls,
+             (void *)b->addr);
+    }
+  }
+  PCHECK(listed == s->free_blocks, "%zu free blocks, %zu in the free lists", s->free_blocks,
+         listed);
+  size_t events = 0, expected = 0;
+  for (size_t i = 0; i < pool->npending; i++) {
+    const pinned_block *b = pool->pending[i].block;
+    PCHECK(b && table_find(pool, b->addr) == b && b->state == BLOCK_PENDING &&
+               pool->pending[i].event,
+           "pending entry %zu names %p, no pending block", i, b ? (void *)b->addr : NULL);
+    events++;
+  }
+  for (size_t i = 0; i < pool->nblocks; i++) expected += pool->blocks[i]->events;
+  PCHECK(events == expected, "%zu pending entries, the blocks wait for %zu events", events,
+         expected);
+  return true;
+}
+
+static bool check_pinned_figures(const _tide_pinned *pool, const pinned_sums *s, char *why,
+                                 size_t len) {
+  static const int stats[] = {_TIDE_ST_ALLOCATED, _TIDE_ST_REQUESTED,   _TIDE_ST_PENDING,
+                              _TIDE_ST_RESERVED,  _TIDE_ST_ALLOCATIONS, _TIDE_ST_PENDING_BLOCKS,
+                              _TIDE_ST_SEGMENTS};
+  const _tide_arena_stats *st = &pool->stats;
+  for (size_t i = 0; i < sizeof stats / sizeof stats[0]; i++)
+    for (int p = 0; p < TIDE_POOL_KINDS; p++) {
+      int k = stats[i];
+      PCHECK(st->cur[k][p] == s->cur[k][p] && st->peak[k][p] >= st->cur[k][p],
+             "figure %d of pool %d is %lld (peak %lld), the blocks add up to %lld", k, p,
+             (long long)st->cur[k][p], (long long)st->peak[k][p], (long long)s->cur[k][p]);
+    }
+  const uint64_t *c = st->counters;
+  PCHECK(c[_TIDE_CT_ALLOCS] - c[_TIDE_CT_FREES] == (uint64_t)s->cur[_TIDE_ST_ALLOCATIONS][0] &&
+             c[_TIDE_CT_DEVICE_ALLOC] - c[_TIDE_CT_DEVICE_FREE] == pool->nblocks &&
+             c[_TIDE_CT_SEGMENTS_CREATED] - c[_TIDE_CT_SEGMENTS_RELEASED] == pool->nblocks,
+         "counters disagree with %zu blocks and %lld allocations", pool->nblocks,
+         (long long)s->cur[_TIDE_ST_ALLOCATIONS][0]);
+  return true;
+}
+
+int _tide_pinned_validate(_tide_pinned *pool, char *why, size_t len) {
+  pinned_sums s;
+  memset(&s, 0, sizeof s);
+  pthread_mutex_lock(&pool->lock);
+  bool ok = pool->nblocks <= pool->blocks_cap && pool->npending <= pool->pending_cap &&
+            pool->nspare <= pool->spare_cap;
+  if (!ok) pinned_fail(why, len, "a table holds more entries than its room");
+  ok = ok && check_table(pool, &s, why, len) && check_lists(pool, &s, why, len) &&
+       check_pinned_figures(pool, &s, why, len);
+  pthread_mutex_unlock(&pool->lock);
+  return ok ? TIDE_OK : TIDE_ERR_STATE;
 }

@@ -23,4 +23,8 @@ void _tide_pinned_stats(_tide_pinned *pool, tide_stats *out);
  * count on it any more. */
 void _tide_pinned_stream_gone(_tide_pinned *pool, tide_stream stream);
 
+/* Check the pool's invariants under its lock (see validate.c): TIDE_OK, or
+ * TIDE_ERR_STATE with the first one broken written into `why`. */
+int _tide_pinned_validate(_tide_pinned *pool, char *why, size_t len);
+
 #endif /* TIDE_PINNED_H */

@@ -401,24 +401,55 @@ static void unmap_new_pages(_tide_arena *arena, _tide_segment *seg, size_t first
   }
 }
 
+/* The orphan whose page is still mapped at `at` (an undo's unmap the backend
+ * refused, and refused again on retry), or SIZE_MAX. */
+static size_t orphan_page_at(const _tide_arena *arena, uintptr_t at, size_t page) {
+  for (size_t i = 0; i < arena->norphans; i++) {
+    const _tide_orphan_rec *o = &arena->orphans[i];
+    if (o->map_addr == at && o->map_size == page && o->handle && !o->range) return i;
+  }
+  return SIZE_MAX;
+}
+
+/* Take the handle of orphan i, mapped where growth wants a page, as that
+ * page's: mapping over it would fail, and it holds its bytes already. */
+static _tide_handle adopt_orphan_page(_tide_arena *arena, size_t i, int pool) {
+  _tide_orphan_rec o = arena->orphans[i];
+  arena->orphans[i] = arena->orphans[--arena->norphans];
+  if (o.pool != pool) { /* its bytes move from one pool's figures to the other's */
+    _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, o.pool, -(int64_t)o.handle_size);
+    _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, (int64_t)o.handle_size);
+  }
+  return o.handle;
+}
+
 /* Map `count` pages from page index `first`: a spare or a new handle for
  * each, mapped, then the whole run made accessible with one call (the
- * expensive one). All or nothing. */
+ * expensive one). A page still mapped by an orphan is adopted as it is.
+ * All or nothing. */
 static int map_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count,
                      size_t request) {
   struct tide_allocator *a = arena->alloc;
   const _tide_backend *be = &a->backend;
   size_t page = a->page_size;
   uintptr_t start = seg->base + first * page;
-  /* Spare pages hold their bytes already; only new ones take budget. */
-  size_t spares = arena->nspare_pages < count ? arena->nspare_pages : count;
-  size_t budgeted = count - spares, created = 0, done = 0;
+  size_t adopted = 0;
+  for (size_t i = 0; arena->norphans && i < count; i++)
+    adopted += orphan_page_at(arena, start + i * page, page) != SIZE_MAX;
+  /* Spare and orphan pages hold their bytes already; only new ones take budget. */
+  size_t spares = arena->nspare_pages < count - adopted ? arena->nspare_pages : count - adopted;
+  size_t budgeted = count - adopted - spares, created = 0, done = 0;
   _tide_saved_error saved;
   int rc = hold_bytes(arena, seg->pool, budgeted * page, request);
   if (rc) return rc;
   for (; done < count; done++) {
     _tide_handle h = 0;
     bool spare = false;
+    size_t orphan = adopted ? orphan_page_at(arena, start + done * page, page) : SIZE_MAX;
+    if (orphan != SIZE_MAX) {
+      seg->pages[first + done] = adopt_orphan_page(arena, orphan, seg->pool);
+      continue;
+    }
     if ((rc = page_handle(arena, seg->pool, &h, &spare))) break;
     created += !spare;
     if ((rc = be->ops->map(be->ctx, start + done * page, page, h))) {

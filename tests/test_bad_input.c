@@ -113,6 +113,7 @@ static void still_works(fixture *f) {
   assert_int_equal(after.requested_bytes[0].current, before.requested_bytes[0].current);
   assert_int_equal(after.allocations[0].current, before.allocations[0].current);
   assert_int_equal((uint64_t)after.reserved_bytes[0].current, tide_host_bytes_in_use(f->a));
+  tu_assert_ok(tide_check(f->a));
 }
 
 /* `expr` fails with `want` and a message containing `needle`. */
@@ -294,6 +295,32 @@ static void from_another_allocator(void **state) {
   still_works(f);
 }
 
+/* A block of another device's allocator (the host backend's second
+ * emulated device): not ours, and both allocators stay as they were. */
+static void from_another_device(void **state) {
+  fixture *f = *state;
+  tide_allocator *other = NULL;
+  tide_config *c = tu_config("host_devices:2,host_capacity:256MiB");
+  tu_assert_ok(tide_create(1, c, &other));
+  tide_config_free(c);
+  void *q = tide_malloc(other, 2 * TU_MiB, NULL);
+  assert_non_null(q);
+  tu_fill(q, 2 * TU_MiB, 78, TU_PATTERN_DEFAULT);
+  uint64_t seq;
+  void *p = alloc_filled(f, TU_MiB, NULL, &seq);
+  expect_error(tide_free(f->a, q, NULL), TIDE_ERR_BAD_POINTER, "not allocated by this");
+  expect_error(tide_free(f->a, q, f->side), TIDE_ERR_BAD_POINTER, "not allocated by this");
+  expect_error(tide_free_sized(f->a, q, 2 * TU_MiB, NULL), TIDE_ERR_BAD_POINTER, NULL);
+  expect_error(tide_record_stream(f->a, q, NULL), TIDE_ERR_BAD_POINTER, NULL);
+  expect_error(tide_free(other, p, NULL), TIDE_ERR_BAD_POINTER, "device 1");
+  tu_assert_pattern(q, 2 * TU_MiB, 78, TU_PATTERN_DEFAULT);
+  tu_assert_ok(tide_check(other));
+  tu_assert_ok(tide_free(other, q, NULL));
+  tu_assert_ok(tide_destroy(other));
+  tu_assert_ok(tide_free(f->a, p, NULL));
+  still_works(f);
+}
+
 static void wrong_size(void **state) {
   fixture *f = *state;
   uint64_t s1, s2;
@@ -439,6 +466,49 @@ static void malloc_on_unknown_stream(void **state) {
     fail_msg("tide_malloc on an unknown stream %s; tide_empty_cache then fails: %s: %s",
              p ? "succeeded" : "failed", tide_status_name(rc), tide_last_error());
   assert_int_equal(tide_host_bytes_in_use(f->a), 0);
+  still_works(f);
+}
+
+/* A stream destroyed after blocks were allocated and freed on it: a new
+ * allocation on it is refused (its cache could never be given back: there
+ * is nothing to wait for), and emptying the cache still works. */
+static void malloc_on_destroyed_stream(void **state) {
+  fixture *f = *state;
+  tide_stream s;
+  tu_assert_ok(tide_stream_create(f->a, &s));
+  uint64_t seq;
+  void *p = alloc_filled(f, 3 * TU_MiB, s, &seq);
+  tu_assert_ok(tide_free(f->a, p, s));
+  tu_assert_ok(tide_stream_destroy(f->a, s));
+  tide_clear_error();
+  assert_null(tide_malloc(f->a, 3 * TU_MiB, s));
+  tu_assert_last_error(TIDE_ERR_INVALID, "destroyed");
+  tu_assert_ok(tide_empty_cache(f->a));
+  tu_assert_ok(tide_check(f->a));
+  assert_int_equal(tide_host_bytes_in_use(f->a), 0);
+  still_works(f);
+}
+
+/* A block allocated on a stream that is then destroyed is freed on that
+ * stream as on any other, device memory and pinned memory alike. */
+static void free_on_destroyed_own_stream(void **state) {
+  fixture *f = *state;
+  tide_stream s;
+  tu_assert_ok(tide_stream_create(f->a, &s));
+  uint64_t seq;
+  void *p = alloc_filled(f, TU_MiB, s, &seq);
+  void *pinned = tide_pinned_malloc(f->a, 10000, s);
+  assert_non_null(pinned);
+  tu_assert_ok(tide_stream_destroy(f->a, s));
+  tu_assert_pattern(p, TU_MiB, seq, TU_PATTERN_DEFAULT);
+  tu_assert_ok(tide_free(f->a, p, s));
+  tu_assert_ok(tide_pinned_free(f->a, pinned, s));
+  tu_assert_ok(tide_empty_cache(f->a));
+  tu_assert_ok(tide_pinned_empty_cache(f->a));
+  tu_assert_ok(tide_check(f->a));
+  tide_stats st;
+  tu_assert_ok(tide_pinned_get_stats(f->a, &st));
+  assert_int_equal(st.reserved_bytes[0].current, 0);
   still_works(f);
 }
 
@@ -613,6 +683,29 @@ static void bad_config_text(void **state) {
   free(after);
 }
 
+/* Messages quote the user's text, made printable: bytes that are not
+ * printable ASCII (here inside a list key) would make them unreadable. */
+static void bad_config_message_is_printable(void **state) {
+  (void)state;
+  static const char *const texts[] = {
+      "roundup_power2_divisions:[256:1,1\xb1\xb1:2]",
+      "roundup_power2_divisions:[\x01\x7f:x]",
+      "\xff\xfe:1",
+      "page_size_mb:\x1b[31m",
+  };
+  tide_config *c = NULL;
+  tu_assert_ok(tide_config_new(&c));
+  for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++) {
+    tide_clear_error();
+    tu_assert_status(tide_config_parse(c, texts[i]), TIDE_ERR_CONFIG);
+    const char *msg = tide_last_error();
+    for (const char *p = msg; *p; p++)
+      if (*p < 0x20 || *p >= 0x7f)
+        fail_msg("the message for text %zu has byte 0x%02x: %s", i, (unsigned char)*p, msg);
+  }
+  tide_config_free(c);
+}
+
 /* tide_create(..., NULL, ...) reads TIDALLOC_CONF: garbage there is a
  * configuration error, and a later good value works. */
 static void bad_environment(void **state) {
@@ -711,6 +804,8 @@ static void process_wide_lifecycle(void **state) {
   tide_clear_error();
   assert_null(tide_device(1));
   tu_assert_last_error(TIDE_ERR_STATE, NULL);
+  /* A configuration nothing will use is refused, not silently kept. */
+  expect_error(tide_conf_set("page_size_mb:2"), TIDE_ERR_STATE, "tide_shutdown");
   tu_assert_ok(tide_shutdown()); /* twice is harmless */
 }
 
@@ -734,6 +829,7 @@ int main(void) {
       BOTH(interior_and_misaligned),
       BOTH(block_info_of_interior_pointer),
       BOTH(from_another_allocator),
+      BOTH(from_another_device),
       BOTH(wrong_size),
       BOTH(impossible_sizes),
       BOTH(memory_limits),
@@ -741,10 +837,13 @@ int main(void) {
       BOTH(record_on_unknown_stream),
       BOTH(record_on_destroyed_stream),
       BOTH(malloc_on_unknown_stream),
+      BOTH(malloc_on_destroyed_stream),
+      BOTH(free_on_destroyed_own_stream),
       BOTH(host_controls),
       BOTH(null_outputs),
       cmocka_unit_test(null_allocator),
       cmocka_unit_test(bad_config_text),
+      cmocka_unit_test(bad_config_message_is_printable),
       cmocka_unit_test(bad_environment),
       cmocka_unit_test(bad_devices),
       cmocka_unit_test(process_wide_lifecycle),

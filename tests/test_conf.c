@@ -758,6 +758,37 @@ static void test_garbage(void **state) {
 }
 
 /* A decimal comma in the program's locale changes nothing. */
+/* A decimal value formats to text that parses back to the same value, and
+ * so to the same text, however many digits it was written with (numbers
+ * beyond 19 digits or the exact powers of ten used to lose an ulp, and the
+ * config's text then changed when it was parsed again). */
+static void test_decimal_round_trip(void **state) {
+  (void)state;
+  static const char *const texts[] = {
+      "10446744073709407370949e-31",
+      "0.1000000000000000055511151231257827",
+      "3e-300",
+      "123456789012345678901234567890e-40",
+      "9.999999999999999e-1",
+      "4.9e-324",
+      "0.7",
+      "1e-7",
+  };
+  for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++) {
+    tide_config *a = new_config(), *b = new_config();
+    assert_int_equal(tide_config_set(a, "garbage_collection_threshold", texts[i]), TIDE_OK);
+    char first[64], again[64];
+    snprintf(first, sizeof first, "%s", get(a, "garbage_collection_threshold"));
+    assert_int_equal(tide_config_set(b, "garbage_collection_threshold", first), TIDE_OK);
+    snprintf(again, sizeof again, "%s", get(b, "garbage_collection_threshold"));
+    if (strcmp(first, again) != 0)
+      fail_msg("\"%s\" formats as \"%s\", which formats as \"%s\"", texts[i], first, again);
+    assert_true(_tide_config_values(a)->gc_threshold == _tide_config_values(b)->gc_threshold);
+    tide_config_free(a);
+    tide_config_free(b);
+  }
+}
+
 static void test_locale_independent(void **state) {
   (void)state;
   static const char *const locales[] = {"de_DE.UTF-8", "de_DE.utf8", "fr_FR.UTF-8", "ru_RU.UTF-8"};
@@ -793,6 +824,7 @@ int main(void) {
       cmocka_unit_test(test_get),
       cmocka_unit_test(test_null_arguments),
       cmocka_unit_test(test_garbage),
+      cmocka_unit_test(test_decimal_round_trip),
       cmocka_unit_test(test_locale_independent),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -19,7 +19,11 @@
  * After the run the fault is disarmed, everything freed and the cache
  * emptied: nothing stays allocated, reserved, created, mapped or reserved
  * in address space, and tide_destroy returns TIDE_OK (ASan sees host leaks).
- * Finally every operation the paths use must have failed at least once. */
+ * Finally every operation the paths use must have failed at least once, and
+ * so must every call site: the host backend counts calls per (operation,
+ * return address), and a call site the sweeps reached with a fault armed but
+ * never made to fail is reported (with its source line) and fails the test. */
+#include <dlfcn.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -66,6 +70,20 @@ typedef struct op_tally {
 
 static op_tally tally[TIDE_OP_COUNT];
 
+/* Per call site (operation and return address), over every run: how many
+ * runs reached it with a fault armed, and how many of its calls failed. */
+#define MAX_SITES 512
+
+typedef struct site_tally {
+  tide_backend_op op;
+  uintptr_t site;
+  unsigned runs;
+  uint64_t failures;
+} site_tally;
+
+static site_tally sites[MAX_SITES];
+static size_t nsites;
+
 typedef struct harness {
   tide_allocator *a;
   tide_stream side; /* a created stream */
@@ -77,13 +95,18 @@ typedef struct harness {
   tide_backend_op op;
   uint64_t n, armed_at;
   bool hit;
-  /* A second fault, at the first call of op2 from armed_at2 on: with the
+  /* A second fault, at the n2-th call of op2 from armed_at2 on: with the
    * first, it makes an undo step fail too. */
   tide_backend_op op2;
-  uint64_t armed_at2;
+  uint64_t n2, armed_at2;
   bool second_before, second_hit;
-  uint64_t hit_ops;       /* ops called during the API call the fault hit */
-  tide_backend_op failed; /* the op that failed, when known */
+  /* With `retry`, once the second fault hit, the next call of op2 fails
+   * too: the retry of what the failed undo left behind (an orphan). */
+  bool retry, retry_armed, retry_before, retry_hit;
+  uint64_t armed_at3;
+  uint64_t before_hit[TIDE_OP_COUNT]; /* calls before the API call the fault hit */
+  uint64_t hit_ops;                   /* ops called during the API call the fault hit */
+  tide_backend_op failed;             /* the op that failed, when known */
   uint64_t counts[TIDE_OP_COUNT];
   const char *where; /* "grow/expandable" for messages */
   int step;
@@ -96,7 +119,11 @@ static bool fault_reached(harness *h) {
 
 static bool second_reached(harness *h) {
   if (h->op2 == NO_FAULT) return false;
-  return tide_host_call_count(h->a, h->op2) > h->armed_at2;
+  return tide_host_call_count(h->a, h->op2) - h->armed_at2 >= h->n2;
+}
+
+static bool retry_reached(harness *h) {
+  return h->retry_armed && tide_host_call_count(h->a, h->op2) > h->armed_at3;
 }
 
 static void snapshot_counts(harness *h) {
@@ -110,6 +137,7 @@ static bool begin_call(harness *h) {
   snapshot_counts(h);
   tide_clear_error();
   h->second_before = second_reached(h);
+  h->retry_before = retry_reached(h);
   return fault_reached(h);
 }
 
@@ -132,12 +160,21 @@ static void check_consistent(harness *h);
 static void end_call(harness *h, bool hit_before, bool failed, tide_status st, expect e,
                      const char *what) {
   bool hit_here = !hit_before && fault_reached(h);
+  bool second_here = !h->second_before && second_reached(h);
+  bool retry_here = !h->retry_before && retry_reached(h);
   const char *msg = tide_last_error();
-  if (!h->second_before && second_reached(h) && !hit_here)
-    fail_msg("%s step %d: %s reached the second fault, which is meant for an undo step after "
-             "the first",
+  if (second_here && !hit_here)
+    fail_msg("%s step %d: %s reached the second fault, which is meant for a step after the "
+             "first in the same call",
              h->where, h->step, what);
+  if (second_here && h->retry && !h->retry_armed) {
+    h->armed_at3 = tide_host_call_count(h->a, h->op2);
+    tu_assert_ok(tide_host_fail_call(h->a, h->op2, 1));
+    h->retry_armed = true;
+  }
+  if (retry_here) h->retry_hit = true;
   if (hit_here) {
+    memcpy(h->before_hit, h->counts, sizeof h->before_hit);
     h->hit = true;
     h->hit_ops = 0;
     for (int op = 1; op < TIDE_OP_COUNT; op++)
@@ -161,7 +198,7 @@ static void end_call(harness *h, bool hit_before, bool failed, tide_status st, e
         fail_msg("%s step %d: %s: TIDE_ERR_OOM without \"out of memory\": %s", h->where, h->step,
                  what, msg);
     } else {
-      if (!hit_here)
+      if (!hit_here && !retry_here)
         fail_msg("%s step %d: %s failed with %s though no fault was injected into it%s: %s",
                  h->where, h->step, what, tide_status_name(st), h->hit ? " (one was, earlier)" : "",
                  msg);
@@ -169,7 +206,8 @@ static void end_call(harness *h, bool hit_before, bool failed, tide_status st, e
         fail_msg("%s step %d: %s failed with %s, message does not say what failed: %s", h->where,
                  h->step, what, tide_status_name(st), msg);
       tide_backend_op named = op_in_message(msg);
-      if (h->op != TIDE_OP_ANY && named != h->op)
+      bool later = (second_here || retry_here) && named == h->op2;
+      if (h->op != TIDE_OP_ANY && named != h->op && !later)
         fail_msg("%s step %d: %s: the message names %s, the fault was in %s: %s", h->where, h->step,
                  what, named == NO_FAULT ? "no operation" : tide_backend_op_name(named),
                  tide_backend_op_name(h->op), msg);
@@ -218,6 +256,7 @@ static void check_consistent(harness *h) {
   if (st.reserved_bytes[0].current < bytes)
     fail_msg("%s step %d: reserved %lld < allocated %lld", h->where, h->step,
              (long long)st.reserved_bytes[0].current, (long long)bytes);
+  if (tide_check(h->a) != TIDE_OK) fail_msg("%s step %d: %s", h->where, h->step, tide_last_error());
 }
 
 /* ------------------------------------------------------------------------ */
@@ -370,10 +409,47 @@ static const scenario scenarios[] = {
 
 static uint64_t calls(harness *h, tide_backend_op op) { return tide_host_call_count(h->a, op); }
 
+/* The call sites of the allocator's backend so far. */
+typedef struct site_counts {
+  _tide_host_site items[MAX_SITES];
+  size_t n;
+} site_counts;
+
+static void read_sites(harness *h, site_counts *out) {
+  out->n = _tide_host_sites(&h->a->backend, out->items, MAX_SITES);
+  if (out->n > MAX_SITES) fail_msg("%zu backend call sites, room for %d", out->n, MAX_SITES);
+}
+
+static const _tide_host_site *find_site(const site_counts *c, tide_backend_op op, uintptr_t at) {
+  for (size_t i = 0; i < c->n; i++)
+    if (c->items[i].op == op && c->items[i].site == at) return &c->items[i];
+  return NULL;
+}
+
+/* Add what the sites did between two readings to the tally. */
+static void tally_sites(const site_counts *before, const site_counts *after) {
+  for (size_t i = 0; i < after->n; i++) {
+    const _tide_host_site *now = &after->items[i];
+    const _tide_host_site *then = find_site(before, now->op, now->site);
+    uint64_t called = now->calls - (then ? then->calls : 0);
+    uint64_t failed = now->failures - (then ? then->failures : 0);
+    if (called == 0) continue;
+    size_t k = 0;
+    while (k < nsites && !(sites[k].op == now->op && sites[k].site == now->site)) k++;
+    if (k == nsites) {
+      if (nsites == MAX_SITES) fail_msg("more than %d call sites", MAX_SITES);
+      sites[nsites++] = (site_tally){.op = now->op, .site = now->site};
+    }
+    sites[k].runs++;
+    sites[k].failures += failed;
+  }
+}
+
 /* Successful calls of `op`, if `failed` is the op whose call failed (the
  * second fault's op failed too, if reached). */
 static int64_t succeeded(harness *h, tide_backend_op op, tide_backend_op failed) {
-  int64_t failures = (op == failed) + (op == h->op2 && h->second_hit);
+  int64_t failures =
+      (op == failed) + (op == h->op2 && h->second_hit) + (op == h->op2 && h->retry_hit);
   return (int64_t)calls(h, op) - failures;
 }
 
@@ -432,18 +508,39 @@ static void check_no_orphans(harness *h) {
              orphans);
 }
 
-/* One run of a scenario with the n-th call of op failing (op NO_FAULT:
- * none) and, if op2 is not NO_FAULT, the first call of op2 as well.
- * Returns whether the first fault was reached; `used` gets the calls of
- * each op the scenario made; `second` whether the second was reached. */
-static bool run_once(const scenario *sc, bool expandable, tide_backend_op op, uint64_t n,
-                     tide_backend_op op2, uint64_t used[TIDE_OP_COUNT], bool *second) {
-  char conf[160], where[96];
+/* The faults of a run: the n-th call of op (NO_FAULT: none) and, if op2 is
+ * not NO_FAULT, its n2-th call, meant to come later in the same API call
+ * (an undo step, or a fallback); with `retry`, also the next call of op2
+ * after that one (the retry of what the failed step left behind). */
+typedef struct fault_plan {
+  tide_backend_op op;
+  uint64_t n;
+  tide_backend_op op2;
+  uint64_t n2;
+  bool retry;
+} fault_plan;
+
+#define PLAN_NONE ((fault_plan){.op = NO_FAULT, .op2 = NO_FAULT})
+#define PLAN_ONE(o, k) ((fault_plan){.op = (o), .n = (k), .op2 = NO_FAULT})
+
+typedef struct run_result {
+  bool reached, second, retried;      /* the first fault, the second, the retry's were hit */
+  uint64_t used[TIDE_OP_COUNT];       /* calls the scenario made, per op */
+  uint64_t before_hit[TIDE_OP_COUNT]; /* ... before the API call the first fault hit */
+  uint64_t at_failure[TIDE_OP_COUNT]; /* ... when the last injected failure fired */
+} run_result;
+
+/* One run of a scenario with the faults of `plan`; returns whether the
+ * first fault was reached, and fills `out` if not NULL. */
+static bool run_once(const scenario *sc, bool expandable, fault_plan plan, run_result *out) {
+  tide_backend_op op = plan.op, op2 = plan.op2;
+  uint64_t n = plan.n;
+  char conf[160], where[128];
   snprintf(conf, sizeof conf, "expandable_segments:%s,%s", expandable ? "True" : "False", sc->conf);
-  snprintf(where, sizeof where, "%s/%s, %s call %llu fails%s%s", sc->name,
+  snprintf(where, sizeof where, "%s/%s, %s call %llu fails%s%s%s", sc->name,
            expandable ? "expandable" : "fixed", op == NO_FAULT ? "no" : tide_backend_op_name(op),
-           (unsigned long long)n, op2 == NO_FAULT ? "" : " and then the next ",
-           op2 == NO_FAULT ? "" : tide_backend_op_name(op2));
+           (unsigned long long)n, op2 == NO_FAULT ? "" : " and then ",
+           op2 == NO_FAULT ? "" : tide_backend_op_name(op2), plan.retry ? ", and its retry" : "");
   harness *h = calloc(1, sizeof *h);
   assert_non_null(h);
   h->where = where;
@@ -465,16 +562,34 @@ static bool run_once(const scenario *sc, bool expandable, tide_backend_op op, ui
   }
   if (op2 != NO_FAULT) {
     h->op2 = op2;
+    h->n2 = plan.n2;
+    h->retry = plan.retry;
     h->armed_at2 = calls(h, op2);
-    tu_assert_ok(tide_host_fail_call(h->a, op2, 1));
+    tu_assert_ok(tide_host_fail_call(h->a, op2, plan.n2));
   }
+  site_counts *before = malloc(sizeof *before), *after = malloc(sizeof *after);
+  assert_non_null(before);
+  assert_non_null(after);
+  read_sites(h, before);
   sc->run(h);
+  read_sites(h, after);
+  if (op != NO_FAULT) tally_sites(before, after);
+  free(before);
+  free(after);
   bool reached = fault_reached(h);
   assert_true(reached == h->hit);
-  if (used)
-    for (int o = 0; o < TIDE_OP_COUNT; o++) used[o] = calls(h, (tide_backend_op)o) - start[o];
   h->second_hit = second_reached(h);
-  if (second) *second = h->second_hit;
+  if (out) {
+    out->reached = reached;
+    out->second = h->second_hit;
+    out->retried = h->retry_hit;
+    for (int o = 0; o < TIDE_OP_COUNT; o++) {
+      out->used[o] = calls(h, (tide_backend_op)o) - start[o];
+      out->before_hit[o] = h->hit ? h->before_hit[o] - start[o] : 0;
+      uint64_t at = _tide_host_calls_at_failure(&h->a->backend, (tide_backend_op)o);
+      out->at_failure[o] = at > start[o] ? at - start[o] : 0;
+    }
+  }
 
   /* Disarmed, everything must come back. */
   if (op != NO_FAULT) tu_assert_ok(tide_host_fail_call(h->a, op, 0));
@@ -509,7 +624,7 @@ static bool run_once(const scenario *sc, bool expandable, tide_backend_op op, ui
 /* n = 1, 2, ... for op until the scenario no longer reaches an n-th call. */
 static unsigned sweep_op(const scenario *sc, bool expandable, tide_backend_op op) {
   unsigned hits = 0;
-  for (uint64_t n = 1; run_once(sc, expandable, op, n, NO_FAULT, NULL, NULL); n++) {
+  for (uint64_t n = 1; run_once(sc, expandable, PLAN_ONE(op, n), NULL); n++) {
     hits++;
     if (n > 2000)
       fail_msg("%s: op %s still reached after %llu calls", sc->name, tide_backend_op_name(op),
@@ -519,9 +634,10 @@ static unsigned sweep_op(const scenario *sc, bool expandable, tide_backend_op op
 }
 
 static void sweep(const scenario *sc, bool expandable) {
-  uint64_t used[TIDE_OP_COUNT];
+  run_result base;
+  const uint64_t *used = base.used;
   /* The baseline: every step as expected. */
-  run_once(sc, expandable, NO_FAULT, 0, NO_FAULT, used, NULL);
+  run_once(sc, expandable, PLAN_NONE, &base);
   unsigned total = 0;
   for (int op = 0; op < TIDE_OP_COUNT; op++) {
     unsigned hits = sweep_op(sc, expandable, (tide_backend_op)op);
@@ -579,21 +695,66 @@ static void undo_sweep(bool expandable) {
   static const tide_backend_op first[] = {TIDE_OP_RESERVE, TIDE_OP_CREATE, TIDE_OP_MAP,
                                           TIDE_OP_SET_ACCESS};
   static const tide_backend_op undo[] = {TIDE_OP_UNMAP, TIDE_OP_RELEASE, TIDE_OP_UNRESERVE};
-  unsigned reached[3] = {0}, runs = 0;
-  for (size_t i = 0; i < sizeof first / sizeof first[0]; i++)
-    for (size_t j = 0; j < 3; j++) {
-      bool second = false;
-      for (uint64_t n = 1; run_once(&scenarios[0], expandable, first[i], n, undo[j], NULL, &second);
-           n++) {
-        reached[j] += second;
-        runs++;
+  unsigned reached[3] = {0}, retried[3] = {0}, runs = 0;
+  for (int retry = 0; retry < 2; retry++)
+    for (size_t i = 0; i < sizeof first / sizeof first[0]; i++)
+      for (size_t j = 0; j < 3; j++) {
+        run_result r;
+        fault_plan plan = {first[i], 1, undo[j], 1, retry};
+        for (; run_once(&scenarios[0], expandable, plan, &r); plan.n++) {
+          reached[j] += r.second;
+          retried[j] += r.retried;
+          runs++;
+        }
       }
+  print_message("undo/%s: %u runs; an undo step failed: unmap %u, release %u, unreserve %u; "
+                "and so did its retry: %u, %u, %u\n",
+                expandable ? "expandable" : "fixed", runs, reached[0], reached[1], reached[2],
+                retried[0], retried[1], retried[2]);
+  assert_true(reached[0] > 0 && retried[0] > 0);
+  assert_true(reached[1] > 0 && retried[1] > 0);
+  /* An expandable range is never undone. */
+  if (!expandable) assert_true(reached[2] > 0 && retried[2] > 0);
+}
+
+/* A failure whose handling makes another backend call, and that call fails
+ * too: a free on another stream whose event cannot be created or recorded
+ * waits for the stream instead, and that wait fails; a fixed segment whose
+ * handle the device will not release is still unreserved, and that fails.
+ * A probe run with only the first failure shows how many calls of the
+ * second operation came before it; the next one is failed as well. */
+typedef struct second_fault {
+  const scenario *sc;
+  tide_backend_op first, second;
+  bool fixed_only; /* expandable segments unreserve a range only once it is empty */
+} second_fault;
+
+static void second_sweep(bool expandable) {
+  const second_fault pairs[] = {
+      {&scenarios[1], TIDE_OP_EVENT_CREATE, TIDE_OP_STREAM_SYNCHRONIZE, false},
+      {&scenarios[1], TIDE_OP_EVENT_RECORD, TIDE_OP_STREAM_SYNCHRONIZE, false},
+      {&scenarios[1], TIDE_OP_RELEASE, TIDE_OP_UNRESERVE, true},
+      {&scenarios[2], TIDE_OP_RELEASE, TIDE_OP_UNRESERVE, true},
+  };
+  unsigned runs = 0, second[sizeof pairs / sizeof pairs[0]] = {0};
+  for (size_t i = 0; i < sizeof pairs / sizeof pairs[0]; i++) {
+    run_result probe;
+    const second_fault *p = &pairs[i];
+    if (p->fixed_only && expandable) continue;
+    for (uint64_t n = 1; run_once(p->sc, expandable, PLAN_ONE(p->first, n), &probe); n++) {
+      fault_plan plan = {p->first, n, p->second, probe.at_failure[p->second] + 1, false};
+      run_result r;
+      assert_true(run_once(p->sc, expandable, plan, &r));
+      second[i] += r.second;
+      runs++;
     }
-  print_message("undo/%s: %u runs; an undo step failed: unmap %u, release %u, unreserve %u\n",
-                expandable ? "expandable" : "fixed", runs, reached[0], reached[1], reached[2]);
-  assert_true(reached[0] > 0);
-  assert_true(reached[1] > 0);
-  if (!expandable) assert_true(reached[2] > 0); /* an expandable range is never undone */
+    print_message("second/%s: %s then %s in %s: %u of the runs failed both\n",
+                  expandable ? "expandable" : "fixed", tide_backend_op_name(p->first),
+                  tide_backend_op_name(p->second), p->sc->name, second[i]);
+  }
+  /* Waiting instead of an event is the same with both segment kinds. */
+  assert_true(second[0] > 0 && second[1] > 0);
+  if (!expandable) assert_true(second[2] + second[3] > 0);
 }
 
 static void faults_undo_expandable(void **state) {
@@ -603,6 +764,14 @@ static void faults_undo_expandable(void **state) {
 static void faults_undo_fixed(void **state) {
   (void)state;
   undo_sweep(false);
+}
+static void faults_second_expandable(void **state) {
+  (void)state;
+  second_sweep(true);
+}
+static void faults_second_fixed(void **state) {
+  (void)state;
+  second_sweep(false);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -688,6 +857,68 @@ static void faults_refused_unmap_keeps_range_usable(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* The same, with the retry of the refused unmap refused as well: growth
+ * that wants the page still mapped there takes it as it is (mapping over it
+ * would fail) instead of failing the allocation with a backend error. */
+static void faults_refused_unmap_twice_page_adopted(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create("host_capacity:1GiB,expandable_segments:True");
+  tu_assert_ok(tide_host_fail_call(a, TIDE_OP_SET_ACCESS, 1));
+  tu_assert_ok(tide_host_fail_call(a, TIDE_OP_UNMAP, 1));
+  assert_null(tide_malloc(a, TU_MiB, NULL));
+  tu_assert_last_error(TIDE_ERR_BACKEND, "injected failure: set_access");
+  tu_assert_ok(tide_host_fail_call(a, TIDE_OP_UNMAP, 1)); /* the retry fails too */
+  uint64_t unmaps = tide_host_call_count(a, TIDE_OP_UNMAP);
+  void *p = tide_malloc(a, TU_MiB, NULL);
+  if (!p)
+    fail_msg("tide_malloc with a page still mapped where it grows failed with %s: %s",
+             tide_status_name(tide_last_status()), tide_last_error());
+  assert_int_equal(tide_host_call_count(a, TIDE_OP_UNMAP), unmaps + 1); /* the retry was made */
+  tu_fill(p, TU_MiB, 3, TU_PATTERN_DEFAULT);
+  tu_assert_ok(tide_check(a));
+  tu_assert_pattern(p, TU_MiB, 3, TU_PATTERN_DEFAULT);
+  tu_assert_ok(tide_free(a, p, NULL));
+  tu_assert_ok(tide_empty_cache(a));
+  tu_assert_ok(tide_check(a));
+  assert_int_equal(tide_host_bytes_in_use(a), 0);
+  assert_int_equal(tu_stats(a).reserved_bytes[0].current, 0);
+  tu_assert_ok(tide_destroy(a));
+}
+
+/* tide_empty_cache meets two failures: a free waits on a held stream
+ * (TIDE_ERR_NOT_READY), then an unmap is refused (TIDE_ERR_BACKEND). It
+ * returns the first, and the message must be the first's too, not the
+ * last one's. */
+static void faults_first_failure_keeps_its_message(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create("host_capacity:1GiB,expandable_segments:True");
+  tide_stream side;
+  tu_assert_ok(tide_stream_create(a, &side));
+  void *p = tide_malloc(a, 4 * TU_MiB, NULL);
+  void *q = tide_malloc(a, 4 * TU_MiB, NULL);
+  assert_non_null(p);
+  assert_non_null(q);
+  tu_assert_ok(tide_free(a, q, NULL)); /* cached: its pages will be unmapped */
+  tu_assert_ok(tide_host_stream_hold(a, side));
+  tu_assert_ok(tide_free(a, p, side)); /* waits for the held stream */
+  tu_assert_ok(tide_host_fail_call(a, TIDE_OP_UNMAP, 1));
+  uint64_t unmaps = tide_host_call_count(a, TIDE_OP_UNMAP);
+  tide_clear_error();
+  tide_status rc = tide_empty_cache(a);
+  assert_true(tide_host_call_count(a, TIDE_OP_UNMAP) > unmaps); /* both failures happened */
+  tu_assert_status(rc, TIDE_ERR_NOT_READY);
+  if (tide_last_status() != rc)
+    fail_msg("tide_empty_cache returned %s, but the message is of %s: %s", tide_status_name(rc),
+             tide_status_name(tide_last_status()), tide_last_error());
+  tu_assert_last_error(TIDE_ERR_NOT_READY, "held");
+  tu_assert_ok(tide_check(a));
+  tu_assert_ok(tide_host_stream_release(a, side));
+  tu_assert_ok(tide_empty_cache(a));
+  assert_int_equal(tide_host_bytes_in_use(a), 0);
+  tu_assert_ok(tide_stream_destroy(a, side));
+  tu_assert_ok(tide_destroy(a));
+}
+
 /* Giving the cache back with a refused mapping still pending: the range
  * around it is unreserved only once nothing is mapped in it, so each range
  * is unreserved by exactly one call (the backend refuses an unreserve of a
@@ -733,6 +964,65 @@ static void faults_every_op_failed(void **state) {
       fail_msg("no call of %s was made to fail", tide_backend_op_name(required[i]));
 }
 
+/* Where a return address lies, as "function (file:line)" when addr2line can
+ * say, else as an offset into its binary. */
+static const char *describe_site(uintptr_t at, char *buf, size_t len) {
+  Dl_info info;
+  if (!dladdr((void *)at, &info) || !info.dli_fname) {
+    snprintf(buf, len, "%#lx", (unsigned long)at);
+    return buf;
+  }
+  uintptr_t offset = at - 1 - (uintptr_t)info.dli_fbase; /* the call, not the next instruction */
+  snprintf(buf, len, "%s+%#lx", info.dli_fname, (unsigned long)offset);
+  char command[1024], fn[256] = "", where[512] = "";
+  snprintf(command, sizeof command, "addr2line -f -i -e '%s' %#lx 2>/dev/null", info.dli_fname,
+           (unsigned long)offset);
+  FILE *p = popen(command, "r");
+  if (!p) return buf;
+  /* -i: the innermost function first, then those it was inlined into. */
+  size_t used = 0;
+  while (fgets(fn, sizeof fn, p) && fgets(where, sizeof where, p) && where[0] != '?' &&
+         used < len) {
+    fn[strcspn(fn, "\n")] = '\0';
+    where[strcspn(where, " \n")] = '\0';
+    const char *file = strrchr(where, '/');
+    used += (size_t)snprintf(buf + used, len - used, "%s%s (%s)", used ? " < " : "", fn,
+                             file ? file + 1 : where);
+  }
+  pclose(p);
+  return buf;
+}
+
+static int by_op_then_place(const void *x, const void *y) {
+  const site_tally *a = x, *b = y;
+  if (a->op != b->op) return (a->op > b->op) - (a->op < b->op);
+  return (a->site > b->site) - (a->site < b->site);
+}
+
+/* Every call site a sweep reached with a fault armed was made to fail in
+ * one of the runs: a site never failed is an error path nobody tested. It
+ * reads the tally of the sweeps, so it runs after them. */
+static void faults_every_call_site_failed(void **state) {
+  (void)state;
+  qsort(sites, nsites, sizeof *sites, by_op_then_place);
+  size_t never = 0;
+  char text[768];
+  print_message("%zu call sites of backend operations reached with a fault armed:\n", nsites);
+  for (size_t i = 0; i < nsites; i++) {
+    never += sites[i].failures == 0;
+    print_message("  %-18s %5u runs %5llu failed%s  %s\n", tide_backend_op_name(sites[i].op),
+                  sites[i].runs, (unsigned long long)sites[i].failures,
+                  sites[i].failures ? "" : " NEVER",
+                  describe_site(sites[i].site, text, sizeof text));
+  }
+  print_message("%zu of %zu call sites failed at least once\n", nsites - never, nsites);
+  assert_true(nsites > 0);
+  if (never)
+    fail_msg("%zu call site(s) of backend operations were reached but never made to fail (marked "
+             "NEVER above): add a scenario or a sweep that fails them",
+             never);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(faults_grow_expandable),
@@ -743,11 +1033,16 @@ int main(void) {
       cmocka_unit_test(faults_oom_fixed),
       cmocka_unit_test(faults_undo_expandable),
       cmocka_unit_test(faults_undo_fixed),
+      cmocka_unit_test(faults_second_expandable),
+      cmocka_unit_test(faults_second_fixed),
       cmocka_unit_test(faults_free_message_names_cause),
       cmocka_unit_test(faults_device_counters_match),
       cmocka_unit_test(faults_refused_unmap_keeps_range_usable),
+      cmocka_unit_test(faults_refused_unmap_twice_page_adopted),
+      cmocka_unit_test(faults_first_failure_keeps_its_message),
       cmocka_unit_test(faults_unreserve_after_orphans),
       cmocka_unit_test(faults_every_op_failed),
+      cmocka_unit_test(faults_every_call_site_failed),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,22 +1,26 @@
 /* test_stress.c: many threads on one allocator, checked as they go.
  *
- * Eight threads share five streams (four created, plus the default stream)
- * and run a seeded random mix of operations: allocations of log-uniform
- * sizes from 512 B to 8 MiB (a few up to 64 MiB), frees on the allocation's
- * stream and on others, tide_record_stream, tide_free_sized, occasional
- * tide_empty_cache, and holds of a stream with frees pending on it. Checked:
+ * Eight threads share five streams (four created, plus the default stream),
+ * or sixteen share four, and run a seeded random mix of operations:
+ * allocations of log-uniform sizes from 512 B to 8 MiB (a few up to 64 MiB),
+ * frees on the allocation's stream and on others, tide_record_stream,
+ * tide_free_sized, occasional tide_empty_cache, holds of a stream with frees
+ * pending on it, and tide_check (the consistency check) while the other
+ * threads run. Checked:
  * - no two live blocks overlap (a sorted interval set under a test mutex);
  * - every block keeps the data written into it until it is freed;
  * - at quiescent points (all threads joined) the statistics equal the sums
- *   over the live blocks, and once everything is freed and the cache
- *   emptied, nothing stays allocated, reserved or held by the device;
+ *   over the live blocks, tide_check passes, and once everything is freed
+ *   and the cache emptied, nothing stays allocated, reserved or held by the
+ *   device;
  * - with a small device, a NULL from tide_malloc is TIDE_ERR_OOM with an
  *   "out of memory" message, and the allocator keeps working after it.
  *
  * Each of four configurations (expandable segments, fixed segments, and
  * both on a 1 GiB device) runs TIDE_STRESS_OPS operations over all threads:
  * 1,000,000 by default, 250,000 under AddressSanitizer or ThreadSanitizer,
- * which run it several times slower. TIDE_STRESS_SEED changes the seed. */
+ * which run it several times slower; the sixteen-thread one runs half as
+ * many. TIDE_STRESS_SEED changes the seed. */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -45,8 +49,8 @@
 #define UNDER_SANITIZER 0
 #endif
 
-#define THREADS 8
-#define STREAMS 5 /* [0] is the default stream */
+#define MAX_THREADS 16
+#define MAX_STREAMS 5 /* [0] is the default stream */
 #define PHASES 4
 #define DEFAULT_OPS (UNDER_SANITIZER ? 250000u : 1000000u)
 
@@ -83,16 +87,20 @@ typedef struct worker {
 typedef struct stress_setup {
   const char *name;
   const char *conf;
-  size_t max_live;   /* live blocks per thread */
-  bool small_device; /* OOMs are expected (and required) */
+  size_t max_live;    /* live blocks per thread */
+  bool small_device;  /* OOMs are expected (and required) */
+  int threads;        /* at most MAX_THREADS */
+  int streams;        /* with the default stream; at most MAX_STREAMS */
+  unsigned ops_share; /* percent of TIDE_STRESS_OPS this run does (0: all) */
 } stress_setup;
 
 typedef struct stress_run {
   const stress_setup *setup;
   tide_allocator *a;
-  tide_stream streams[STREAMS];
+  tide_stream streams[MAX_STREAMS];
+  int nthreads, nstreams;
   uint64_t ops_per_phase; /* per thread */
-  worker workers[THREADS];
+  worker workers[MAX_THREADS];
 
   pthread_mutex_t set_mutex; /* the live intervals of all threads */
   interval *set;
@@ -193,12 +201,12 @@ static void set_remove(stress_run *run, uintptr_t lo) {
 
 static tide_stream pick_stream(worker *w) {
   if (tu_below(&w->rng, 4) != 0) return w->home;
-  return w->run->streams[tu_below(&w->rng, STREAMS)];
+  return w->run->streams[tu_below(&w->rng, (uint64_t)w->run->nstreams)];
 }
 
 static tide_stream other_stream(worker *w, tide_stream not_this) {
   for (;;) {
-    tide_stream s = w->run->streams[tu_below(&w->rng, STREAMS)];
+    tide_stream s = w->run->streams[tu_below(&w->rng, (uint64_t)w->run->nstreams)];
     if (s != not_this) return s;
   }
 }
@@ -291,7 +299,7 @@ static bool record_random(worker *w) {
   stress_run *run = w->run;
   if (w->nlive == 0) return true;
   live_block *b = &w->live[tu_below(&w->rng, w->nlive)];
-  tide_stream s = run->streams[tu_below(&w->rng, STREAMS)];
+  tide_stream s = run->streams[tu_below(&w->rng, (uint64_t)run->nstreams)];
   tide_status rc = tide_record_stream(run->a, b->ptr, s);
   if (rc != TIDE_OK) {
     worker_fail(run, "thread %d: tide_record_stream(%p, %p): %s: %s", w->index, b->ptr, (void *)s,
@@ -324,7 +332,7 @@ static bool empty_cache(worker *w) {
  * maybe empty the cache meanwhile, then release it. */
 static bool hold_stream(worker *w) {
   stress_run *run = w->run;
-  tide_stream s = run->streams[1 + tu_below(&w->rng, STREAMS - 1)];
+  tide_stream s = run->streams[1 + tu_below(&w->rng, (uint64_t)run->nstreams - 1)];
   atomic_fetch_add(&run->holds_started, 1);
   tide_status rc = tide_host_stream_hold(run->a, s);
   bool ok = rc == TIDE_OK;
@@ -345,11 +353,21 @@ static bool hold_stream(worker *w) {
   return ok;
 }
 
+/* The consistency check while the other threads keep working: it takes
+ * every lock of the allocator, so it must see a consistent state. */
+static bool check_now(worker *w) {
+  stress_run *run = w->run;
+  if (tide_check(run->a) == TIDE_OK) return true;
+  worker_fail(run, "thread %d: tide_check while the others run: %s", w->index, tide_last_error());
+  return false;
+}
+
 static bool one_op(worker *w) {
   const stress_setup *setup = w->run->setup;
   uint64_t dice = tu_below(&w->rng, 100000);
   if (dice < 25) return hold_stream(w);
   if (dice < 35) return empty_cache(w);
+  if (dice < 40) return check_now(w);
   if (dice < 5000) return record_random(w);
   bool room = w->nlive < setup->max_live;
   if (room && (w->nlive == 0 || dice < 55000)) return malloc_block(w, pick_stream(w), pick_size(w));
@@ -378,10 +396,10 @@ static void *drain(void *arg) {
 }
 
 static void run_threads(stress_run *run, void *(*fn)(void *)) {
-  pthread_t threads[THREADS];
-  for (int i = 0; i < THREADS; i++)
+  pthread_t threads[MAX_THREADS];
+  for (int i = 0; i < run->nthreads; i++)
     assert_int_equal(pthread_create(&threads[i], NULL, fn, &run->workers[i]), 0);
-  for (int i = 0; i < THREADS; i++) assert_int_equal(pthread_join(threads[i], NULL), 0);
+  for (int i = 0; i < run->nthreads; i++) assert_int_equal(pthread_join(threads[i], NULL), 0);
   if (atomic_load(&run->failed)) fail_msg("%s: %s", run->setup->name, run->failure);
 }
 
@@ -399,12 +417,12 @@ static int by_ptr(const void *x, const void *y) {
  * large; none overlaps another; the statistics are the sums over them. */
 static void check_quiescent(stress_run *run) {
   size_t count = 0;
-  for (int i = 0; i < THREADS; i++) count += run->workers[i].nlive;
+  for (int i = 0; i < run->nthreads; i++) count += run->workers[i].nlive;
   live_block *all = malloc((count ? count : 1) * sizeof *all);
   assert_non_null(all);
   size_t n = 0;
   int64_t bytes = 0, requested = 0;
-  for (int i = 0; i < THREADS; i++)
+  for (int i = 0; i < run->nthreads; i++)
     for (size_t k = 0; k < run->workers[i].nlive; k++) {
       live_block b = run->workers[i].live[k];
       void *base = NULL;
@@ -442,6 +460,7 @@ static void check_quiescent(stress_run *run) {
    * exactly what the device holds. */
   assert_int_equal((uint64_t)st.reserved_bytes[TIDE_POOL_ALL].current,
                    tide_host_bytes_in_use(run->a));
+  if (tide_check(run->a) != TIDE_OK) fail_msg("%s: %s", run->setup->name, tide_last_error());
 }
 
 /* ------------------------------------------------------------------------ */
@@ -463,18 +482,24 @@ static void stress(const stress_setup *setup) {
   assert_non_null(run);
   run->setup = setup;
   run->a = tu_create(setup->conf);
-  run->ops_per_phase = total_ops / THREADS / PHASES;
+  run->nthreads = setup->threads;
+  run->nstreams = setup->streams;
+  assert_true(run->nthreads >= 1 && run->nthreads <= MAX_THREADS);
+  assert_true(run->nstreams >= 2 && run->nstreams <= MAX_STREAMS);
+  if (setup->ops_share) total_ops = total_ops * setup->ops_share / 100;
+  run->ops_per_phase = total_ops / (uint64_t)run->nthreads / PHASES;
   if (run->ops_per_phase == 0) run->ops_per_phase = 1;
   pthread_mutex_init(&run->set_mutex, NULL);
   pthread_mutex_init(&run->fail_mutex, NULL);
   run->streams[0] = NULL;
-  for (int s = 1; s < STREAMS; s++) tu_assert_ok(tide_stream_create(run->a, &run->streams[s]));
-  for (int i = 0; i < THREADS; i++) {
+  for (int s = 1; s < run->nstreams; s++)
+    tu_assert_ok(tide_stream_create(run->a, &run->streams[s]));
+  for (int i = 0; i < run->nthreads; i++) {
     worker *w = &run->workers[i];
     w->run = run;
     w->index = i;
     tu_rng_seed(&w->rng, seed * 1000003u + (uint64_t)i);
-    w->home = run->streams[i % STREAMS]; /* threads i and i+5 share a stream */
+    w->home = run->streams[i % run->nstreams]; /* threads i, i+streams, ... share one */
     w->live = calloc(setup->max_live, sizeof *w->live);
     assert_non_null(w->live);
   }
@@ -498,7 +523,7 @@ static void stress(const stress_setup *setup) {
   assert_int_equal(st.num_allocs, st.num_frees);
 
   uint64_t sum[9] = {0};
-  for (int i = 0; i < THREADS; i++) {
+  for (int i = 0; i < run->nthreads; i++) {
     worker *w = &run->workers[i];
     uint64_t v[9] = {w->ops,     w->mallocs, w->frees, w->cross_frees, w->sized_frees,
                      w->records, w->empties, w->holds, w->ooms};
@@ -528,9 +553,10 @@ static void stress(const stress_setup *setup) {
                 (double)st.reserved_bytes[TIDE_POOL_ALL].peak / (double)TU_MiB, seconds_since(&t0),
                 (unsigned long long)seed);
 
-  for (int s = 1; s < STREAMS; s++) tu_assert_ok(tide_stream_destroy(run->a, run->streams[s]));
+  for (int s = 1; s < run->nstreams; s++)
+    tu_assert_ok(tide_stream_destroy(run->a, run->streams[s]));
   tu_assert_ok(tide_destroy(run->a));
-  for (int i = 0; i < THREADS; i++) free(run->workers[i].live);
+  for (int i = 0; i < run->nthreads; i++) free(run->workers[i].live);
   free(run->set);
   pthread_mutex_destroy(&run->set_mutex);
   pthread_mutex_destroy(&run->fail_mutex);
@@ -539,32 +565,62 @@ static void stress(const stress_setup *setup) {
 
 static void stress_expandable(void **state) {
   (void)state;
-  static const stress_setup setup = {"expandable segments", "expandable_segments:True", 48, false};
+  static const stress_setup setup = {.name = "expandable segments",
+                                     .conf = "expandable_segments:True",
+                                     .max_live = 48,
+                                     .threads = 8,
+                                     .streams = 5};
   stress(&setup);
 }
 
 static void stress_fixed(void **state) {
   (void)state;
-  static const stress_setup setup = {
-      "fixed segments", "expandable_segments:False,roundup_power2_divisions:4", 48, false};
+  static const stress_setup setup = {.name = "fixed segments",
+                                     .conf = "expandable_segments:False,roundup_power2_divisions:4",
+                                     .max_live = 48,
+                                     .threads = 8,
+                                     .streams = 5};
   stress(&setup);
 }
 
 static void stress_small_device_expandable(void **state) {
   (void)state;
-  static const stress_setup setup = {"1 GiB device, expandable segments",
-                                     "host_capacity:1GiB,expandable_segments:True,"
-                                     "release_holes:True",
-                                     160, true};
+  static const stress_setup setup = {.name = "1 GiB device, expandable segments",
+                                     .conf = "host_capacity:1GiB,expandable_segments:True,"
+                                             "release_holes:True",
+                                     .max_live = 160,
+                                     .small_device = true,
+                                     .threads = 8,
+                                     .streams = 5};
   stress(&setup);
 }
 
 static void stress_small_device_fixed(void **state) {
   (void)state;
-  static const stress_setup setup = {"1 GiB device, fixed segments",
-                                     "host_capacity:1GiB,expandable_segments:False,"
-                                     "garbage_collection_threshold:0.8",
-                                     160, true};
+  static const stress_setup setup = {.name = "1 GiB device, fixed segments",
+                                     .conf = "host_capacity:1GiB,expandable_segments:False,"
+                                             "garbage_collection_threshold:0.8",
+                                     .max_live = 160,
+                                     .small_device = true,
+                                     .threads = 8,
+                                     .streams = 5};
+  stress(&setup);
+}
+
+/* Sixteen threads on four streams (the default and three created), four
+ * to a stream, on a device small enough that they run out of memory: the
+ * out-of-memory path of one thread empties the caches of every stream while
+ * the others allocate. Half the operations of the others, so that it stays
+ * short under ThreadSanitizer on a small machine. */
+static void stress_16_threads_4_streams(void **state) {
+  (void)state;
+  static const stress_setup setup = {.name = "16 threads, 4 streams, 1 GiB device",
+                                     .conf = "host_capacity:1GiB,expandable_segments:True",
+                                     .max_live = 64,
+                                     .small_device = true,
+                                     .threads = 16,
+                                     .streams = 4,
+                                     .ops_share = 50};
   stress(&setup);
 }
 
@@ -574,6 +630,7 @@ int main(void) {
       cmocka_unit_test(stress_fixed),
       cmocka_unit_test(stress_small_device_expandable),
       cmocka_unit_test(stress_small_device_fixed),
+      cmocka_unit_test(stress_16_threads_4_streams),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

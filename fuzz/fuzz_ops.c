@@ -1,0 +1,991 @@
+/* fuzz_ops.c: random sequences of API calls on one allocator of the host
+ * backend, with tide_check (the consistency check) after every step.
+ *
+ * The input is read as choices (fuzz.h): two bytes pick the configuration
+ * (segment kind, device size, rounding, splitting, garbage collection, page
+ * and mapping sizes, trace), then each step takes one byte that picks an
+ * operation from the table `ops` by weight, and the operation reads its own
+ * arguments from the bytes after it. Sizes come from classes that matter to
+ * the allocator (0, huge, sizes used before, small, large, page multiples,
+ * the size of a live block), so that short inputs reach reuse, splitting,
+ * growth and out-of-memory.
+ *
+ * Every call's outcome is checked against what the API documents: a failure
+ * has a status the call may return in that state and a message; a backend
+ * failure happens only in a call an injected fault (tide_host_fail_call)
+ * hit; a free that fails leaves the block allocated and intact; bad
+ * pointers (double, interior, unknown, another device's) get their errors.
+ * After every step: tide_check passes, the figures equal the sums over the
+ * live blocks, and every live block still holds its data at both ends (the
+ * whole pattern is checked before a block is freed). At the end everything
+ * is freed and the cache emptied: nothing may stay reserved, and the
+ * allocator must be destroyed without complaint (ASan sees host leaks).
+ *
+ * Adding an operation (growable buffers, capture pools, checkpoints ...):
+ * write `static void op_name(world *w)`, which reads its arguments with
+ * fz_byte/fz_pick/pick_size, calls the API between begin() and the checks
+ * of its outcome (expect_failure, or FZ_CHECK), and keeps the model (slots,
+ * streams) in step; then add a row {"name", weight, op_name} to `ops`.
+ * Weights are relative; the table's total must stay below 256. */
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fuzz.h"
+#include "tidalloc.h"
+
+#define KiB ((size_t)1 << 10)
+#define MiB ((size_t)1 << 20)
+#define MAX_ALLOC ((size_t)1 << 52) /* larger sizes are refused as invalid */
+#define SLOTS 32
+#define STREAMS 4 /* [0] is the default stream */
+#define RING 8
+#define MAX_STEPS 192
+#define HISTORY 16
+
+typedef enum stream_kind { LIVE, DEAD, BOGUS } stream_kind;
+
+typedef struct slot {
+  bool used, pinned;
+  void *ptr;
+  size_t requested, size;
+  uint64_t seq;
+  tide_stream stream; /* allocated on */
+} slot;
+
+typedef struct world {
+  fz_reader in;
+  tide_allocator *a;
+  tide_allocator *other; /* device 1, for pointers of another device */
+  void *other_block;
+  char conf[256];
+  size_t capacity;
+  slot slots[SLOTS];
+  tide_stream streams[STREAMS];
+  bool exists[STREAMS];
+  tide_stream held[RING]; /* held streams, destroyed ones too */
+  size_t nheld;
+  tide_stream dead[RING]; /* destroyed streams, the last RING of ndead */
+  size_t ndead;
+  uintptr_t freed[RING]; /* device pointers freed lately */
+  size_t nfreed;
+  uint64_t fault_at[TIDE_OP_COUNT]; /* the call of each op armed to fail; 0: none */
+  uint64_t calls_before[TIDE_OP_COUNT];
+  uint64_t next_seq;
+  unsigned step;
+  const char *history[HISTORY];
+  char what[160]; /* the current call, for messages */
+} world;
+
+static world *current; /* for fail() */
+
+__attribute__((noreturn, format(printf, 1, 2))) static void fail(const char *fmt, ...) {
+  char text[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(text, sizeof text, fmt, ap);
+  va_end(ap);
+  world *w = current;
+  fprintf(stderr, "config \"%s\", step %u, %s\nlast steps:", w->conf, w->step, w->what);
+  for (unsigned i = w->step > HISTORY ? w->step - HISTORY : 0; i < w->step; i++)
+    fprintf(stderr, " %s", w->history[i % HISTORY]);
+  fprintf(stderr, "\n");
+  fz_die("%s", text);
+}
+
+#define CHECK(cond, ...)                                                                           \
+  do {                                                                                             \
+    if (!(cond)) fail(__VA_ARGS__);                                                                \
+  } while (0)
+
+/* ------------------------------------------------------------------------ */
+/* Data patterns                                                             */
+/* ------------------------------------------------------------------------ */
+
+static uint8_t pattern_byte(uintptr_t base, uint64_t seq, size_t off) {
+  uint64_t x = (uint64_t)base ^ (seq * UINT64_C(0xD1B54A32D192ED03)) ^ ((uint64_t)(off / 8) << 17);
+  x += UINT64_C(0x9E3779B97F4A7C15);
+  x = (x ^ (x >> 30)) * UINT64_C(0xBF58476D1CE4E5B9);
+  x = (x ^ (x >> 27)) * UINT64_C(0x94D049BB133111EB);
+  x ^= x >> 31;
+  return (uint8_t)(x >> ((off % 8) * 8));
+}
+
+/* The bytes a pattern covers: all of a small block; of a larger one its
+ * first and last 64 bytes and a few in between. Returns false at a byte that
+ * lost its value (with `write`, writes them). */
+static bool pattern(const slot *s, bool write, bool edges_only, size_t *bad) {
+  uint8_t *p = s->ptr;
+  size_t n = s->requested, edge = n < 64 ? n : 64;
+  size_t offsets[4] = {n / 3, n / 2, (2 * n) / 3, n - n / 7 - 1};
+  for (size_t k = 0; k < edge; k++) {
+    size_t offs[2] = {k, n - 1 - k};
+    for (int j = 0; j < 2; j++) {
+      uint8_t want = pattern_byte((uintptr_t)p, s->seq, offs[j]);
+      if (write)
+        p[offs[j]] = want;
+      else if (p[offs[j]] != want)
+        return *bad = offs[j], false;
+    }
+    if (edges_only && k >= 7) break;
+  }
+  for (int j = 0; j < 4 && !edges_only && n > 128; j++) {
+    uint8_t want = pattern_byte((uintptr_t)p, s->seq, offsets[j]);
+    if (write)
+      p[offsets[j]] = want;
+    else if (p[offsets[j]] != want)
+      return *bad = offsets[j], false;
+  }
+  return true;
+}
+
+static void fill(slot *s) {
+  size_t bad;
+  pattern(s, true, false, &bad);
+}
+
+static void expect_intact(const slot *s, bool edges_only) {
+  size_t bad = 0;
+  CHECK(pattern(s, false, edges_only, &bad),
+        "%s block %p (%zu bytes, seq %llu) lost its data at "
+        "offset %zu",
+        s->pinned ? "pinned" : "device", s->ptr, s->requested, (unsigned long long)s->seq, bad);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Steps and their outcomes                                                  */
+/* ------------------------------------------------------------------------ */
+
+static void begin(world *w, const char *what) {
+  snprintf(w->what, sizeof w->what, "%s", what);
+  for (int op = 0; op < TIDE_OP_COUNT; op++)
+    w->calls_before[op] = tide_host_call_count(w->a, (tide_backend_op)op);
+  tide_clear_error();
+}
+
+/* Whether an armed fault fired during the current call. */
+static bool fault_fired(const world *w) {
+  for (int op = 0; op < TIDE_OP_COUNT; op++) {
+    uint64_t at = w->fault_at[op];
+    if (at && w->calls_before[op] < at && tide_host_call_count(w->a, (tide_backend_op)op) >= at)
+      return true;
+  }
+  return false;
+}
+
+#define ST(s) (1u << (s))
+
+/* A call failed with `st`: it must be one of `allowed` (a mask of ST()),
+ * or a backend failure, a wait on a held stream or a lack of memory caused
+ * by an injected fault that fired in this call; and it has a message. */
+static void expect_failure(world *w, tide_status st, unsigned allowed) {
+  const char *msg = tide_last_error();
+  CHECK(st != TIDE_OK, "%s succeeded, expected a failure", w->what);
+  CHECK(msg && *msg, "%s failed with %s and no message", w->what, tide_status_name(st));
+  CHECK(tide_last_status() == st, "%s returned %s, the thread's last status is %s", w->what,
+        tide_status_name(st), tide_status_name(tide_last_status()));
+  bool fired = fault_fired(w);
+  unsigned by_fault = ST(TIDE_ERR_BACKEND) | ST(TIDE_ERR_NOT_READY) | ST(TIDE_ERR_OOM);
+  CHECK((allowed & ST(st)) || (fired && (by_fault & ST(st))), "%s failed with %s%s: %s", w->what,
+        tide_status_name(st), fired ? " (a fault fired)" : "", msg);
+  if (st == TIDE_ERR_BACKEND && !(allowed & ST(st)))
+    CHECK(strstr(msg, "injected failure"), "%s: a backend failure that is not the injected one: %s",
+          w->what, msg);
+}
+
+static void expect_ok(world *w, tide_status st, unsigned allowed) {
+  if (st != TIDE_OK) expect_failure(w, st, allowed);
+}
+
+/* ------------------------------------------------------------------------ */
+/* The model: slots and streams                                              */
+/* ------------------------------------------------------------------------ */
+
+static slot *free_slot(world *w) {
+  for (int i = 0; i < SLOTS; i++)
+    if (!w->slots[i].used) return &w->slots[i];
+  return NULL;
+}
+
+/* A used slot of the kind asked for, or NULL. */
+static slot *pick_used(world *w, bool pinned) {
+  unsigned n = 0;
+  for (int i = 0; i < SLOTS; i++) n += w->slots[i].used && w->slots[i].pinned == pinned;
+  if (n == 0) return NULL;
+  unsigned k = fz_pick(&w->in, n);
+  for (int i = 0; i < SLOTS; i++)
+    if (w->slots[i].used && w->slots[i].pinned == pinned && k-- == 0) return &w->slots[i];
+  return NULL;
+}
+
+/* The live device block holding addr, or NULL. */
+static slot *device_slot_at(world *w, uintptr_t addr) {
+  for (int i = 0; i < SLOTS; i++) {
+    slot *s = &w->slots[i];
+    if (s->used && !s->pinned && addr >= (uintptr_t)s->ptr && addr < (uintptr_t)s->ptr + s->size)
+      return s;
+  }
+  return NULL;
+}
+
+static bool is_dead(const world *w, tide_stream s) {
+  for (size_t i = 0; i < w->ndead && i < RING; i++)
+    if (w->dead[i] == s) return true;
+  return false;
+}
+
+static bool is_held(const world *w, tide_stream s) {
+  for (size_t i = 0; i < w->nheld; i++)
+    if (w->held[i] == s) return true;
+  return false;
+}
+
+/* A stream to use: mostly a live one, sometimes a destroyed or made-up one. */
+static tide_stream pick_stream(world *w, stream_kind *kind) {
+  unsigned c = fz_pick(&w->in, 16);
+  *kind = LIVE;
+  if (c == 14 && w->ndead) {
+    *kind = DEAD;
+    return w->dead[fz_pick(&w->in, (unsigned)(w->ndead < RING ? w->ndead : RING))];
+  }
+  if (c == 15) {
+    *kind = BOGUS;
+    return (tide_stream)(uintptr_t)(0x5eed0000u + fz_byte(&w->in));
+  }
+  unsigned i = c % STREAMS;
+  return w->exists[i] ? w->streams[i] : NULL;
+}
+
+static size_t pick_size(world *w) {
+  static const size_t favorites[] = {512,     4096,    1000,     1 * MiB,
+                                     2 * MiB, 3 * MiB, 20 * MiB, 300 * KiB};
+  switch (fz_pick(&w->in, 16)) {
+  case 0: return 0;
+  case 1: {
+    const size_t huge[] = {w->capacity + 1, w->capacity * 4, (size_t)1 << 40, MAX_ALLOC,
+                           MAX_ALLOC + 1,   SIZE_MAX,        SIZE_MAX - 511};
+    return huge[fz_pick(&w->in, sizeof huge / sizeof huge[0])];
+  }
+  case 2:
+  case 3:
+  case 4:
+  case 5: return favorites[fz_pick(&w->in, sizeof favorites / sizeof favorites[0])];
+  case 6:
+  case 7:
+  case 8:
+  case 9: return 1 + (size_t)fz_u16(&w->in) * 16; /* up to 1 MiB */
+  case 10:
+  case 11:
+  case 12: return MiB + (size_t)fz_u16(&w->in) * 512; /* up to 33 MiB */
+  case 13: return 2 * MiB * (1 + fz_pick(&w->in, 8)) + 512 * (fz_pick(&w->in, 5) - 2u);
+  default: {
+    slot *s = pick_used(w, false); /* a size a live block has: exact reuse */
+    return s ? (fz_byte(&w->in) & 1 ? s->requested : s->size) : 4096;
+  }
+  }
+}
+
+static void remember_freed(world *w, void *p) { w->freed[w->nfreed++ % RING] = (uintptr_t)p; }
+
+/* ------------------------------------------------------------------------ */
+/* Device memory                                                             */
+/* ------------------------------------------------------------------------ */
+
+static void take_block(world *w, slot *s, void *p, size_t size, tide_stream stream) {
+  CHECK((uintptr_t)p % 512 == 0, "%s returned %p, not 512-byte aligned", w->what, p);
+  void *base = NULL;
+  size_t bsize = 0;
+  tide_stream bstream = (tide_stream)(uintptr_t)1;
+  tide_status rc = tide_block_info(w->a, p, &base, &bsize, &bstream);
+  CHECK(rc == TIDE_OK && base == p && bsize >= size && bsize % 512 == 0 && bstream == stream,
+        "%s: block %p: tide_block_info says %s, base %p, size %zu, stream %p: %s", w->what, p,
+        tide_status_name(rc), base, bsize, (void *)bstream, tide_last_error());
+  for (int i = 0; i < SLOTS; i++) {
+    const slot *o = &w->slots[i];
+    if (o->used && !o->pinned)
+      CHECK(
+          (uintptr_t)p + bsize <= (uintptr_t)o->ptr || (uintptr_t)o->ptr + o->size <= (uintptr_t)p,
+          "%s: block %p (+%zu) overlaps live block %p (+%zu)", w->what, p, bsize, o->ptr, o->size);
+  }
+  *s = (slot){.used = true,
+              .ptr = p,
+              .requested = size,
+              .size = bsize,
+              .seq = ++w->next_seq,
+              .stream = stream};
+  fill(s);
+}
+
+static void op_malloc(world *w) {
+  stream_kind kind;
+  tide_stream stream = pick_stream(w, &kind);
+  size_t size = pick_size(w);
+  slot *s = free_slot(w);
+  if (!s) return;
+  char what[96];
+  snprintf(what, sizeof what, "tide_malloc(%zu) on %s stream %p", size,
+           kind == LIVE   ? "live"
+           : kind == DEAD ? "destroyed"
+                          : "unknown",
+           (void *)stream);
+  begin(w, what);
+  void *p = tide_malloc(w->a, size, stream);
+  if (!p) {
+    tide_status st = tide_last_status();
+    if (size == 0 || size > MAX_ALLOC || kind != LIVE) {
+      expect_failure(w, st, ST(TIDE_ERR_INVALID));
+    } else {
+      expect_failure(w, st, ST(TIDE_ERR_OOM));
+      if (st == TIDE_ERR_OOM)
+        CHECK(strstr(tide_last_error(), "out of memory") ||
+                  strstr(tide_last_error(), "injected failure"),
+              "%s: TIDE_ERR_OOM without \"out of memory\": %s", w->what, tide_last_error());
+    }
+    return;
+  }
+  CHECK(size > 0 && size <= MAX_ALLOC && kind == LIVE, "%s returned %p", w->what, p);
+  take_block(w, s, p, size, stream);
+}
+
+/* Free the block of slot s on `stream`, checking its data first. */
+static void free_block(world *w, slot *s, tide_stream stream, stream_kind kind, bool sized,
+                       size_t size) {
+  expect_intact(s, false);
+  char what[128];
+  snprintf(what, sizeof what, "tide_free%s(%p, %zu of %zu bytes) on %s stream %p (allocated on %p)",
+           sized ? "_sized" : "", s->ptr, size, s->requested,
+           kind == LIVE   ? "live"
+           : kind == DEAD ? "destroyed"
+                          : "unknown",
+           (void *)stream, (void *)s->stream);
+  begin(w, what);
+  tide_status rc =
+      sized ? tide_free_sized(w->a, s->ptr, size, stream) : tide_free(w->a, s->ptr, stream);
+  bool wrong_size = sized && size != s->requested;
+  bool bad_stream = kind != LIVE && stream != s->stream;
+  if (rc == TIDE_OK) {
+    CHECK(!wrong_size && !bad_stream, "%s succeeded", w->what);
+    remember_freed(w, s->ptr);
+    s->used = false;
+    return;
+  }
+  /* A stream that cannot take an event (destroyed, or made up and recorded)
+   * is waited for instead, or the default stream in its place: held, that
+   * wait cannot end. */
+  unsigned allowed = (wrong_size || bad_stream) ? ST(TIDE_ERR_INVALID) : 0;
+  if (w->nheld) allowed |= ST(TIDE_ERR_NOT_READY);
+  expect_failure(w, rc, allowed);
+  if (wrong_size || bad_stream)
+    CHECK(strstr(tide_last_error(), wrong_size ? "nothing was freed" : "still allocated"), "%s: %s",
+          w->what, tide_last_error());
+  /* Refused: still allocated, where it was, with its data. */
+  void *base = NULL;
+  size_t bsize = 0;
+  CHECK(tide_block_info(w->a, s->ptr, &base, &bsize, NULL) == TIDE_OK && base == s->ptr &&
+            bsize == s->size,
+        "%s failed, and the block is no longer allocated as it was: %s", w->what,
+        tide_last_error());
+  expect_intact(s, false);
+}
+
+static void op_free(world *w) {
+  slot *s = pick_used(w, false);
+  if (!s) return;
+  stream_kind kind = LIVE;
+  tide_stream stream = s->stream;
+  unsigned mode = fz_pick(&w->in, 8);
+  if (mode == 5) stream = NULL;
+  if (mode == 6 || mode == 7) stream = pick_stream(w, &kind);
+  if (stream == s->stream) kind = is_dead(w, stream) ? DEAD : LIVE;
+  free_block(w, s, stream, kind, false, 0);
+}
+
+static void op_free_sized(world *w) {
+  slot *s = pick_used(w, false);
+  if (!s) return;
+  const size_t sizes[] = {s->requested,     s->requested, s->requested + 1,
+                          s->requested - 1, s->size,      0};
+  size_t size = sizes[fz_pick(&w->in, sizeof sizes / sizeof sizes[0])];
+  free_block(w, s, s->stream, is_dead(w, s->stream) ? DEAD : LIVE, true, size);
+}
+
+/* A pointer that is no live block's start: the error depends on where it
+ * points. `pinned_ok`: pinned memory is "not allocated" too. */
+static void expect_not_a_block(world *w, uintptr_t addr, tide_status rc, const char *needle) {
+  slot *inside = device_slot_at(w, addr);
+  if (inside) {
+    expect_failure(w, rc, ST(TIDE_ERR_BAD_POINTER));
+    CHECK(strstr(tide_last_error(), "not the start of a block"), "%s: %s", w->what,
+          tide_last_error());
+  } else {
+    expect_failure(w, rc, ST(TIDE_ERR_BAD_POINTER) | ST(TIDE_ERR_DOUBLE_FREE));
+    if (needle) CHECK(strstr(tide_last_error(), needle), "%s: %s", w->what, tide_last_error());
+  }
+}
+
+/* Free, sized free, record and block info of a pointer that is not a live
+ * block's start; nothing may change. */
+static void bad_pointer_calls(world *w, uintptr_t addr, const char *kind, const char *needle) {
+  tide_stream side = w->exists[1] ? w->streams[1] : NULL;
+  char what[96];
+  snprintf(what, sizeof what, "tide_free(%s %#lx)", kind, (unsigned long)addr);
+  begin(w, what);
+  expect_not_a_block(w, addr, tide_free(w->a, (void *)addr, NULL), needle);
+  begin(w, what);
+  expect_not_a_block(w, addr, tide_free(w->a, (void *)addr, side), needle);
+  snprintf(what, sizeof what, "tide_free_sized(%s %#lx)", kind, (unsigned long)addr);
+  begin(w, what);
+  expect_not_a_block(w, addr, tide_free_sized(w->a, (void *)addr, 4096, NULL), needle);
+  snprintf(what, sizeof what, "tide_record_stream(%s %#lx)", kind, (unsigned long)addr);
+  begin(w, what);
+  expect_not_a_block(w, addr, tide_record_stream(w->a, (void *)addr, side), NULL);
+  snprintf(what, sizeof what, "tide_block_info(%s %#lx)", kind, (unsigned long)addr);
+  begin(w, what);
+  void *base = NULL;
+  tide_status rc = tide_block_info(w->a, (void *)addr, &base, NULL, NULL);
+  slot *inside = device_slot_at(w, addr);
+  if (inside)
+    CHECK(rc == TIDE_OK && base == inside->ptr, "%s: %s, base %p, the block is %p", w->what,
+          tide_status_name(rc), base, inside->ptr);
+  else
+    expect_failure(w, rc, ST(TIDE_ERR_BAD_POINTER) | ST(TIDE_ERR_DOUBLE_FREE));
+}
+
+static void op_double_free(world *w) {
+  if (!w->nfreed) return;
+  uintptr_t addr = w->freed[fz_pick(&w->in, (unsigned)(w->nfreed < RING ? w->nfreed : RING))];
+  slot *s = device_slot_at(w, addr);
+  if (s && (uintptr_t)s->ptr == addr) return; /* handed out again: a valid free */
+  bad_pointer_calls(w, addr, "freed", NULL);
+}
+
+static void op_interior(world *w) {
+  slot *s = pick_used(w, false);
+  if (!s || s->size < 2) return;
+  size_t off = 1 + (size_t)fz_u32(&w->in) % (s->size - 1);
+  bad_pointer_calls(w, (uintptr_t)s->ptr + off, "interior", NULL);
+}
+
+static void op_unknown(world *w) {
+  int on_stack = 0;
+  uintptr_t addr = 0;
+  const char *needle = "not allocated";
+  void *heap = NULL;
+  switch (fz_pick(&w->in, 6)) {
+  case 0: addr = (uintptr_t)&on_stack; break;
+  case 1:
+    heap = malloc(64);
+    addr = (uintptr_t)heap;
+    break;
+  case 2: addr = (uintptr_t)1 + 511u * fz_byte(&w->in); break;
+  case 3: { /* a block of another device's allocator */
+    if (!w->other) {
+      tide_config *c = NULL;
+      CHECK(tide_config_new(&c) == TIDE_OK && tide_config_parse(c, w->conf) == TIDE_OK,
+            "config: %s", tide_last_error());
+      CHECK(tide_create(1, c, &w->other) == TIDE_OK, "tide_create(1): %s", tide_last_error());
+      tide_config_free(c);
+      w->other_block = tide_malloc(w->other, 4096, NULL);
+      CHECK(w->other_block, "tide_malloc on device 1: %s", tide_last_error());
+    }
+    addr = (uintptr_t)w->other_block;
+    needle = "not allocated by this";
+    break;
+  }
+  case 4: { /* pinned memory is no device block */
+    slot *s = pick_used(w, true);
+    if (!s) return;
+    addr = (uintptr_t)s->ptr;
+    break;
+  }
+  default: { /* past a live block: free memory, another block, or nothing */
+    slot *s = pick_used(w, false);
+    if (!s) return;
+    addr = (uintptr_t)s->ptr + s->size + 512u * fz_byte(&w->in);
+    slot *t = device_slot_at(w, addr);
+    if (t && (uintptr_t)t->ptr == addr) return; /* a live block's start */
+    needle = NULL;
+    break;
+  }
+  }
+  bad_pointer_calls(w, addr, "unknown", needle);
+  free(heap);
+}
+
+static void op_record(world *w) {
+  slot *s = pick_used(w, false);
+  if (!s) return;
+  stream_kind kind;
+  tide_stream stream = pick_stream(w, &kind);
+  begin(w, "tide_record_stream");
+  /* Any stream may be recorded: one gone by the free is waited for instead. */
+  expect_ok(w, tide_record_stream(w->a, s->ptr, stream), 0);
+}
+
+static void op_block_info(world *w) {
+  slot *s = pick_used(w, false);
+  if (!s) return;
+  size_t off = (size_t)fz_u32(&w->in) % s->size;
+  begin(w, "tide_block_info(inside a block)");
+  void *base = NULL;
+  size_t size = 0;
+  tide_stream stream = (tide_stream)(uintptr_t)1;
+  tide_status rc = tide_block_info(w->a, (char *)s->ptr + off, &base, &size, &stream);
+  CHECK(rc == TIDE_OK && base == s->ptr && size == s->size && stream == s->stream,
+        "%s +%zu: %s, base %p size %zu stream %p; the block is %p, %zu bytes, stream %p", w->what,
+        off, tide_status_name(rc), base, size, (void *)stream, s->ptr, s->size, (void *)s->stream);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Streams                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static void op_stream_create(world *w) {
+  unsigned i = 1 + fz_pick(&w->in, STREAMS - 1);
+  if (w->exists[i]) return;
+  begin(w, "tide_stream_create");
+  tide_stream s = NULL;
+  tide_status rc = tide_stream_create(w->a, &s);
+  expect_ok(w, rc, 0);
+  if (rc == TIDE_OK) {
+    CHECK(s != NULL, "tide_stream_create gave the default stream");
+    w->streams[i] = s;
+    w->exists[i] = true;
+  }
+}
+
+static void op_stream_destroy(world *w) {
+  unsigned i = fz_pick(&w->in, STREAMS);
+  if (i == 0) {
+    begin(w, "tide_stream_destroy(default stream)");
+    expect_failure(w, tide_stream_destroy(w->a, NULL), ST(TIDE_ERR_INVALID));
+    return;
+  }
+  if (!w->exists[i]) {
+    if (!w->ndead) return;
+    begin(w, "tide_stream_destroy(destroyed stream)");
+    tide_stream dead = w->dead[fz_pick(&w->in, (unsigned)(w->ndead < RING ? w->ndead : RING))];
+    expect_failure(w, tide_stream_destroy(w->a, dead), ST(TIDE_ERR_INVALID));
+    return;
+  }
+  begin(w, "tide_stream_destroy");
+  tide_status rc = tide_stream_destroy(w->a, w->streams[i]);
+  expect_ok(w, rc, 0);
+  if (rc == TIDE_OK) {
+    w->exists[i] = false;
+    w->dead[w->ndead++ % RING] = w->streams[i];
+  }
+}
+
+static void op_hold(world *w) {
+  stream_kind kind;
+  tide_stream s = pick_stream(w, &kind);
+  if (kind != LIVE || is_held(w, s) || w->nheld == RING) return;
+  begin(w, "tide_host_stream_hold");
+  expect_ok(w, tide_host_stream_hold(w->a, s), 0);
+  w->held[w->nheld++] = s;
+}
+
+static void op_release(world *w) {
+  if (!w->nheld) return;
+  size_t i = fz_pick(&w->in, (unsigned)w->nheld);
+  begin(w, "tide_host_stream_release");
+  expect_ok(w, tide_host_stream_release(w->a, w->held[i]), 0);
+  w->held[i] = w->held[--w->nheld];
+}
+
+static void op_synchronize(world *w) {
+  stream_kind kind;
+  tide_stream s = pick_stream(w, &kind);
+  begin(w, "tide_stream_synchronize");
+  tide_status rc = tide_stream_synchronize(w->a, s);
+  if (kind != LIVE)
+    expect_failure(w, rc, ST(TIDE_ERR_INVALID) | (is_held(w, s) ? ST(TIDE_ERR_NOT_READY) : 0));
+  else
+    expect_ok(w, rc, is_held(w, s) ? ST(TIDE_ERR_NOT_READY) : 0);
+}
+
+/* ------------------------------------------------------------------------ */
+/* The cache, limits and faults                                              */
+/* ------------------------------------------------------------------------ */
+
+static void op_empty_cache(world *w) {
+  begin(w, "tide_empty_cache");
+  tide_status rc = tide_empty_cache(w->a);
+  expect_ok(w, rc, w->nheld ? ST(TIDE_ERR_NOT_READY) : 0);
+  if (rc == TIDE_ERR_NOT_READY && !fault_fired(w))
+    CHECK(strstr(tide_last_error(), "held"), "%s: %s", w->what, tide_last_error());
+}
+
+static void op_limit(world *w) {
+  switch (fz_pick(&w->in, 4)) {
+  case 0: {
+    const size_t limits[] = {0, w->capacity / 4, w->capacity / 2, 8 * MiB, 4096, SIZE_MAX};
+    begin(w, "tide_set_memory_limit");
+    expect_ok(w, tide_set_memory_limit(w->a, limits[fz_pick(&w->in, 6)]), 0);
+    break;
+  }
+  case 1: {
+    const double fractions[] = {1.0, 0.5, 0.125, 0.999};
+    begin(w, "tide_set_memory_fraction");
+    expect_ok(w, tide_set_memory_fraction(w->a, fractions[fz_pick(&w->in, 4)]), 0);
+    break;
+  }
+  case 2: {
+    const double bad[] = {0.0, -1.0, 1.5, NAN, INFINITY};
+    begin(w, "tide_set_memory_fraction(bad)");
+    expect_failure(w, tide_set_memory_fraction(w->a, bad[fz_pick(&w->in, 5)]),
+                   ST(TIDE_ERR_INVALID));
+    break;
+  }
+  default:
+    begin(w, "tide_set_memory_limit(0)");
+    expect_ok(w, tide_set_memory_limit(w->a, 0), 0);
+    expect_ok(w, tide_set_memory_fraction(w->a, 1.0), 0);
+  }
+}
+
+static void op_fault(world *w) {
+  static const tide_backend_op faultable[] = {
+      TIDE_OP_ANY,
+      TIDE_OP_RESERVE,
+      TIDE_OP_UNRESERVE,
+      TIDE_OP_CREATE,
+      TIDE_OP_RELEASE,
+      TIDE_OP_MAP,
+      TIDE_OP_SET_ACCESS,
+      TIDE_OP_UNMAP,
+      TIDE_OP_STREAM_CREATE,
+      TIDE_OP_STREAM_DESTROY,
+      TIDE_OP_STREAM_SYNCHRONIZE,
+      TIDE_OP_EVENT_CREATE,
+      TIDE_OP_EVENT_RECORD,
+      TIDE_OP_EVENT_QUERY,
+      TIDE_OP_EVENT_SYNCHRONIZE,
+      TIDE_OP_MEM_INFO,
+      TIDE_OP_HOST_ALLOC,
+      TIDE_OP_HOST_FREE,
+      TIDE_OP_COPY,
+  };
+  tide_backend_op op = faultable[fz_pick(&w->in, sizeof faultable / sizeof faultable[0])];
+  uint64_t n = fz_pick(&w->in, 17); /* 0 disarms */
+  begin(w, "tide_host_fail_call");
+  expect_ok(w, tide_host_fail_call(w->a, op, n), 0);
+  w->fault_at[op] = n ? tide_host_call_count(w->a, op) + n : 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Pinned memory, copies, figures                                            */
+/* ------------------------------------------------------------------------ */
+
+static void op_pinned_malloc(world *w) {
+  stream_kind kind;
+  tide_stream stream = pick_stream(w, &kind);
+  size_t size = fz_pick(&w->in, 8) == 0 ? 0 : 1 + (size_t)fz_u16(&w->in) * 4;
+  slot *s = free_slot(w);
+  if (!s) return;
+  begin(w, "tide_pinned_malloc");
+  void *p = tide_pinned_malloc(w->a, size, stream);
+  if (!p) {
+    expect_failure(w, tide_last_status(),
+                   size == 0 || kind != LIVE ? ST(TIDE_ERR_INVALID) : ST(TIDE_ERR_OOM));
+    return;
+  }
+  CHECK(size > 0 && kind == LIVE && (uintptr_t)p % 4096 == 0, "%s(%zu) returned %p", w->what, size,
+        p);
+  size_t cls = 4096;
+  while (cls < size) cls *= 2;
+  *s = (slot){.used = true,
+              .pinned = true,
+              .ptr = p,
+              .requested = size,
+              .size = cls,
+              .seq = ++w->next_seq,
+              .stream = stream};
+  fill(s);
+}
+
+static void op_pinned_free(world *w) {
+  slot *s = pick_used(w, true);
+  if (!s) return;
+  stream_kind kind = LIVE;
+  tide_stream stream = fz_pick(&w->in, 4) ? s->stream : pick_stream(w, &kind);
+  if (stream == s->stream) kind = LIVE;
+  expect_intact(s, false);
+  begin(w, "tide_pinned_free");
+  tide_status rc = tide_pinned_free(w->a, s->ptr, stream);
+  if (rc == TIDE_OK) {
+    CHECK(kind == LIVE, "%s on a %s stream succeeded", w->what,
+          kind == DEAD ? "destroyed" : "made-up");
+    begin(w, "tide_pinned_free, twice");
+    expect_failure(w, tide_pinned_free(w->a, s->ptr, s->stream), ST(TIDE_ERR_DOUBLE_FREE));
+    begin(w, "tide_free of pinned memory");
+    expect_failure(w, tide_free(w->a, s->ptr, NULL), ST(TIDE_ERR_BAD_POINTER));
+    s->used = false;
+    return;
+  }
+  /* As for device memory: a stream that cannot take an event is waited for
+   * instead, which cannot end while it (or the default stream) is held. */
+  expect_failure(
+      w, rc, (kind != LIVE ? ST(TIDE_ERR_INVALID) : 0) | (w->nheld ? ST(TIDE_ERR_NOT_READY) : 0));
+  expect_intact(s, false);
+}
+
+static void op_pinned_record(world *w) {
+  slot *s = pick_used(w, true);
+  if (!s) return;
+  stream_kind kind;
+  tide_stream stream = pick_stream(w, &kind);
+  begin(w, "tide_pinned_record_stream");
+  expect_ok(w, tide_pinned_record_stream(w->a, s->ptr, stream),
+            kind != LIVE ? ST(TIDE_ERR_INVALID) : 0);
+}
+
+static void op_pinned_empty(world *w) {
+  begin(w, "tide_pinned_empty_cache");
+  expect_ok(w, tide_pinned_empty_cache(w->a), w->nheld ? ST(TIDE_ERR_NOT_READY) : 0);
+}
+
+/* Copies out of a block, and from one block into another (whose pattern is
+ * then written again). */
+static void op_memcpy(world *w) {
+  slot *from = pick_used(w, fz_byte(&w->in) & 1);
+  slot *to = pick_used(w, fz_byte(&w->in) & 1);
+  if (!from) return;
+  size_t n = from->requested < 4096 ? from->requested : 4096;
+  if (!to || to == from) {
+    unsigned char host[4096];
+    begin(w, "tide_memcpy(host <- block)");
+    tide_status rc = tide_memcpy(w->a, host, from->ptr, n, NULL);
+    expect_ok(w, rc, 0);
+    if (rc == TIDE_OK) CHECK(memcmp(host, from->ptr, n) == 0, "%s copied other bytes", w->what);
+    if (n > 1) {
+      begin(w, "tide_memcpy(overlapping)");
+      expect_failure(w, tide_memcpy(w->a, (char *)from->ptr + 1, from->ptr, n - 1, NULL),
+                     ST(TIDE_ERR_INVALID));
+    }
+    return;
+  }
+  if (to->requested < n) n = to->requested;
+  begin(w, "tide_memcpy(block <- block)");
+  tide_status rc = tide_memcpy(w->a, to->ptr, from->ptr, n, NULL);
+  expect_ok(w, rc, 0);
+  if (rc == TIDE_OK) CHECK(memcmp(to->ptr, from->ptr, n) == 0, "%s copied other bytes", w->what);
+  fill(to);
+}
+
+static void op_figures(world *w) {
+  begin(w, "figures");
+  tide_stats st;
+  CHECK(tide_reset_peak_stats(w->a) == TIDE_OK, "tide_reset_peak_stats: %s", tide_last_error());
+  CHECK(tide_get_stats(w->a, &st) == TIDE_OK, "tide_get_stats: %s", tide_last_error());
+  CHECK(st.reserved_bytes[0].peak == st.reserved_bytes[0].current,
+        "after a reset the reserved peak is %lld, current %lld",
+        (long long)st.reserved_bytes[0].peak, (long long)st.reserved_bytes[0].current);
+  char *json = NULL;
+  size_t len = 0;
+  CHECK(tide_snapshot_json(w->a, &json, &len) == TIDE_OK && json && len == strlen(json) &&
+            json[0] == '{',
+        "tide_snapshot_json: %s", tide_last_error());
+  tide_string_free(json);
+  tide_trace_event events[8];
+  size_t n = 0;
+  uint64_t dropped = 0;
+  CHECK(tide_trace_read(w->a, events, 8, &n, &dropped) == TIDE_OK && n <= 8, "tide_trace_read: %s",
+        tide_last_error());
+  for (size_t i = 1; i < n; i++)
+    CHECK(events[i].seq == events[i - 1].seq + 1, "trace events out of order");
+}
+
+/* The operations, by weight (the total stays below 256). */
+typedef struct op_row {
+  const char *name;
+  unsigned weight;
+  void (*run)(world *w);
+} op_row;
+
+static const op_row ops[] = {
+    {"malloc", 24, op_malloc},
+    {"free", 16, op_free},
+    {"free_sized", 4, op_free_sized},
+    {"double_free", 3, op_double_free},
+    {"interior", 2, op_interior},
+    {"unknown", 2, op_unknown},
+    {"record", 4, op_record},
+    {"block_info", 2, op_block_info},
+    {"stream_create", 3, op_stream_create},
+    {"stream_destroy", 2, op_stream_destroy},
+    {"hold", 3, op_hold},
+    {"release", 3, op_release},
+    {"synchronize", 1, op_synchronize},
+    {"empty_cache", 3, op_empty_cache},
+    {"limit", 2, op_limit},
+    {"fault", 3, op_fault},
+    {"pinned_malloc", 3, op_pinned_malloc},
+    {"pinned_free", 3, op_pinned_free},
+    {"pinned_record", 1, op_pinned_record},
+    {"pinned_empty", 1, op_pinned_empty},
+    {"memcpy", 2, op_memcpy},
+    {"figures", 1, op_figures},
+};
+
+#define NOPS (sizeof ops / sizeof ops[0])
+
+static const op_row *pick_op(world *w) {
+  static unsigned total;
+  if (!total)
+    for (size_t i = 0; i < NOPS; i++) total += ops[i].weight;
+  unsigned k = fz_byte(&w->in) % total;
+  for (size_t i = 0;; i++) {
+    if (k < ops[i].weight) return &ops[i];
+    k -= ops[i].weight;
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* After every step, and at the end                                          */
+/* ------------------------------------------------------------------------ */
+
+/* TIDE_FUZZ_TRACE=1 prints each step's call and the outcome (to read what
+ * an input does). */
+static void trace_step(const world *w) {
+  static int on = -1;
+  if (on < 0) on = getenv("TIDE_FUZZ_TRACE") != NULL;
+  if (on)
+    fprintf(stderr, "step %u: %s: %s\n", w->step, w->what,
+            tide_last_status() ? tide_last_error() : "ok");
+}
+
+static void after_step(world *w) {
+  trace_step(w);
+  for (int op = 0; op < TIDE_OP_COUNT; op++) /* a fault fires once */
+    if (w->fault_at[op] && tide_host_call_count(w->a, (tide_backend_op)op) >= w->fault_at[op])
+      w->fault_at[op] = 0;
+  CHECK(tide_check(w->a) == TIDE_OK, "after %s: %s", w->what, tide_last_error());
+  int64_t bytes = 0, requested = 0, count = 0, pbytes = 0, prequested = 0, pcount = 0;
+  for (int i = 0; i < SLOTS; i++) {
+    const slot *s = &w->slots[i];
+    if (!s->used) continue;
+    expect_intact(s, true);
+    if (s->pinned) {
+      pbytes += (int64_t)s->size;
+      prequested += (int64_t)s->requested;
+      pcount++;
+    } else {
+      bytes += (int64_t)s->size;
+      requested += (int64_t)s->requested;
+      count++;
+    }
+  }
+  tide_stats st, pst;
+  CHECK(tide_get_stats(w->a, &st) == TIDE_OK && tide_pinned_get_stats(w->a, &pst) == TIDE_OK,
+        "stats: %s", tide_last_error());
+  CHECK(st.allocated_bytes[0].current == bytes && st.requested_bytes[0].current == requested &&
+            st.allocations[0].current == count,
+        "after %s: %lld bytes (%lld asked) in %lld blocks allocated; the live blocks hold %lld "
+        "(%lld) in %lld",
+        w->what, (long long)st.allocated_bytes[0].current, (long long)st.requested_bytes[0].current,
+        (long long)st.allocations[0].current, (long long)bytes, (long long)requested,
+        (long long)count);
+  CHECK(pst.allocated_bytes[0].current == pbytes && pst.requested_bytes[0].current == prequested &&
+            pst.allocations[0].current == pcount,
+        "after %s: pinned figures %lld bytes (%lld asked) in %lld blocks; the live blocks hold "
+        "%lld (%lld) in %lld",
+        w->what, (long long)pst.allocated_bytes[0].current,
+        (long long)pst.requested_bytes[0].current, (long long)pst.allocations[0].current,
+        (long long)pbytes, (long long)prequested, (long long)pcount);
+}
+
+static void finish(world *w) {
+  snprintf(w->what, sizeof w->what, "the end");
+  for (int op = 0; op < TIDE_OP_COUNT; op++)
+    CHECK(tide_host_fail_call(w->a, (tide_backend_op)op, 0) == TIDE_OK, "disarm: %s",
+          tide_last_error());
+  memset(w->fault_at, 0, sizeof w->fault_at);
+  for (size_t i = 0; i < w->nheld; i++)
+    CHECK(tide_host_stream_release(w->a, w->held[i]) == TIDE_OK, "release: %s", tide_last_error());
+  w->nheld = 0;
+  for (int i = 0; i < SLOTS; i++) {
+    slot *s = &w->slots[i];
+    if (!s->used) continue;
+    expect_intact(s, false);
+    tide_status rc =
+        s->pinned ? tide_pinned_free(w->a, s->ptr, s->stream) : tide_free(w->a, s->ptr, s->stream);
+    CHECK(rc == TIDE_OK, "freeing %p at the end: %s: %s", s->ptr, tide_status_name(rc),
+          tide_last_error());
+    s->used = false;
+  }
+  CHECK(tide_empty_cache(w->a) == TIDE_OK, "tide_empty_cache at the end: %s", tide_last_error());
+  CHECK(tide_pinned_empty_cache(w->a) == TIDE_OK, "tide_pinned_empty_cache at the end: %s",
+        tide_last_error());
+  after_step(w);
+  tide_stats st, pst;
+  CHECK(tide_get_stats(w->a, &st) == TIDE_OK && tide_pinned_get_stats(w->a, &pst) == TIDE_OK,
+        "stats");
+  CHECK(st.reserved_bytes[0].current == 0 && st.segments[0].current == 0 &&
+            st.active_bytes[0].current == 0 && tide_host_bytes_in_use(w->a) == 0 &&
+            pst.reserved_bytes[0].current == 0,
+        "everything freed and the caches emptied: %lld bytes reserved in %lld segments, %lld "
+        "active, the device holds %llu, pinned %lld",
+        (long long)st.reserved_bytes[0].current, (long long)st.segments[0].current,
+        (long long)st.active_bytes[0].current, (unsigned long long)tide_host_bytes_in_use(w->a),
+        (long long)pst.reserved_bytes[0].current);
+  for (int i = 1; i < STREAMS; i++)
+    if (w->exists[i])
+      CHECK(tide_stream_destroy(w->a, w->streams[i]) == TIDE_OK, "tide_stream_destroy: %s",
+            tide_last_error());
+  CHECK(tide_destroy(w->a) == TIDE_OK, "tide_destroy: %s", tide_last_error());
+  if (w->other) {
+    CHECK(tide_free(w->other, w->other_block, NULL) == TIDE_OK, "free on device 1");
+    CHECK(tide_destroy(w->other) == TIDE_OK, "tide_destroy of device 1: %s", tide_last_error());
+  }
+}
+
+/* Two bytes choose the allocator's configuration. */
+static void configure(world *w) {
+  static const size_t capacities[] = {64 * MiB, 256 * MiB, 1024 * MiB, 128 * MiB};
+  static const char *const roundings[] = {"0", "4", "[1:2,4:4,>:8]", "1"};
+  unsigned a = fz_byte(&w->in), b = fz_byte(&w->in);
+  w->capacity = capacities[(a >> 2) & 3];
+  snprintf(w->conf, sizeof w->conf,
+           "backend:host,host_devices:2,expandable_segments:%s,release_holes:%s,"
+           "host_capacity:%zuMiB,roundup_power2_divisions:%s,max_split_size_mb:%s,"
+           "garbage_collection_threshold:%s,host_granularity:%s,page_size_mb:%s,trace:%s",
+           a & 1 ? "False" : "True", a & 2 ? "False" : "True", w->capacity / MiB,
+           roundings[(a >> 4) & 3], a & 64 ? "20" : "unlimited", a & 128 ? "0.6" : "0",
+           b & 1 ? "64KiB" : "2MiB",
+           b & 2   ? "1"
+           : b & 4 ? "4"
+                   : "2",
+           b & 8 ? "32" : "0");
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+  world *w = calloc(1, sizeof *w);
+  if (!w) return 0;
+  current = w;
+  w->in = (fz_reader){data, size, 0};
+  configure(w);
+  tide_config *c = NULL;
+  CHECK(tide_config_new(&c) == TIDE_OK && tide_config_parse(c, w->conf) == TIDE_OK,
+        "config \"%s\": %s", w->conf, tide_last_error());
+  tide_status rc = tide_create(0, c, &w->a);
+  tide_config_free(c);
+  CHECK(rc == TIDE_OK, "tide_create: %s", tide_last_error());
+  w->exists[0] = true; /* the default stream */
+  while (fz_more(&w->in) && w->step < MAX_STEPS) {
+    const op_row *op = pick_op(w);
+    w->history[w->step % HISTORY] = op->name;
+    w->step++;
+    snprintf(w->what, sizeof w->what, "%s", op->name);
+    op->run(w);
+    after_step(w);
+  }
+  finish(w);
+  current = NULL;
+  free(w);
+  return 0;
+}

@@ -1,0 +1,665 @@
+/* validate.c: the consistency check of an allocator (tide_check). It walks
+ * every arena, pool, segment and block and checks the invariants the rest
+ * of the code keeps, so that a test (or a user chasing a corruption) learns
+ * of a broken structure at the step that broke it, not later when a block
+ * is handed out twice.
+ *
+ * Checked, for every arena (docs/design.md has the structures):
+ * - segments: linked both ways, of this arena and pool, not overlapping any
+ *   other segment of the allocator; a fixed one is mapped whole, an
+ *   expandable one has a page table whose mapped pages add up to `mapped`;
+ * - blocks: they tile their segment in address order from its base, with
+ *   prev/next links that agree, 512-byte aligned sizes and addresses, a
+ *   valid state, no two free or two unmapped neighbours (merging is eager);
+ *   an unmapped block covers whole pages that have no handle, every other
+ *   block lies on mapped pages; streams and events only where the state
+ *   allows them;
+ * - bins: every free block is in the bin of its size, every bin entry is a
+ *   free block of this pool, lists link both ways, the bitmaps agree with
+ *   the heads, and the count is right; the unmapped list holds exactly the
+ *   unmapped blocks, in address order;
+ * - the live map holds exactly the allocated and quick blocks, each under
+ *   its address and reachable by a lookup; the quick list holds the quick
+ *   blocks, oldest first; the pending list holds exactly one entry per
+ *   outstanding event of each pending block;
+ * - figures: allocated, requested, pending, inactive-split, reserved,
+ *   allocation, segment and block counts equal the sums over the blocks
+ *   (reserved: mapped pages, fixed segments and handles the backend refused
+ *   to release), peaks are at least the current values, and the counters of
+ *   pages, segments, device handles and oversize blocks agree;
+ * - allocator-wide: reserved bytes equal the arenas' sum (and, on the host
+ *   backend, the bytes the emulated device holds); the shared allocated
+ *   counter plus what arenas have not published equals their sum; streams
+ *   have one arena each; and the pinned pool checks itself (pinned.c).
+ *
+ * The check holds the arena table's mutex and every arena's lock at once
+ * (in table order, which no other path inverts), so it sees one consistent
+ * state even while other threads allocate; it changes nothing. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+#include "pinned.h"
+
+typedef struct checker {
+  char *why;
+  size_t len;
+  const struct tide_allocator *a;
+  size_t arena_index;
+  const _tide_arena *arena;
+  const _tide_block **blocks; /* every block record of the arena, sorted */
+  size_t nblocks, blocks_cap;
+  bool out_of_memory;            /* the check itself ran out of host memory */
+  const _tide_buf_figures *bufs; /* per arena: what its growable buffers add */
+} checker;
+
+/* What the blocks of one arena add up to, [stat][all, small, large]. */
+typedef struct sums {
+  int64_t cur[_TIDE_ST_COUNT][TIDE_POOL_KINDS];
+  size_t free_blocks[2], unmapped_blocks[2];
+  size_t live, quick, pending;
+  uint64_t mapped_pages, handles, oversize;
+} sums;
+
+static bool fail(checker *c, const char *fmt, ...) TIDE_PRINTF(2, 3);
+
+static bool fail(checker *c, const char *fmt, ...) {
+  size_t used = 0;
+  if (c->arena)
+    used = (size_t)snprintf(c->why, c->len, "arena %zu (stream %p): ", c->arena_index,
+                            (void *)c->arena->stream);
+  if (used >= c->len) return false;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(c->why + used, c->len - used, fmt, ap);
+  va_end(ap);
+  return false;
+}
+
+static bool no_memory(checker *c) {
+  c->out_of_memory = true;
+  return fail(c, "out of host memory for the check");
+}
+
+#define CHECK(c, cond, ...)                                                                        \
+  do {                                                                                             \
+    if (TIDE_UNLIKELY(!(cond))) return fail((c), __VA_ARGS__);                                     \
+  } while (0)
+
+static const char *state_name(uint8_t state) {
+  static const char *const names[] = {"free", "allocated", "pending", "unmapped", "quick"};
+  return state < sizeof names / sizeof names[0] ? names[state] : "invalid";
+}
+
+static void add(sums *s, int stat, int pool, int64_t value) {
+  s->cur[stat][0] += value;
+  s->cur[stat][pool + 1] += value;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Block records                                                             */
+/* ------------------------------------------------------------------------ */
+
+static bool remember(checker *c, const _tide_block *b) {
+  if (c->nblocks == c->blocks_cap &&
+      !_tide_grow_array((void **)&c->blocks, &c->blocks_cap, c->nblocks + 1, sizeof *c->blocks))
+    return no_memory(c);
+  c->blocks[c->nblocks++] = b;
+  return true;
+}
+
+static int by_record(const void *x, const void *y) {
+  uintptr_t a = (uintptr_t) * (const _tide_block *const *)x;
+  uintptr_t b = (uintptr_t) * (const _tide_block *const *)y;
+  return (a > b) - (a < b);
+}
+
+/* Whether b is a block of the arena's segments (not a stray record). */
+static bool known(const checker *c, const _tide_block *b) {
+  return b && c->nblocks &&
+         bsearch(&b, c->blocks, c->nblocks, sizeof *c->blocks, by_record) != NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Segments and their blocks                                                 */
+/* ------------------------------------------------------------------------ */
+
+/* The page indices [first, last] of the segment that block b touches. */
+static void pages_of(const _tide_block *b, size_t page, size_t *first, size_t *last) {
+  *first = (b->addr - b->segment->base) / page;
+  *last = (b->addr + b->size - 1 - b->segment->base) / page;
+}
+
+static bool check_pages(checker *c, const _tide_block *b, size_t page) {
+  const _tide_segment *seg = b->segment;
+  size_t first, last;
+  pages_of(b, page, &first, &last);
+  CHECK(c, last < seg->npages, "block %#lx runs past the page table of its segment",
+        (unsigned long)b->addr);
+  if (b->state == _TIDE_UNMAPPED) {
+    CHECK(c, (b->addr - seg->base) % page == 0 && b->size % page == 0,
+          "unmapped block %#lx of %zu bytes is not whole pages", (unsigned long)b->addr, b->size);
+    for (size_t i = first; i <= last; i++)
+      CHECK(c, seg->pages[i] == 0,
+            "page %zu of segment %#lx has a handle inside unmapped block %#lx", i,
+            (unsigned long)seg->base, (unsigned long)b->addr);
+    return true;
+  }
+  for (size_t i = first; i <= last; i++)
+    CHECK(c, seg->pages[i] != 0, "%s block %#lx of %zu bytes lies on page %zu, which is not mapped",
+          state_name(b->state), (unsigned long)b->addr, b->size, i);
+  return true;
+}
+
+static bool check_streams_of(checker *c, const _tide_block *b) {
+  if (b->state == _TIDE_ALLOCATED) {
+    CHECK(c,
+          b->nstreams <= _TIDE_INLINE_STREAMS ||
+              (b->more_streams && b->more_cap + _TIDE_INLINE_STREAMS >= (uint32_t)b->nstreams),
+          "allocated block %#lx is recorded on %u streams without room for them",
+          (unsigned long)b->addr, b->nstreams);
+  } else {
+    CHECK(c, b->nstreams == 0, "%s block %#lx still has %u recorded streams", state_name(b->state),
+          (unsigned long)b->addr, b->nstreams);
+  }
+  if (b->state == _TIDE_PENDING)
+    CHECK(c, b->events > 0, "pending block %#lx waits for no event", (unsigned long)b->addr);
+  else
+    CHECK(c, b->events == 0, "%s block %#lx waits for %u events", state_name(b->state),
+          (unsigned long)b->addr, b->events);
+  return true;
+}
+
+/* One block: its state, what it adds to the figures, and its places in the
+ * arena's other structures that can be found from it. */
+static bool check_block(checker *c, sums *s, const _tide_block *b) {
+  const _tide_segment *seg = b->segment;
+  const _tide_arena *arena = c->arena;
+  int pool = seg->pool;
+  if (seg->expandable && !check_pages(c, b, c->a->page_size)) return false;
+  if (!check_streams_of(c, b)) return false;
+  switch (b->state) {
+  case _TIDE_FREE:
+  case _TIDE_QUICK:
+    if (b->state == _TIDE_FREE) {
+      s->free_blocks[pool]++;
+    } else {
+      s->quick++;
+      CHECK(c, _tide_ptrmap_find(&arena->live, b->addr) == b,
+            "quick block %#lx is not in the live map", (unsigned long)b->addr);
+    }
+    if (_tide_block_is_split(b)) {
+      add(s, _TIDE_ST_INACTIVE_SPLIT, pool, (int64_t)b->size);
+      add(s, _TIDE_ST_INACTIVE_SPLIT_BLOCKS, pool, 1);
+    }
+    break;
+  case _TIDE_ALLOCATED:
+    CHECK(c, b->requested > 0 && b->requested <= b->size,
+          "allocated block %#lx of %zu bytes was asked for %zu bytes", (unsigned long)b->addr,
+          b->size, b->requested);
+    CHECK(c, _tide_ptrmap_find(&arena->live, b->addr) == b,
+          "allocated block %#lx is not in the live map", (unsigned long)b->addr);
+    s->live++;
+    add(s, _TIDE_ST_ALLOCATED, pool, (int64_t)b->size);
+    add(s, _TIDE_ST_REQUESTED, pool, (int64_t)b->requested);
+    add(s, _TIDE_ST_ALLOCATIONS, pool, 1);
+    s->oversize += b->size >= c->a->conf.max_split_size;
+    break;
+  case _TIDE_PENDING:
+    CHECK(c, _tide_ptrmap_find(&arena->live, b->addr) == NULL,
+          "pending block %#lx is still in the live map", (unsigned long)b->addr);
+    s->pending++;
+    add(s, _TIDE_ST_PENDING, pool, (int64_t)b->size);
+    add(s, _TIDE_ST_PENDING_BLOCKS, pool, 1);
+    break;
+  case _TIDE_UNMAPPED:
+    CHECK(c, seg->expandable, "block %#lx of a fixed segment is unmapped", (unsigned long)b->addr);
+    s->unmapped_blocks[pool]++;
+    break;
+  default: return fail(c, "block %#lx has state %u", (unsigned long)b->addr, b->state);
+  }
+  return true;
+}
+
+/* The blocks of a segment tile [base, base+size) in address order. */
+static bool check_tiling(checker *c, sums *s, const _tide_segment *seg) {
+  uintptr_t at = seg->base, end = seg->base + seg->size;
+  const _tide_block *prev = NULL;
+  for (const _tide_block *b = seg->first; b; prev = b, b = b->next) {
+    CHECK(c, at < end, "segment %#lx has blocks past its end (%#lx)", (unsigned long)seg->base,
+          (unsigned long)end);
+    CHECK(c, b->segment == seg, "block %#lx in the chain of segment %#lx names segment %p",
+          (unsigned long)b->addr, (unsigned long)seg->base, (void *)b->segment);
+    CHECK(c, b->prev == prev, "block %#lx: its prev link is %p, the block before it is %p",
+          (unsigned long)b->addr, (void *)b->prev, (void *)prev);
+    CHECK(c, b->addr == at,
+          "segment %#lx: a block starts at %#lx where %#lx was expected (gap or "
+          "overlap)",
+          (unsigned long)seg->base, (unsigned long)b->addr, (unsigned long)at);
+    CHECK(c,
+          b->size >= TIDE_MIN_BLOCK && b->size % TIDE_MIN_BLOCK == 0 &&
+              b->addr % TIDE_MIN_BLOCK == 0 && b->size <= end - at,
+          "block %#lx has size %zu (not whole 512-byte units inside its segment)",
+          (unsigned long)b->addr, b->size);
+    if (prev) {
+      CHECK(c, !(prev->state == _TIDE_FREE && b->state == _TIDE_FREE),
+            "free blocks %#lx and %#lx are neighbours, not merged", (unsigned long)prev->addr,
+            (unsigned long)b->addr);
+      CHECK(c, !(prev->state == _TIDE_UNMAPPED && b->state == _TIDE_UNMAPPED),
+            "unmapped blocks %#lx and %#lx are neighbours, not merged", (unsigned long)prev->addr,
+            (unsigned long)b->addr);
+    }
+    if (!remember(c, b) || !check_block(c, s, b)) return false;
+    at += b->size;
+  }
+  CHECK(c, at == end, "the blocks of segment %#lx end at %#lx, the segment at %#lx",
+        (unsigned long)seg->base, (unsigned long)at, (unsigned long)end);
+  return true;
+}
+
+static bool check_segment(checker *c, sums *s, const _tide_pool *pool, const _tide_segment *seg) {
+  size_t page = c->a->page_size;
+  CHECK(c, seg->arena == c->arena && seg->pool == pool->kind,
+        "segment %#lx is listed in pool %d of this arena but says pool %d of arena %p",
+        (unsigned long)seg->base, pool->kind, seg->pool, (void *)seg->arena);
+  CHECK(c, seg->size > 0 && seg->first && !seg->first->prev,
+        "segment %#lx has size %zu and first block %p", (unsigned long)seg->base, seg->size,
+        (void *)seg->first);
+  if (seg->expandable) {
+    CHECK(c, seg->pages && seg->npages * page == seg->size && seg->base % page == 0,
+          "expandable segment %#lx of %zu bytes has %zu pages of %zu bytes",
+          (unsigned long)seg->base, seg->size, seg->npages, page);
+    size_t mapped = 0;
+    for (size_t i = 0; i < seg->npages; i++) mapped += seg->pages[i] != 0;
+    CHECK(c, mapped * page == seg->mapped,
+          "expandable segment %#lx says %zu bytes are mapped, its page table %zu pages of %zu",
+          (unsigned long)seg->base, seg->mapped, mapped, page);
+    s->mapped_pages += mapped;
+    s->handles += mapped;
+  } else {
+    CHECK(c, seg->mapped == seg->size && seg->handle != 0 && !seg->pages,
+          "fixed segment %#lx of %zu bytes has %zu mapped, handle %llu", (unsigned long)seg->base,
+          seg->size, seg->mapped, (unsigned long long)seg->handle);
+    s->handles++;
+  }
+  add(s, _TIDE_ST_RESERVED, pool->kind, (int64_t)seg->mapped);
+  add(s, _TIDE_ST_SEGMENTS, pool->kind, 1);
+  return check_tiling(c, s, seg);
+}
+
+static bool check_segments(checker *c, sums *s, const _tide_pool *pool) {
+  const _tide_segment *prev = NULL;
+  for (const _tide_segment *seg = pool->segments; seg; prev = seg, seg = seg->next) {
+    CHECK(c, seg->prev == prev, "segment %#lx: its prev link is %p, the one before it %p",
+          (unsigned long)seg->base, (void *)seg->prev, (void *)prev);
+    if (!check_segment(c, s, pool, seg)) return false;
+  }
+  return true;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Bins, the unmapped list, the live map, quick and pending blocks           */
+/* ------------------------------------------------------------------------ */
+
+static bool bit_of(const uint64_t *words, size_t i) { return (words[i / 64] >> (i % 64)) & 1; }
+
+static bool check_bin(checker *c, const _tide_pool *pool, uint32_t bin, size_t *n, size_t limit) {
+  const _tide_block *prev = NULL;
+  for (const _tide_block *b = pool->bins.head[bin]; b; prev = b, b = b->link_next) {
+    CHECK(c, ++*n <= limit, "the bins of pool %d hold more entries than its %zu free blocks",
+          pool->kind, limit);
+    CHECK(c, known(c, b), "bin %u of pool %d holds %p, which is no block of the arena", bin,
+          pool->kind, (void *)b);
+    CHECK(c, b->state == _TIDE_FREE && b->segment->pool == pool->kind,
+          "bin %u of pool %d holds %s block %#lx of pool %d", bin, pool->kind, state_name(b->state),
+          (unsigned long)b->addr, b->segment->pool);
+    CHECK(c, b->bin == bin && _tide_bin_of(b->size) == bin,
+          "free block %#lx of %zu bytes lies in bin %u, says bin %u, belongs in bin %u",
+          (unsigned long)b->addr, b->size, bin, b->bin, _tide_bin_of(b->size));
+    CHECK(c, b->link_prev == prev, "free block %#lx in bin %u: its prev link is %p, not %p",
+          (unsigned long)b->addr, bin, (void *)b->link_prev, (void *)prev);
+  }
+  return true;
+}
+
+static bool check_bins(checker *c, const sums *s, const _tide_pool *pool) {
+  static const _tide_block *const empty[64];
+  const _tide_bins *bins = &pool->bins;
+  size_t n = 0, limit = s->free_blocks[pool->kind];
+  for (uint32_t w = 0; w < _TIDE_BIN_WORDS; w++) {
+    uint32_t first = w * 64, count = _TIDE_BIN_COUNT - first < 64 ? _TIDE_BIN_COUNT - first : 64;
+    CHECK(c, bit_of(bins->summary, w) == (bins->map[w] != 0),
+          "pool %d: the summary bit of bitmap word %u disagrees with it", pool->kind, w);
+    if (bins->map[w] == 0) { /* the common case, checked in one sweep */
+      CHECK(c, memcmp(&bins->head[first], empty, count * sizeof *bins->head) == 0,
+            "pool %d: bins %u..%u are marked empty, one of them is not", pool->kind, first,
+            first + count - 1);
+      continue;
+    }
+    for (uint32_t bin = first; bin < first + count; bin++) {
+      CHECK(c, bit_of(bins->map, bin) == (bins->head[bin] != NULL),
+            "bin %u of pool %d: its bitmap bit says %s, its list is %s", bin, pool->kind,
+            bit_of(bins->map, bin) ? "full" : "empty", bins->head[bin] ? "full" : "empty");
+      if (bins->head[bin] && !check_bin(c, pool, bin, &n, limit)) return false;
+    }
+  }
+  CHECK(c, n == limit && bins->count == n,
+        "pool %d has %zu free blocks, %zu in its bins, and counts %zu", pool->kind, limit, n,
+        bins->count);
+  return true;
+}
+
+static bool check_unmapped(checker *c, const sums *s, const _tide_pool *pool) {
+  size_t n = 0, limit = s->unmapped_blocks[pool->kind];
+  const _tide_block *prev = NULL;
+  for (const _tide_block *b = pool->unmapped; b; prev = b, b = b->link_next) {
+    CHECK(c, ++n <= limit, "the unmapped list of pool %d is longer than its %zu unmapped blocks",
+          pool->kind, limit);
+    CHECK(c, known(c, b) && b->state == _TIDE_UNMAPPED && b->segment->pool == pool->kind,
+          "the unmapped list of pool %d holds %p, no unmapped block of it", pool->kind, (void *)b);
+    CHECK(c, b->link_prev == prev && (!prev || prev->addr < b->addr),
+          "unmapped block %#lx: out of address order or badly linked in its list",
+          (unsigned long)b->addr);
+  }
+  CHECK(c, n == limit, "pool %d has %zu unmapped blocks, %zu in its list", pool->kind, limit, n);
+  return true;
+}
+
+static bool check_live_map(checker *c, const sums *s) {
+  const _tide_ptrmap *m = &c->arena->live;
+  size_t cap = m->mask + 1, n = 0;
+  CHECK(c, m->keys && m->values && (cap & m->mask) == 0, "the live map has capacity %zu", cap);
+  for (size_t i = 0; i < cap; i++) {
+    if (!m->keys[i]) {
+      CHECK(c, m->values[i] == NULL, "slot %zu of the live map has a value but no key", i);
+      continue;
+    }
+    n++;
+    const _tide_block *b = m->values[i];
+    CHECK(c, b && b->addr == m->keys[i], "slot %zu of the live map: key %#lx, block %p", i,
+          (unsigned long)m->keys[i], (void *)b);
+    CHECK(c, known(c, b) && (b->state == _TIDE_ALLOCATED || b->state == _TIDE_QUICK),
+          "the live map holds %#lx, not an allocated or quick block of the arena (%s)",
+          (unsigned long)m->keys[i], known(c, b) ? state_name(b->state) : "no block");
+    CHECK(c, _tide_ptrmap_find(m, m->keys[i]) == b,
+          "the live map's entry for %#lx cannot be found by a lookup", (unsigned long)m->keys[i]);
+  }
+  CHECK(c, n == m->count && n == s->live + s->quick && n * 2 <= cap,
+        "the live map holds %zu entries, counts %zu, capacity %zu; the arena has %zu allocated "
+        "and %zu quick blocks",
+        n, m->count, cap, s->live, s->quick);
+  return true;
+}
+
+static bool check_quick(checker *c, const sums *s) {
+  const _tide_arena *arena = c->arena;
+  CHECK(c, arena->nquick <= _TIDE_QUICK_SLOTS && arena->nquick == s->quick,
+        "the quick list holds %u blocks, the segments %zu quick blocks", arena->nquick, s->quick);
+  for (unsigned i = 0; i < arena->nquick; i++) {
+    const _tide_block *b = arena->quick[i];
+    CHECK(c, known(c, b) && b->state == _TIDE_QUICK, "quick slot %u holds %p, no quick block", i,
+          (void *)b);
+    for (unsigned j = 0; j < i; j++)
+      CHECK(c, arena->quick[j] != b, "block %#lx is in the quick list twice",
+            (unsigned long)b->addr);
+    CHECK(c, i == 0 || arena->quick[i - 1]->stamp <= b->stamp,
+          "the quick list is not oldest first at slot %u", i);
+  }
+  return true;
+}
+
+static int by_pending_block(const void *x, const void *y) {
+  uintptr_t a = (uintptr_t)((const _tide_pending *)x)->block;
+  uintptr_t b = (uintptr_t)((const _tide_pending *)y)->block;
+  return (a > b) - (a < b);
+}
+
+static bool check_pending(checker *c, const sums *s) {
+  const _tide_arena *arena = c->arena;
+  size_t n = arena->npending;
+  CHECK(c, n <= arena->pending_cap, "%zu pending entries in room for %zu", n, arena->pending_cap);
+  if (n == 0) {
+    CHECK(c, s->pending == 0, "%zu pending blocks and no event to wait for", s->pending);
+    return true;
+  }
+  _tide_pending *sorted = malloc(n * sizeof *sorted);
+  if (!sorted) return no_memory(c);
+  memcpy(sorted, arena->pending, n * sizeof *sorted);
+  qsort(sorted, n, sizeof *sorted, by_pending_block);
+  size_t blocks = 0;
+  bool ok = true;
+  for (size_t i = 0, j; i < n && ok; i = j) {
+    const _tide_block *b = sorted[i].block;
+    for (j = i; j < n && sorted[j].block == b; j++) {
+      if (!sorted[j].event || sorted[j].stream == arena->stream)
+        ok = fail(c, "a pending entry of block %p has event %p on stream %p (the arena's own?)",
+                  (void *)b, sorted[j].event, (void *)sorted[j].stream);
+    }
+    blocks++;
+    if (ok && !known(c, b))
+      ok = fail(c, "%zu pending entries for %p, no block of the arena", j - i, (void *)b);
+    if (ok && !(b->state == _TIDE_PENDING && b->events == j - i))
+      ok = fail(c, "%zu pending entries for block %#lx, which is %s waiting for %u events", j - i,
+                (unsigned long)b->addr, state_name(b->state), b->events);
+  }
+  free(sorted);
+  if (!ok) return false;
+  CHECK(c, blocks == s->pending, "pending entries name %zu blocks, the segments have %zu pending",
+        blocks, s->pending);
+  return true;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Figures                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static bool check_orphans(checker *c, sums *s) {
+  const _tide_arena *arena = c->arena;
+  CHECK(c, arena->norphans <= arena->orphans_cap, "%zu orphans in room for %zu", arena->norphans,
+        arena->orphans_cap);
+  CHECK(c, arena->nspare_pages == 0 && !arena->keep_spare_pages,
+        "%zu spare pages are kept between operations (growth gives them back)",
+        arena->nspare_pages);
+  for (size_t i = 0; i < arena->norphans; i++) {
+    const _tide_orphan_rec *o = &arena->orphans[i];
+    CHECK(c, o->pool == _TIDE_SMALL || o->pool == _TIDE_LARGE, "orphan %zu has pool %d", i,
+          o->pool);
+    CHECK(c, o->map_addr || o->handle || o->range, "orphan %zu holds nothing", i);
+    if (o->handle) {
+      add(s, _TIDE_ST_RESERVED, o->pool, (int64_t)o->handle_size);
+      s->handles++;
+    }
+  }
+  return true;
+}
+
+static const char *const stat_names[_TIDE_ST_COUNT] = {
+    [_TIDE_ST_ALLOCATED] = "allocated bytes",
+    [_TIDE_ST_REQUESTED] = "requested bytes",
+    [_TIDE_ST_PENDING] = "pending bytes",
+    [_TIDE_ST_INACTIVE_SPLIT] = "inactive split bytes",
+    [_TIDE_ST_RESERVED] = "reserved bytes",
+    [_TIDE_ST_ALLOCATIONS] = "allocations",
+    [_TIDE_ST_PENDING_BLOCKS] = "pending blocks",
+    [_TIDE_ST_INACTIVE_SPLIT_BLOCKS] = "inactive split blocks",
+    [_TIDE_ST_SEGMENTS] = "segments",
+};
+
+static bool check_figures(checker *c, const sums *s) {
+  static const char *const pools[TIDE_POOL_KINDS] = {"all pools", "the small pool",
+                                                     "the large pool"};
+  const _tide_arena_stats *st = &c->arena->stats;
+  for (int stat = 0; stat < _TIDE_ST_COUNT; stat++)
+    for (int k = 1; k <= TIDE_POOL_KINDS; k++) { /* each pool, then their sum */
+      int p = k % TIDE_POOL_KINDS;
+      CHECK(c, st->cur[stat][p] == s->cur[stat][p], "%s of %s: %lld counted, the blocks %lld",
+            stat_names[stat], pools[p], (long long)st->cur[stat][p], (long long)s->cur[stat][p]);
+      CHECK(c, st->peak[stat][p] >= st->cur[stat][p], "%s of %s: peak %lld below current %lld",
+            stat_names[stat], pools[p], (long long)st->peak[stat][p], (long long)st->cur[stat][p]);
+    }
+  const uint64_t *k = st->counters;
+  CHECK(c, k[_TIDE_CT_ALLOCS] >= (uint64_t)s->cur[_TIDE_ST_ALLOCATIONS][0],
+        "%llu allocations made, %lld live", (unsigned long long)k[_TIDE_CT_ALLOCS],
+        (long long)s->cur[_TIDE_ST_ALLOCATIONS][0]);
+  CHECK(c, k[_TIDE_CT_OVERSIZE] == s->oversize, "%llu oversize allocations counted, %llu live",
+        (unsigned long long)k[_TIDE_CT_OVERSIZE], (unsigned long long)s->oversize);
+  CHECK(c, k[_TIDE_CT_PAGES_MAPPED] - k[_TIDE_CT_PAGES_UNMAPPED] == s->mapped_pages,
+        "%llu pages mapped and %llu unmapped, but %llu are mapped now",
+        (unsigned long long)k[_TIDE_CT_PAGES_MAPPED],
+        (unsigned long long)k[_TIDE_CT_PAGES_UNMAPPED], (unsigned long long)s->mapped_pages);
+  CHECK(c,
+        k[_TIDE_CT_SEGMENTS_CREATED] - k[_TIDE_CT_SEGMENTS_RELEASED] ==
+            (uint64_t)s->cur[_TIDE_ST_SEGMENTS][0],
+        "%llu segments created and %llu released, but %lld exist",
+        (unsigned long long)k[_TIDE_CT_SEGMENTS_CREATED],
+        (unsigned long long)k[_TIDE_CT_SEGMENTS_RELEASED], (long long)s->cur[_TIDE_ST_SEGMENTS][0]);
+  CHECK(c, k[_TIDE_CT_DEVICE_ALLOC] - k[_TIDE_CT_DEVICE_FREE] == s->handles,
+        "%llu device allocations and %llu frees, but %llu handles are held",
+        (unsigned long long)k[_TIDE_CT_DEVICE_ALLOC], (unsigned long long)k[_TIDE_CT_DEVICE_FREE],
+        (unsigned long long)s->handles);
+  return true;
+}
+
+/* ------------------------------------------------------------------------ */
+/* An arena, and the allocator                                               */
+/* ------------------------------------------------------------------------ */
+
+static bool check_arena(checker *c, sums *s) {
+  const _tide_arena *arena = c->arena;
+  CHECK(c, arena->alloc == c->a, "the arena belongs to allocator %p", (void *)arena->alloc);
+  c->nblocks = 0;
+  for (int kind = 0; kind < 2; kind++) {
+    CHECK(c, arena->pools[kind].kind == kind, "pool %d says it is pool %d", kind,
+          arena->pools[kind].kind);
+    if (!check_segments(c, s, &arena->pools[kind])) return false;
+  }
+  if (c->nblocks) qsort(c->blocks, c->nblocks, sizeof *c->blocks, by_record);
+  for (size_t i = 1; i < c->nblocks; i++)
+    CHECK(c, c->blocks[i] != c->blocks[i - 1], "block record %p lies in two places",
+          (void *)c->blocks[i]);
+  for (int kind = 0; kind < 2; kind++)
+    if (!check_bins(c, s, &arena->pools[kind]) || !check_unmapped(c, s, &arena->pools[kind]))
+      return false;
+  if (c->bufs) {
+    const _tide_buf_figures *f = &c->bufs[c->arena_index];
+    add(s, _TIDE_ST_ALLOCATED, _TIDE_LARGE, f->length);
+    add(s, _TIDE_ST_REQUESTED, _TIDE_LARGE, f->length);
+    add(s, _TIDE_ST_ALLOCATIONS, _TIDE_LARGE, f->count);
+    add(s, _TIDE_ST_RESERVED, _TIDE_LARGE, (int64_t)(f->pages * f->page));
+    s->mapped_pages += f->pages;
+    s->handles += f->pages;
+  }
+  return check_live_map(c, s) && check_quick(c, s) && check_pending(c, s) && check_orphans(c, s) &&
+         check_figures(c, s);
+}
+
+typedef struct range {
+  uintptr_t base;
+  size_t size;
+} range;
+
+static int by_base(const void *x, const void *y) {
+  uintptr_t a = ((const range *)x)->base, b = ((const range *)y)->base;
+  return (a > b) - (a < b);
+}
+
+/* No two segments of the allocator share an address. */
+static bool check_disjoint(checker *c, _tide_arena *const *arenas, size_t n) {
+  size_t count = 0, cap = 0;
+  range *ranges = NULL;
+  for (size_t i = 0; i < n; i++)
+    for (int kind = 0; kind < 2; kind++)
+      for (const _tide_segment *seg = arenas[i]->pools[kind].segments; seg; seg = seg->next) {
+        if (!_tide_grow_array((void **)&ranges, &cap, count + 1, sizeof *ranges)) {
+          free(ranges);
+          return no_memory(c);
+        }
+        ranges[count++] = (range){seg->base, seg->size};
+      }
+  if (count) qsort(ranges, count, sizeof *ranges, by_base);
+  bool ok = true;
+  for (size_t i = 1; i < count && ok; i++)
+    if (ranges[i - 1].base + ranges[i - 1].size > ranges[i].base)
+      ok = fail(c, "segments %#lx (%zu bytes) and %#lx overlap", (unsigned long)ranges[i - 1].base,
+                ranges[i - 1].size, (unsigned long)ranges[i].base);
+  free(ranges);
+  return ok;
+}
+
+static bool check_allocator(checker *c, _tide_arena *const *arenas, size_t n) {
+  struct tide_allocator *a = (struct tide_allocator *)c->a;
+  int64_t reserved = 0, allocated = 0, unpublished = 0;
+  for (size_t i = 0; i < n; i++) {
+    sums s;
+    memset(&s, 0, sizeof s);
+    c->arena = arenas[i];
+    c->arena_index = i;
+    if (!check_arena(c, &s)) return false;
+    for (size_t j = 0; j < i; j++)
+      CHECK(c, arenas[j]->stream != arenas[i]->stream, "arena %zu serves the same stream", j);
+    reserved += s.cur[_TIDE_ST_RESERVED][0];
+    allocated += s.cur[_TIDE_ST_ALLOCATED][0];
+    unpublished += arenas[i]->unpublished;
+  }
+  c->arena = NULL;
+  if (!check_disjoint(c, arenas, n)) return false;
+  int64_t held = atomic_load(&a->reserved.cur);
+  CHECK(c, held == reserved, "the allocator counts %lld reserved bytes, its arenas %lld",
+        (long long)held, (long long)reserved);
+  CHECK(c, atomic_load(&a->reserved.peak) >= held, "the reserved peak is below current");
+  if (atomic_load(&a->shared_peak)) {
+    int64_t shared = atomic_load(&a->allocated.cur);
+    CHECK(c, shared + unpublished == allocated,
+          "the shared allocated counter is %lld with %lld unpublished, the arenas hold %lld",
+          (long long)shared, (long long)unpublished, (long long)allocated);
+  } else {
+    CHECK(c, n <= 1 && unpublished == 0,
+          "%zu arenas but no shared allocated counter (%lld bytes unpublished)", n,
+          (long long)unpublished);
+  }
+  if (a->backend.is_host) {
+    uint64_t device = _tide_host_bytes_in_use(&a->backend);
+    CHECK(c, device == (uint64_t)held, "the emulated device holds %llu bytes, %lld are reserved",
+          (unsigned long long)device, (long long)held);
+  }
+  return true;
+}
+
+int _tide_validate(struct tide_allocator *a, char *why, size_t len) {
+  checker c = {.why = why, .len = len, .a = a};
+  if (len) why[0] = '\0';
+  pthread_mutex_lock(&a->arenas_mutex);
+  size_t n = atomic_load(&a->narenas);
+  /* Growable buffers first: their lock comes before the arenas'. */
+  _tide_buf_figures *bufs = calloc(n ? n : 1, sizeof *bufs);
+  if (!bufs) {
+    pthread_mutex_unlock(&a->arenas_mutex);
+    snprintf(why, len, "out of host memory for the check");
+    return TIDE_ERR_OOM;
+  }
+  _tide_bufs_figures(a, a->arenas, n, bufs);
+  c.bufs = bufs;
+  for (size_t i = 0; i < n; i++) _tide_lock_acquire(&a->arenas[i]->lock);
+  bool ok = check_allocator(&c, a->arenas, n);
+  for (size_t i = n; i-- > 0;) _tide_lock_release(&a->arenas[i]->lock);
+  pthread_mutex_unlock(&a->arenas_mutex);
+  free(bufs);
+  free(c.blocks);
+  if (!ok) return c.out_of_memory ? TIDE_ERR_OOM : TIDE_ERR_STATE;
+  return a->pinned ? _tide_pinned_validate(a->pinned, why, len) : TIDE_OK;
+}
+
+tide_status tide_check(tide_allocator *a) {
+  if (!_tide_allocator_valid(a))
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID,
+                                        "tide_check: not a live tidalloc allocator (NULL, "
+                                        "destroyed or corrupted handle)");
+  char why[400];
+  int rc = _tide_validate(a, why, sizeof why);
+  if (rc == TIDE_OK) return TIDE_OK;
+  return (tide_status)_tide_error_set((tide_status)rc,
+                                      "tide_check: the allocator of device %d is inconsistent: %s",
+                                      a->device, why);
+}
