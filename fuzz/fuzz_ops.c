@@ -21,7 +21,11 @@
  * is freed and the cache emptied: nothing may stay reserved, and the
  * allocator must be destroyed without complaint (ASan sees host leaks).
  *
- * Adding an operation (growable buffers, capture pools, checkpoints ...):
+ * Growable buffers (buf_*) are created without a worker thread, so that
+ * every backend call happens inside the step that makes it and an injected
+ * fault is seen by the call that hit it.
+ *
+ * Adding an operation (capture pools, checkpoints ...):
  * write `static void op_name(world *w)`, which reads its arguments with
  * fz_byte/fz_pick/pick_size, calls the API between begin() and the checks
  * of its outcome (expect_failure, or FZ_CHECK), and keeps the model (slots,
@@ -45,6 +49,7 @@
 #define RING 8
 #define MAX_STEPS 192
 #define HISTORY 16
+#define BUFS 4 /* growable buffers alive at once */
 
 typedef enum stream_kind { LIVE, DEAD, BOGUS } stream_kind;
 
@@ -72,6 +77,14 @@ typedef struct world {
   size_t ndead;
   uintptr_t freed[RING]; /* device pointers freed lately */
   size_t nfreed;
+  struct buf_slot {
+    tide_buf *b; /* NULL: free */
+    size_t length, capacity;
+    bool ring;
+    uint8_t seed;
+    size_t mark; /* a byte written with seed + 1 (SIZE_MAX: none) */
+    bool first;  /* byte 0 holds seed */
+  } bufs[BUFS];
   uint64_t fault_at[TIDE_OP_COUNT]; /* the call of each op armed to fail; 0: none */
   uint64_t calls_before[TIDE_OP_COUNT];
   uint64_t next_seq;
@@ -800,6 +813,127 @@ static void op_figures(world *w) {
     CHECK(events[i].seq == events[i - 1].seq + 1, "trace events out of order");
 }
 
+/* ------------------------------------------------------------------------ */
+/* Growable buffers                                                          */
+/* ------------------------------------------------------------------------ */
+
+typedef struct buf_slot buf_slot;
+
+static void buf_mark(buf_slot *s) {
+  unsigned char *p = tide_buf_data(s->b);
+  s->mark = SIZE_MAX;
+  s->first = s->length > 0;
+  if (!s->length) return;
+  p[0] = s->seed;
+  s->mark = s->length - 1;
+  if (s->mark) p[s->mark] = (unsigned char)(s->seed + 1);
+}
+
+static void buf_expect(const world *w, const buf_slot *s) {
+  const unsigned char *p = tide_buf_data(s->b);
+  CHECK(tide_buf_length(s->b) == s->length && tide_buf_capacity(s->b) == s->capacity,
+        "buffer %p: length %zu capacity %zu, the model says %zu and %zu", (void *)s->b,
+        tide_buf_length(s->b), tide_buf_capacity(s->b), s->length, s->capacity);
+  CHECK(tide_buf_mapped(s->b) >= s->length, "buffer %p maps %zu bytes for a length of %zu",
+        (void *)s->b, tide_buf_mapped(s->b), s->length);
+  if (!s->length || !s->first) return;
+  CHECK(p[0] == s->seed, "buffer %p lost its first byte", (void *)s->b);
+  if (s->mark != SIZE_MAX && s->mark)
+    CHECK(p[s->mark] == (unsigned char)(s->seed + 1), "buffer %p lost byte %zu", (void *)s->b,
+          s->mark);
+  if (s->ring) /* the second mapping shows the same pages */
+    CHECK(p[s->capacity] == s->seed, "ring %p: its second mapping differs", (void *)s->b);
+  (void)w;
+}
+
+static void op_buf_create(world *w) {
+  buf_slot *s = NULL;
+  for (int i = 0; i < BUFS && !s; i++)
+    if (!w->bufs[i].b) s = &w->bufs[i];
+  if (!s) return;
+  const size_t capacities[] = {2 * MiB, 6 * MiB, 64 * MiB, w->capacity, 0, MAX_ALLOC + 1, 1000};
+  tide_buf_options o;
+  tide_buf_options_init(&o);
+  o.capacity = capacities[fz_pick(&w->in, sizeof capacities / sizeof capacities[0])];
+  o.ring = fz_pick(&w->in, 4) == 0;
+  o.map_ahead = fz_pick(&w->in, 3) * 2 * MiB;
+  stream_kind kind;
+  o.stream = pick_stream(w, &kind);
+  char what[96];
+  snprintf(what, sizeof what, "tide_buf_create(%zu%s) on a %s stream", o.capacity,
+           o.ring ? ", ring" : "", kind == LIVE ? "live" : "bad");
+  begin(w, what);
+  tide_buf *b = NULL;
+  tide_status rc = tide_buf_create(w->a, &o, &b);
+  unsigned allowed = ST(TIDE_ERR_OOM);
+  if (o.capacity == 0 || o.capacity > MAX_ALLOC || kind != LIVE) allowed |= ST(TIDE_ERR_INVALID);
+  if (o.capacity == 0 || o.capacity > MAX_ALLOC || kind == BOGUS)
+    CHECK(rc != TIDE_OK, "%s succeeded", w->what);
+  expect_ok(w, rc, allowed);
+  if (rc != TIDE_OK) {
+    CHECK(b == NULL, "%s failed but gave a buffer", w->what);
+    return;
+  }
+  *s = (struct buf_slot){.b = b,
+                         .capacity = tide_buf_capacity(b),
+                         .length = o.ring ? tide_buf_capacity(b) : 0,
+                         .ring = o.ring,
+                         .seed = (uint8_t)(w->next_seq++ * 37 + 1)};
+  CHECK(s->capacity >= o.capacity, "capacity %zu below the %zu asked", s->capacity, o.capacity);
+  buf_mark(s);
+}
+
+static buf_slot *pick_buf(world *w) {
+  unsigned i = fz_pick(&w->in, BUFS);
+  for (unsigned k = 0; k < BUFS; k++)
+    if (w->bufs[(i + k) % BUFS].b) return &w->bufs[(i + k) % BUFS];
+  return NULL;
+}
+
+static void op_buf_resize(world *w) {
+  buf_slot *s = pick_buf(w);
+  if (!s) return;
+  size_t length;
+  switch (fz_pick(&w->in, 6)) {
+  case 0: length = 0; break;
+  case 1: length = s->capacity; break;
+  case 2: length = s->capacity + 1 + fz_byte(&w->in); break;
+  case 3: length = s->length + (size_t)fz_u16(&w->in) * 64; break;
+  case 4: length = s->length > MiB ? s->length - MiB : s->length / 2; break;
+  default: length = (size_t)fz_u16(&w->in) * 1024; break;
+  }
+  stream_kind kind;
+  tide_stream stream = pick_stream(w, &kind);
+  if (kind != LIVE) stream = NULL;
+  char what[96];
+  snprintf(what, sizeof what, "tide_buf_resize(%zu -> %zu of %zu%s)", s->length, length,
+           s->capacity, s->ring ? ", ring" : "");
+  begin(w, what);
+  tide_status rc = tide_buf_resize(s->b, length, stream);
+  bool invalid = s->ring || length > s->capacity;
+  if (invalid) CHECK(rc == TIDE_ERR_INVALID, "%s returned %s", w->what, tide_status_name(rc));
+  expect_ok(w, rc, invalid ? ST(TIDE_ERR_INVALID) : ST(TIDE_ERR_OOM));
+  if (rc == TIDE_OK) { /* the bytes below both lengths are kept */
+    if (s->mark != SIZE_MAX && s->mark >= length) s->mark = SIZE_MAX;
+    if (length == 0) s->first = false;
+    s->length = length;
+  }
+  buf_expect(w, s);
+  if (rc == TIDE_OK) buf_mark(s);
+}
+
+static void buf_gone(buf_slot *s) { *s = (struct buf_slot){0}; }
+
+static void op_buf_destroy(world *w) {
+  buf_slot *s = pick_buf(w);
+  if (!s) return;
+  begin(w, "tide_buf_destroy");
+  tide_status rc = tide_buf_destroy(s->b);
+  /* Refused while a shrink waits on a held stream: the buffer stays. */
+  expect_ok(w, rc, ST(TIDE_ERR_NOT_READY));
+  if (rc == TIDE_OK) buf_gone(s);
+}
+
 /* The operations, by weight (the total stays below 256). */
 typedef struct op_row {
   const char *name;
@@ -830,6 +964,9 @@ static const op_row ops[] = {
     {"pinned_empty", 1, op_pinned_empty},
     {"memcpy", 2, op_memcpy},
     {"figures", 1, op_figures},
+    {"buf_create", 3, op_buf_create},
+    {"buf_resize", 6, op_buf_resize},
+    {"buf_destroy", 2, op_buf_destroy},
 };
 
 #define NOPS (sizeof ops / sizeof ops[0])
@@ -880,6 +1017,14 @@ static void after_step(world *w) {
       count++;
     }
   }
+  for (int i = 0; i < BUFS; i++) {
+    const buf_slot *b = &w->bufs[i];
+    if (!b->b) continue;
+    buf_expect(w, b);
+    bytes += (int64_t)b->length; /* a buffer's length is allocated and requested */
+    requested += (int64_t)b->length;
+    count++;
+  }
   tide_stats st, pst;
   CHECK(tide_get_stats(w->a, &st) == TIDE_OK && tide_pinned_get_stats(w->a, &pst) == TIDE_OK,
         "stats: %s", tide_last_error());
@@ -908,6 +1053,13 @@ static void finish(world *w) {
   for (size_t i = 0; i < w->nheld; i++)
     CHECK(tide_host_stream_release(w->a, w->held[i]) == TIDE_OK, "release: %s", tide_last_error());
   w->nheld = 0;
+  for (int i = 0; i < BUFS; i++) {
+    if (!w->bufs[i].b) continue;
+    buf_expect(w, &w->bufs[i]);
+    CHECK(tide_buf_destroy(w->bufs[i].b) == TIDE_OK, "tide_buf_destroy at the end: %s",
+          tide_last_error());
+    buf_gone(&w->bufs[i]);
+  }
   for (int i = 0; i < SLOTS; i++) {
     slot *s = &w->slots[i];
     if (!s->used) continue;

@@ -336,8 +336,10 @@ TIDE_API void tide_buf_options_init(tide_buf_options *options);
  * pages pass the memory limit or the device has no more. */
 TIDE_API tide_status tide_buf_create(tide_allocator *alloc, const tide_buf_options *options,
                                      tide_buf **out);
-/* Unmap and release everything; the buffer's memory must not be in use by
- * queued work (destroy waits for its pending shrinks' streams). */
+/* Unmap and release everything. Waits for the streams of pending shrinks;
+ * if that wait fails (TIDE_ERR_NOT_READY on a held host stream, say) the
+ * buffer is kept as it was. Work queued that still reads the buffer must be
+ * done first, as with any free. */
 TIDE_API tide_status tide_buf_destroy(tide_buf *buf);
 /* Set the length. Growing maps the pages missing (TIDE_ERR_OOM past the
  * device or memory limit, with a message; the length then stays as it was);

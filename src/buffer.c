@@ -101,6 +101,29 @@ static void drop_page(tide_buf *b, size_t i) {
   b->handles[i] = 0;
 }
 
+/* Undo a page half made (created, maybe mapped at `mapped_at`) whose
+ * mapping failed: what the backend refuses to undo becomes an orphan of the
+ * arena, its bytes still reserved, retried later. The caller's error stays. */
+static void undo_page(tide_buf *b, uintptr_t mapped_at, _tide_handle h) {
+  const _tide_backend *be = backend(b);
+  tide_status failure = tide_last_status();
+  char message[256];
+  snprintf(message, sizeof message, "%s", tide_last_error());
+  bool unmapped = !mapped_at || be->ops->unmap(be->ctx, mapped_at, b->page) == TIDE_OK;
+  if (unmapped && be->ops->release(be->ctx, h) == TIDE_OK) {
+    _tide_budget_give(b->alloc, b->page);
+  } else {
+    _tide_arena *arena = b->arena;
+    _tide_lock_acquire(&arena->lock);
+    _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, _TIDE_LARGE, (int64_t)b->page);
+    arena->stats.counters[_TIDE_CT_DEVICE_ALLOC]++;
+    _tide_orphan(arena, _TIDE_LARGE, unmapped ? 0 : mapped_at, unmapped ? 0 : b->page, h, b->page,
+                 0, 0);
+    _tide_lock_release(&arena->lock);
+  }
+  _tide_error_set(failure, "%s", message);
+}
+
 /* Create and map pages [first, first + count) (twice for a ring) and make
  * them accessible. All or nothing: on failure every page taken is given back
  * and the message says why. Called without the buffer's mutex by the worker
@@ -109,8 +132,11 @@ static int map_pages(tide_buf *b, size_t first, size_t count) {
   const _tide_backend *be = backend(b);
   size_t done = 0;
   _tide_lock_acquire(&b->arena->lock);
+  /* A mapping the backend refused to undo may sit where the pages go. */
+  if (b->arena->norphans) _tide_arena_retry_orphans(b->arena);
   _tide_arena_make_room(b->arena, count * b->page);
   _tide_lock_release(&b->arena->lock);
+  tide_clear_error();
   int rc = TIDE_OK;
   for (; done < count; done++) {
     size_t i = first + done;
@@ -121,14 +147,11 @@ static int map_pages(tide_buf *b, size_t first, size_t count) {
       break;
     }
     if ((rc = be->ops->map(be->ctx, at, b->page, b->handles[i]))) {
-      be->ops->release(be->ctx, b->handles[i]);
-      _tide_budget_give(b->alloc, b->page);
+      undo_page(b, 0, b->handles[i]);
       break;
     }
     if (b->ring && (rc = be->ops->map(be->ctx, at + b->capacity, b->page, b->handles[i]))) {
-      be->ops->unmap(be->ctx, at, b->page);
-      be->ops->release(be->ctx, b->handles[i]);
-      _tide_budget_give(b->alloc, b->page);
+      undo_page(b, at, b->handles[i]);
       break;
     }
     count_page(b);
@@ -290,11 +313,19 @@ static int check_options(tide_allocator *a, const tide_buf_options *o) {
 static void destroy_parts(tide_buf *b) {
   const _tide_backend *be = backend(b);
   if (b->release_pending) be->ops->event_destroy(be->ctx, b->release_event);
+  tide_status failure = tide_last_status();
+  char message[256];
+  snprintf(message, sizeof message, "%s", tide_last_error());
   if (b->base && be->ops->unreserve(be->ctx, b->base, b->reserved_bytes) != TIDE_OK) {
-    /* An orphaned mapping may still sit inside: retried after it. */
+    /* An orphaned mapping may still sit inside: retried after it. The
+     * caller's error, if any, is the one to report. */
     _tide_lock_acquire(&b->arena->lock);
     _tide_orphan(b->arena, _TIDE_LARGE, 0, 0, 0, 0, b->base, b->reserved_bytes);
     _tide_lock_release(&b->arena->lock);
+    if (failure != TIDE_OK)
+      _tide_error_set(failure, "%s", message);
+    else
+      tide_clear_error();
   }
   pthread_cond_destroy(&b->changed);
   pthread_mutex_destroy(&b->mutex);
@@ -376,6 +407,15 @@ static int teardown(tide_buf *b) {
 
 tide_status tide_buf_destroy(tide_buf *b) {
   if (!b) return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_buf_destroy: NULL buffer");
+  /* Pages a shrink let go may still be read by queued work: wait for it
+   * first, and if waiting fails keep the buffer as it is. */
+  pthread_mutex_lock(&b->mutex);
+  int rc = settle_release(b, true);
+  pthread_mutex_unlock(&b->mutex);
+  if (rc) {
+    _tide_error_prefix("tide_buf_destroy: the buffer is kept, its pages may still be in use");
+    return (tide_status)rc;
+  }
   list_remove(b);
   return (tide_status)teardown(b);
 }

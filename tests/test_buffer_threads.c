@@ -87,6 +87,10 @@ static void test_shrink_waits_for_the_stream(void **state) {
   tu_assert_ok(tide_buf_resize(b, 3 * TU_MiB, s)); /* a later call sees the stream busy */
   assert_int_equal(tide_buf_mapped(b), 20 * TU_MiB);
   check(tide_buf_data(b), 0, 20 * TU_MiB, 3); /* nothing unmapped under the stream */
+  /* Destroying would unmap under the stream: refused, the buffer kept. */
+  tu_assert_status(tide_buf_destroy(b), TIDE_ERR_NOT_READY);
+  tu_assert_last_error(TIDE_ERR_NOT_READY, "kept");
+  check(tide_buf_data(b), 0, 20 * TU_MiB, 3);
   tu_assert_ok(tide_host_stream_release(a, s));
   tu_assert_ok(tide_buf_resize(b, 2 * TU_MiB, s));
   assert_int_equal(tide_buf_mapped(b), 2 * TU_MiB);
