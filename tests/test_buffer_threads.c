@@ -259,6 +259,7 @@ static void test_faults_at_every_call(void **state) {
     uint64_t before = tide_host_call_count(a, TIDE_OP_ANY);
     tu_assert_ok(tide_host_fail_call(a, TIDE_OP_ANY, n));
     tide_status grow = tide_buf_resize(b, 20 * TU_MiB, s);
+    int grow_said_why = grow == TIDE_OK || tide_last_error()[0] != '\0';
     tide_status shrink = grow == TIDE_OK ? tide_buf_resize(b, TU_MiB, s) : TIDE_OK;
     tide_status settle = !grow && !shrink ? tide_buf_resize(b, TU_MiB / 2, s) : TIDE_OK;
     tide_buf_options o;
@@ -272,7 +273,7 @@ static void test_faults_at_every_call(void **state) {
     tu_assert_ok(tide_host_fail_call(a, TIDE_OP_ANY, 0));
     if (grow) {
       assert_int_equal(tide_buf_length(b), 3 * TU_MiB);
-      assert_string_not_equal(tide_last_error(), "");
+      assert_true(grow_said_why);
     }
     size_t keep = tide_buf_length(b) < TU_MiB ? tide_buf_length(b) : TU_MiB;
     check(tide_buf_data(b), 0, keep, 1);
