@@ -482,6 +482,27 @@ TIDE_API void tide_checkpoint_free(tide_checkpoint *checkpoint);
 TIDE_API void tide_restore_delta_free(tide_restore_delta *delta);
 
 /* ------------------------------------------------------------------------ */
+/* PyTorch                                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* The functions PyTorch's CUDAPluggableAllocator loads from libtidalloc.so:
+ *   torch.cuda.memory.CUDAPluggableAllocator(path, "tide_torch_alloc", "tide_torch_free")
+ * They use the process-wide allocator of `device` (tide_device); `stream` is
+ * a cudaStream_t. A failed allocation returns NULL, with the reason in
+ * tide_last_error(). The python/ package (tidalloc.torch.install) uses them
+ * and the ones after, which return a tide_status. */
+#if defined(_WIN32)
+typedef long long tide_ssize;
+#else
+typedef long tide_ssize; /* ssize_t on the platforms PyTorch supports */
+#endif
+TIDE_API void *tide_torch_alloc(tide_ssize size, int device, void *stream);
+TIDE_API void tide_torch_free(void *ptr, tide_ssize size, int device, void *stream);
+TIDE_API int tide_torch_record_stream(void *ptr, int device, void *stream);
+TIDE_API int tide_torch_empty_cache(int device);
+TIDE_API int tide_torch_set_memory_fraction(double fraction, int device);
+
+/* ------------------------------------------------------------------------ */
 /* Pinned host memory                                                       */
 /* ------------------------------------------------------------------------ */
 

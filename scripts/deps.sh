@@ -8,9 +8,10 @@
 set -euo pipefail
 
 # cmake, compilers, cmocka, zlib and mimalloc build the project; clang and its
-# runtimes build the sanitizer and fuzzing builds; python3 merges benchmark tables.
+# runtimes build the sanitizer and fuzzing builds; python3 merges benchmark tables
+# and, with pytest, tests the Python layer (python/).
 packages=(cmake make gcc libc6-dev binutils pkg-config libcmocka-dev zlib1g-dev
-          libmimalloc-dev clang valgrind python3)
+          libmimalloc-dev clang valgrind python3 python3-pytest)
 case "${1:-}" in
   format) packages+=(clang-format) ;;
   gpu) packages=(cmake make gcc g++ libc6-dev) ;;

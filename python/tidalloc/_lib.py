@@ -1,0 +1,129 @@
+"""_lib.py: libtidalloc through ctypes: finding the library and the few
+calls the Python layer makes. The library is found through TIDALLOC_LIB
+(a path), then the build tree next to this source tree (build/), then the
+system's library path."""
+import ctypes
+import ctypes.util
+import os
+
+POOLS = ("all", "small_pool", "large_pool")
+
+
+class Stat(ctypes.Structure):
+    _fields_ = [("current", ctypes.c_int64), ("peak", ctypes.c_int64)]
+
+
+_KINDS = 3
+_STAT_FIELDS = ("allocated_bytes", "requested_bytes", "active_bytes", "inactive_split_bytes",
+                "reserved_bytes", "allocations", "active_blocks", "inactive_split", "segments")
+_COUNTERS = ("num_allocs", "num_frees", "pages_mapped", "pages_unmapped", "segments_created",
+             "segments_released", "num_alloc_retries", "num_ooms", "num_sync_all_streams",
+             "num_device_alloc", "num_device_free", "oversize_allocations", "memory_limit")
+
+
+class Stats(ctypes.Structure):
+    _fields_ = ([(name, Stat * _KINDS) for name in _STAT_FIELDS] +
+                [(name, ctypes.c_uint64) for name in _COUNTERS] +
+                [("reserved_u64", ctypes.c_uint64 * 8)])
+
+
+def _candidates():
+    env = os.environ.get("TIDALLOC_LIB")
+    if env:
+        yield env
+    here = os.path.dirname(os.path.abspath(__file__))
+    yield os.path.join(here, "..", "..", "build", "libtidalloc.so")
+    found = ctypes.util.find_library("tidalloc")
+    if found:
+        yield found
+
+
+def library_path():
+    """The path of the libtidalloc.so this package uses."""
+    tried = []
+    for path in _candidates():
+        tried.append(path)
+        if os.path.exists(path) or not os.path.dirname(path):
+            return os.path.abspath(path) if os.path.exists(path) else path
+    raise OSError("libtidalloc.so not found (tried %s); build it (make build) or set TIDALLOC_LIB"
+                  % ", ".join(tried))
+
+
+_lib = None
+
+
+def lib():
+    global _lib
+    if _lib is None:
+        l = ctypes.CDLL(library_path())
+        l.tide_device.restype = ctypes.c_void_p
+        l.tide_device.argtypes = [ctypes.c_int]
+        l.tide_last_error.restype = ctypes.c_char_p
+        l.tide_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(Stats)]
+        l.tide_reset_peak_stats.argtypes = [ctypes.c_void_p]
+        l.tide_conf_set.argtypes = [ctypes.c_char_p]
+        l.tide_torch_alloc.restype = ctypes.c_void_p
+        l.tide_torch_alloc.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+        l.tide_torch_free.restype = None
+        l.tide_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+        l.tide_torch_empty_cache.argtypes = [ctypes.c_int]
+        l.tide_torch_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
+        l.tide_torch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        _lib = l
+    return _lib
+
+
+class TidallocError(RuntimeError):
+    pass
+
+
+def last_error():
+    return (lib().tide_last_error() or b"").decode("utf-8", "replace")
+
+
+def check(status, what):
+    if status != 0:
+        raise TidallocError("%s failed: %s" % (what, last_error()))
+
+
+def device(index=0):
+    handle = lib().tide_device(index)
+    if not handle:
+        raise TidallocError("tide_device(%d): %s" % (index, last_error()))
+    return handle
+
+
+def stats(index=0):
+    out = Stats()
+    check(lib().tide_get_stats(device(index), ctypes.byref(out)), "tide_get_stats")
+    return out
+
+
+def memory_stats(index=0):
+    """tidalloc's figures as the keys of torch.cuda.memory_stats()."""
+    st = stats(index)
+    result = {}
+    for field, name in (("allocated_bytes", "allocated_bytes"), ("reserved_bytes", "reserved_bytes"),
+                        ("active_bytes", "active_bytes"), ("requested_bytes", "requested_bytes"),
+                        ("inactive_split_bytes", "inactive_split_bytes"),
+                        ("allocations", "allocation"), ("active_blocks", "active"),
+                        ("inactive_split", "inactive_split"), ("segments", "segment")):
+        for k, pool in enumerate(POOLS):
+            s = getattr(st, field)[k]
+            result["%s.%s.current" % (name, pool)] = s.current
+            result["%s.%s.peak" % (name, pool)] = s.peak
+    result["num_alloc_retries"] = st.num_alloc_retries
+    result["num_ooms"] = st.num_ooms
+    result["num_sync_all_streams"] = st.num_sync_all_streams
+    result["num_device_alloc"] = st.num_device_alloc
+    result["num_device_free"] = st.num_device_free
+    return result
+
+
+def reset_peak(index=0):
+    check(lib().tide_reset_peak_stats(device(index)), "tide_reset_peak_stats")
+
+
+def configure(conf):
+    """Set the process-wide configuration before first use ("key:value,...")."""
+    check(lib().tide_conf_set(conf.encode()), "tide_conf_set(%r)" % conf)

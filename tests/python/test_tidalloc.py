@@ -1,0 +1,78 @@
+"""test_tidalloc.py: the Python layer without torch and without a GPU:
+libtidalloc through ctypes on the host backend (TIDALLOC_CONF=backend:host,
+TIDALLOC_LIB naming the library; ctest sets both)."""
+import ctypes
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+import tidalloc  # noqa: E402
+from tidalloc import _lib  # noqa: E402
+
+MiB = 1 << 20
+
+
+def test_library_found():
+    assert os.path.exists(tidalloc.library_path())
+
+
+def test_torch_entry_points_allocate_and_count():
+    lib = _lib.lib()
+    before = tidalloc.memory_stats(0)
+    p = lib.tide_torch_alloc(3 * MiB, 0, None)
+    assert p, _lib.last_error()
+    st = tidalloc.memory_stats(0)
+    assert st["allocated_bytes.all.current"] == before["allocated_bytes.all.current"] + 3 * MiB
+    assert st["allocation.all.current"] == before["allocation.all.current"] + 1
+    assert st["reserved_bytes.all.current"] >= st["allocated_bytes.all.current"]
+    ctypes.memset(p, 0x5A, 3 * MiB)  # host backend: the CPU may write it
+    lib.tide_torch_free(p, 3 * MiB, 0, None)
+    st = tidalloc.memory_stats(0)
+    assert st["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
+    assert st["allocated_bytes.all.peak"] >= 3 * MiB
+    tidalloc.reset_peak(0)
+    assert tidalloc.memory_stats(0)["allocated_bytes.all.peak"] == st["allocated_bytes.all.current"]
+
+
+def test_zero_and_failed_allocations_are_null():
+    lib = _lib.lib()
+    assert not lib.tide_torch_alloc(0, 0, None)
+    assert not lib.tide_torch_alloc(1 << 62, 0, None)
+    assert "larger than any device" in _lib.last_error()
+
+
+def test_empty_cache_and_fraction():
+    lib = _lib.lib()
+    p = lib.tide_torch_alloc(8 * MiB, 0, None)
+    lib.tide_torch_free(p, 8 * MiB, 0, None)
+    assert tidalloc.memory_stats(0)["reserved_bytes.all.current"] > 0
+    assert lib.tide_torch_empty_cache(0) == 0
+    assert tidalloc.memory_stats(0)["reserved_bytes.all.current"] == 0
+    assert lib.tide_torch_set_memory_fraction(0.5, 0) == 0
+    assert lib.tide_torch_set_memory_fraction(2.0, 0) != 0
+
+
+def test_configure_after_first_use_is_refused():
+    tidalloc.stats(0)
+    with pytest.raises(tidalloc.TidallocError, match="tide_conf_set"):
+        tidalloc.configure("release_slack:0.02")
+
+
+def test_run_without_torch_says_why(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text("print('ran')\n")
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "..", "python"))
+    r = subprocess.run([sys.executable, "-m", "tidalloc", "run", str(script)], env=env,
+                       capture_output=True, text=True)
+    try:
+        import torch  # noqa: F401
+        has_torch = True
+    except ImportError:
+        has_torch = False
+    if has_torch:
+        pytest.skip("torch is installed: the GPU tests run scripts under it")
+    assert r.returncode != 0
+    assert "torch" in r.stderr
