@@ -27,6 +27,12 @@ class Stats(ctypes.Structure):
                 [("reserved_u64", ctypes.c_uint64 * 8)])
 
 
+class BufOptions(ctypes.Structure):
+    _fields_ = [("capacity", ctypes.c_size_t), ("ring", ctypes.c_int),
+                ("map_ahead", ctypes.c_size_t), ("async_map_ahead", ctypes.c_int),
+                ("stream", ctypes.c_void_p)]
+
+
 def _candidates():
     env = os.environ.get("TIDALLOC_LIB")
     if env:
@@ -69,6 +75,15 @@ def lib():
         l.tide_torch_empty_cache.argtypes = [ctypes.c_int]
         l.tide_torch_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
         l.tide_torch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        l.tide_buf_create.argtypes = [ctypes.c_void_p, ctypes.POINTER(BufOptions),
+                                      ctypes.POINTER(ctypes.c_void_p)]
+        l.tide_buf_destroy.argtypes = [ctypes.c_void_p]
+        l.tide_buf_resize.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        l.tide_buf_data.restype = ctypes.c_void_p
+        l.tide_buf_data.argtypes = [ctypes.c_void_p]
+        for name in ("tide_buf_length", "tide_buf_capacity", "tide_buf_mapped"):
+            getattr(l, name).restype = ctypes.c_size_t
+            getattr(l, name).argtypes = [ctypes.c_void_p]
         _lib = l
     return _lib
 

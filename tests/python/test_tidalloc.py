@@ -76,3 +76,22 @@ def test_run_without_torch_says_why(tmp_path):
         pytest.skip("torch is installed: the GPU tests run scripts under it")
     assert r.returncode != 0
     assert "torch" in r.stderr
+
+
+def test_growable_buffer_keeps_address_and_data():
+    b = tidalloc.Buffer(64 * MiB)
+    b.resize(3 * MiB)
+    base = b.data
+    ctypes.memset(base, 0x11, 3 * MiB)
+    before = tidalloc.memory_stats(0)["allocated_bytes.all.current"]
+    b.resize(40 * MiB)
+    assert b.data == base and len(b) == 40 * MiB and b.mapped >= 40 * MiB
+    assert ctypes.string_at(base, 16) == b"\x11" * 16
+    assert ctypes.string_at(base + 3 * MiB - 16, 16) == b"\x11" * 16
+    assert tidalloc.memory_stats(0)["allocated_bytes.all.current"] == before + 37 * MiB
+    with pytest.raises(tidalloc.TidallocError, match="capacity"):
+        b.resize(65 * MiB)
+    b.resize(1 * MiB)
+    assert b.mapped == 2 * MiB
+    b.close()
+    assert tidalloc.memory_stats(0)["allocated_bytes.all.current"] == before - 3 * MiB
