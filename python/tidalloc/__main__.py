@@ -1,6 +1,8 @@
 """python -m tidalloc run SCRIPT [ARGS...]: run an unmodified script with
 tidalloc as PyTorch's CUDA allocator (TIDALLOC_CONF honoured); --report FILE
-writes tidalloc's figures as JSON when the script ends."""
+writes tidalloc's figures as JSON when the script ends, --memory-viz FILE a
+snapshot that PyTorch's memory_viz opens, --timeline FILE a PNG of allocated
+and reserved bytes over time."""
 import argparse
 import atexit
 import json
@@ -14,6 +16,9 @@ def main(argv=None):
     run = sub.add_parser("run", help="run a script with tidalloc installed")
     run.add_argument("--conf", help="tidalloc options, key:value,...")
     run.add_argument("--report", help="write a JSON memory report here at exit")
+    run.add_argument("--memory-viz", help="write a snapshot for PyTorch's memory_viz here at exit")
+    run.add_argument("--timeline", help="write a PNG of allocated and reserved over time at exit "
+                     "(needs the trace option, e.g. TIDALLOC_CONF=trace:1000000)")
     run.add_argument("script")
     run.add_argument("args", nargs=argparse.REMAINDER)
     a = parser.parse_args(argv)
@@ -25,6 +30,15 @@ def main(argv=None):
             with open(a.report, "w") as f:
                 json.dump(_lib.memory_stats(0), f, indent=1, sort_keys=True)
         atexit.register(report)
+    if a.memory_viz or a.timeline:
+        from . import viz
+
+        def pictures():
+            if a.memory_viz:
+                viz.export_memory_viz(a.memory_viz)
+            if a.timeline:
+                viz.timeline_png(a.timeline)
+        atexit.register(pictures)
     sys.argv = [a.script] + a.args
     runpy.run_path(a.script, run_name="__main__")
 

@@ -1,5 +1,5 @@
 """test_tidalloc.py: the Python layer without torch and without a GPU:
-libtidalloc through ctypes on the host backend (TIDALLOC_CONF=backend:host,
+libtidalloc through ctypes on the host backend (TIDALLOC_CONF=backend:host,trace:N,
 TIDALLOC_LIB naming the library; ctest sets both)."""
 import ctypes
 import os
@@ -95,3 +95,26 @@ def test_growable_buffer_keeps_address_and_data():
     assert b.mapped == 2 * MiB
     b.close()
     assert tidalloc.memory_stats(0)["allocated_bytes.all.current"] == before - 3 * MiB
+
+
+def test_memory_viz_snapshot_has_pytorchs_shape(tmp_path):
+    import pickle
+    from tidalloc import viz
+    lib = _lib.lib()
+    ps = [lib.tide_torch_alloc(size, 0, None) for size in (3 * MiB, 512, 100000, 7 * MiB)]
+    lib.tide_torch_free(ps[1], 0, 0, None)
+    path = tmp_path / "snapshot.pickle"
+    viz.export_memory_viz(str(path))
+    snap = pickle.loads(path.read_bytes())
+    assert set(snap) == {"segments", "device_traces"}
+    blocks = [b for s in snap["segments"] for b in s["blocks"]]
+    live = {b["address"] for b in blocks if b["state"] == "active_allocated"}
+    assert {p for i, p in enumerate(ps) if i != 1} <= live and ps[1] not in live
+    for s in snap["segments"]:
+        assert s["total_size"] == sum(b["size"] for b in s["blocks"])
+        assert s["segment_type"] in ("small", "large")
+        assert s["allocated_size"] <= s["active_size"] <= s["total_size"]
+    actions = [e["action"] for e in snap["device_traces"][0]]
+    assert "alloc" in actions and "free_requested" in actions  # ctest turns the trace on
+    for p in ps[:1] + ps[2:]:
+        lib.tide_torch_free(p, 0, 0, None)

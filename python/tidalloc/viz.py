@@ -1,0 +1,136 @@
+"""viz.py: tidalloc's state for PyTorch's memory tools and as a picture.
+
+export_memory_viz(path) writes a pickle in the format of
+torch.cuda.memory._snapshot(), which PyTorch's memory_viz page
+(pytorch.org/memory_viz) and torch.cuda._memory_viz open: the segments
+(each mapped run of an expandable segment is one segment, as PyTorch shows
+expandable segments) with their blocks, and, when tidalloc's trace ring is
+on (the `trace` option), the events as the device trace. timeline_png(path)
+draws allocated and reserved bytes over the traced events."""
+import ctypes
+import json
+import pickle
+
+from . import _lib
+
+_STATES = {"allocated": "active_allocated", "pending": "active_pending_free", "free": "inactive",
+           "quick": "inactive"}
+_ACTIONS = {0: ["alloc"], 1: ["free_requested", "free_completed"], 2: ["segment_map"],
+            3: ["segment_unmap"], 4: ["oom"]}
+
+
+class TraceEvent(ctypes.Structure):
+    _fields_ = [("seq", ctypes.c_uint64), ("time_ns", ctypes.c_uint64), ("kind", ctypes.c_uint32),
+                ("pool", ctypes.c_uint32), ("addr", ctypes.c_uint64), ("size", ctypes.c_uint64),
+                ("stream", ctypes.c_void_p)]
+
+
+def snapshot_json(device=0):
+    """tide_snapshot_json as a dict."""
+    lib = _lib.lib()
+    text, length = ctypes.c_void_p(), ctypes.c_size_t()
+    lib.tide_snapshot_json.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                                       ctypes.POINTER(ctypes.c_size_t)]
+    lib.tide_string_free.argtypes = [ctypes.c_void_p]
+    _lib.check(lib.tide_snapshot_json(_lib.device(device), ctypes.byref(text), ctypes.byref(length)),
+               "tide_snapshot_json")
+    try:
+        return json.loads(ctypes.string_at(text, length.value).decode())
+    finally:
+        lib.tide_string_free(text)
+
+
+def trace(device=0, cap=1 << 20):
+    """The trace ring's events, oldest first (empty when tracing is off)."""
+    lib = _lib.lib()
+    lib.tide_trace_read.argtypes = [ctypes.c_void_p, ctypes.POINTER(TraceEvent), ctypes.c_size_t,
+                                    ctypes.POINTER(ctypes.c_size_t),
+                                    ctypes.POINTER(ctypes.c_uint64)]
+    out = (TraceEvent * cap)()
+    n, dropped = ctypes.c_size_t(), ctypes.c_uint64()
+    _lib.check(lib.tide_trace_read(_lib.device(device), out, cap, ctypes.byref(n),
+                                   ctypes.byref(dropped)), "tide_trace_read")
+    return list(out[:n.value])
+
+
+def _segments(snap, device):
+    out = []
+    for seg in snap["segments"]:
+        run = []
+
+        def close():
+            if not run:
+                return
+            blocks = [{"address": b["address"], "size": b["size"],
+                       "requested_size": b.get("requested", b["size"]),
+                       "state": _STATES.get(b["state"], "inactive"), "frames": []} for b in run]
+            out.append({
+                "device": device, "address": run[0]["address"],
+                "total_size": sum(b["size"] for b in run), "stream": seg.get("stream", 0),
+                "segment_type": seg["pool"], "segment_pool_id": (seg.get("capture_pool", 0), 0),
+                "is_expandable": seg["kind"] == "expandable",
+                "allocated_size": sum(b["size"] for b in blocks if b["state"] == "active_allocated"),
+                "active_size": sum(b["size"] for b in blocks if b["state"] != "inactive"),
+                "requested_size": sum(b["requested_size"] for b in blocks
+                                      if b["state"] == "active_allocated"),
+                "frames": [], "blocks": blocks})
+            run.clear()
+
+        for b in seg["blocks"]:
+            if b["state"] == "unmapped":
+                close()
+            else:
+                run.append(b)
+        close()
+    return out
+
+
+def memory_viz_snapshot(device=0):
+    """A dict in the format of torch.cuda.memory._snapshot()."""
+    events = []
+    for e in trace(device):
+        for action in _ACTIONS.get(e.kind, []):
+            events.append({"action": action, "addr": e.addr, "size": e.size,
+                           "stream": e.stream or 0, "time_us": e.time_ns // 1000, "frames": []})
+    return {"segments": _segments(snapshot_json(device), device),
+            "device_traces": [events if d == device else [] for d in range(device + 1)]}
+
+
+def export_memory_viz(path, device=0):
+    with open(path, "wb") as f:
+        pickle.dump(memory_viz_snapshot(device), f)
+
+
+def timeline_png(path, device=0):
+    """Allocated and reserved bytes over the traced events (needs `trace`)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    events = trace(device)
+    if not events:
+        raise _lib.TidallocError("timeline_png: the trace ring is empty (set the trace option, "
+                                 "such as TIDALLOC_CONF=trace:1000000)")
+    t0 = events[0].time_ns
+    allocated = reserved = 0
+    xs, ya, yr = [], [], []
+    for e in events:
+        if e.kind == 0:
+            allocated += e.size
+        elif e.kind == 1:
+            allocated -= e.size
+        elif e.kind == 2:
+            reserved += e.size
+        elif e.kind == 3:
+            reserved -= e.size
+        xs.append((e.time_ns - t0) / 1e6)
+        ya.append(allocated / 2**20)
+        yr.append(reserved / 2**20)
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.plot(xs, ya, label="allocated (since the first traced event)", linewidth=0.8)
+    ax.plot(xs, yr, label="reserved (pages mapped since it)", linewidth=0.8)
+    ax.set_xlabel("ms")
+    ax.set_ylabel("MiB")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
