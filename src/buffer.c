@@ -452,6 +452,20 @@ void _tide_bufs_figures(tide_allocator *a, _tide_arena *const *arenas, size_t n,
   pthread_mutex_unlock(&a->bufs_mutex);
 }
 
+size_t _tide_bufs_list(tide_allocator *a, _tide_buf_info *out, size_t cap) {
+  size_t n = 0;
+  pthread_mutex_lock(&a->bufs_mutex);
+  for (tide_buf *b = a->bufs; b; b = b->next, n++) {
+    if (n >= cap) continue;
+    pthread_mutex_lock(&b->mutex);
+    out[n] =
+        (_tide_buf_info){b->base, b->capacity, b->length, b->mapped * b->page, b->ring, b->stream};
+    pthread_mutex_unlock(&b->mutex);
+  }
+  pthread_mutex_unlock(&a->bufs_mutex);
+  return n;
+}
+
 /* A failure of the worker since the last call, as this call's error. */
 static int worker_failure(tide_buf *b) {
   if (!b->worker_error) return TIDE_OK;

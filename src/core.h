@@ -563,6 +563,15 @@ typedef struct _tide_buf_figures {
 } _tide_buf_figures;
 void _tide_bufs_figures(struct tide_allocator *a, _tide_arena *const *arenas, size_t n,
                         _tide_buf_figures *out);
+/* The growable buffers now, for the snapshot: up to `cap` into `out`;
+ * returns how many there are. */
+typedef struct _tide_buf_info {
+  uintptr_t address;
+  size_t capacity, length, mapped;
+  bool ring;
+  tide_stream stream;
+} _tide_buf_info;
+size_t _tide_bufs_list(struct tide_allocator *a, _tide_buf_info *out, size_t cap);
 /* Destroy the growable buffers left (tide_destroy); returns how many. */
 size_t _tide_bufs_destroy_all(struct tide_allocator *a);
 

@@ -1,5 +1,6 @@
 /* snapshot.c: a JSON picture of every segment and block of an allocator,
- * for tools that draw memory maps or find what holds memory. */
+ * and of its growable buffers, for tools that draw memory maps or find what
+ * holds memory. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -73,6 +74,26 @@ static void put_segment(text *t, const _tide_arena *arena, const _tide_segment *
   put(t, "\n    ]}");
 }
 
+/* Growable buffers: where they are, how long, how much is mapped. */
+static void put_buffers(text *t, tide_allocator *a) {
+  size_t n = _tide_bufs_list(a, NULL, 0);
+  _tide_buf_info *bufs = calloc(n ? n : 1, sizeof *bufs);
+  if (!bufs) {
+    t->failed = true;
+    return;
+  }
+  size_t now = _tide_bufs_list(a, bufs, n); /* buffers made meanwhile are left out */
+  if (now < n) n = now;
+  for (size_t i = 0; i < n; i++)
+    put(t,
+        "%s\n    {\"address\": %llu, \"capacity\": %zu, \"length\": %zu, \"mapped\": %zu, "
+        "\"ring\": %s, \"stream\": %llu}",
+        i ? "," : "", (unsigned long long)bufs[i].address, bufs[i].capacity, bufs[i].length,
+        bufs[i].mapped, bufs[i].ring ? "true" : "false",
+        (unsigned long long)(uintptr_t)bufs[i].stream);
+  free(bufs);
+}
+
 tide_status tide_snapshot_json(tide_allocator *a, char **out, size_t *len) {
   if (!_tide_allocator_valid(a) || !out)
     return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_snapshot_json: bad argument");
@@ -97,6 +118,8 @@ tide_status tide_snapshot_json(tide_allocator *a, char **out, size_t *len) {
     _tide_lock_release(&arenas[i]->lock);
   }
   free(arenas);
+  put(&t, "\n  ],\n  \"buffers\": [");
+  put_buffers(&t, a);
   put(&t, "\n  ]\n}\n");
   if (t.failed) {
     free(t.data);

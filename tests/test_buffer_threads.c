@@ -65,6 +65,12 @@ static void test_growth_keeps_address_and_data(void **state) {
   assert_int_equal(st.allocations[TIDE_POOL_ALL].current, 1);
   assert_int_equal(tide_host_bytes_in_use(a), tide_buf_mapped(b));
   tu_assert_ok(tide_check(a));
+  char *json = NULL, want[96];
+  size_t json_len = 0;
+  tu_assert_ok(tide_snapshot_json(a, &json, &json_len));
+  snprintf(want, sizeof want, "\"capacity\": %zu, \"length\": %zu", tide_buf_capacity(b), len);
+  assert_non_null(strstr(json, want)); /* the snapshot shows the buffer */
+  tide_string_free(json);
   tu_assert_ok(tide_buf_destroy(b));
   tu_assert_ok(tide_get_stats(a, &st));
   assert_int_equal(st.allocated_bytes[TIDE_POOL_ALL].current, 0);

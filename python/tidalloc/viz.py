@@ -4,7 +4,8 @@ export_memory_viz(path) writes a pickle in the format of
 torch.cuda.memory._snapshot(), which PyTorch's memory_viz page
 (pytorch.org/memory_viz) and torch.cuda._memory_viz open: the segments
 (each mapped run of an expandable segment is one segment, as PyTorch shows
-expandable segments) with their blocks, and, when tidalloc's trace ring is
+expandable segments) with their blocks, each growable buffer as a segment of
+its mapped pages, and, when tidalloc's trace ring is
 on (the `trace` option), the events as the device trace. timeline_png(path)
 draws allocated and reserved bytes over the traced events."""
 import ctypes
@@ -85,6 +86,26 @@ def _segments(snap, device):
     return out
 
 
+def _buffers(snap, device):
+    """A growable buffer as a segment of its mapped bytes: the length one
+    allocated block, the pages mapped beyond it free."""
+    out = []
+    for b in snap.get("buffers", []):
+        if not b["mapped"]:
+            continue
+        blocks = [{"address": b["address"], "size": b["length"], "requested_size": b["length"],
+                   "state": "active_allocated", "frames": []}] if b["length"] else []
+        if b["mapped"] > b["length"]:
+            blocks.append({"address": b["address"] + b["length"], "size": b["mapped"] - b["length"],
+                           "requested_size": 0, "state": "inactive", "frames": []})
+        out.append({"device": device, "address": b["address"], "total_size": b["mapped"],
+                    "stream": b["stream"], "segment_type": "large", "segment_pool_id": (0, 0),
+                    "is_expandable": True, "allocated_size": b["length"],
+                    "active_size": b["length"], "requested_size": b["length"], "frames": [],
+                    "blocks": blocks})
+    return out
+
+
 def memory_viz_snapshot(device=0):
     """A dict in the format of torch.cuda.memory._snapshot()."""
     events = []
@@ -92,7 +113,8 @@ def memory_viz_snapshot(device=0):
         for action in _ACTIONS.get(e.kind, []):
             events.append({"action": action, "addr": e.addr, "size": e.size,
                            "stream": e.stream or 0, "time_us": e.time_ns // 1000, "frames": []})
-    return {"segments": _segments(snapshot_json(device), device),
+    snap = snapshot_json(device)
+    return {"segments": _segments(snap, device) + _buffers(snap, device),
             "device_traces": [events if d == device else [] for d in range(device + 1)]}
 
 

@@ -103,6 +103,8 @@ def test_memory_viz_snapshot_has_pytorchs_shape(tmp_path):
     lib = _lib.lib()
     ps = [lib.tide_torch_alloc(size, 0, None) for size in (3 * MiB, 512, 100000, 7 * MiB)]
     lib.tide_torch_free(ps[1], 0, 0, None)
+    buf = tidalloc.Buffer(32 * MiB)
+    buf.resize(5 * MiB)
     path = tmp_path / "snapshot.pickle"
     viz.export_memory_viz(str(path))
     snap = pickle.loads(path.read_bytes())
@@ -114,6 +116,9 @@ def test_memory_viz_snapshot_has_pytorchs_shape(tmp_path):
         assert s["total_size"] == sum(b["size"] for b in s["blocks"])
         assert s["segment_type"] in ("small", "large")
         assert s["allocated_size"] <= s["active_size"] <= s["total_size"]
+    seg = [s for s in snap["segments"] if s["address"] == buf.data]
+    assert len(seg) == 1 and seg[0]["allocated_size"] == 5 * MiB and seg[0]["total_size"] == 6 * MiB
+    buf.close()
     actions = [e["action"] for e in snap["device_traces"][0]]
     assert "alloc" in actions and "free_requested" in actions  # ctest turns the trace on
     for p in ps[:1] + ps[2:]:
