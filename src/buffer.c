@@ -11,7 +11,6 @@
  * lock dropped, so the caller only waits for it when it needs those very
  * pages. Figures go to the arena of the buffer's stream, under its lock. */
 #include <pthread.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -34,9 +33,8 @@ struct tide_buf {
   bool release_pending;
   /* The worker. */
   bool async, stop;
-  size_t want; /* pages the worker should bring `mapped` up to */
-  int worker_error;
-  char worker_message[256];
+  size_t want;                     /* pages the worker should bring `mapped` up to */
+  _tide_saved_error worker_failed; /* status TIDE_OK: none since the last call */
   pthread_t worker;
   struct tide_buf *next; /* the allocator's list */
 };
@@ -106,9 +104,8 @@ static void drop_page(tide_buf *b, size_t i) {
  * arena, its bytes still reserved, retried later. The caller's error stays. */
 static void undo_page(tide_buf *b, uintptr_t mapped_at, _tide_handle h) {
   const _tide_backend *be = backend(b);
-  tide_status failure = tide_last_status();
-  char message[256];
-  snprintf(message, sizeof message, "%s", tide_last_error());
+  _tide_saved_error failure;
+  _tide_error_save(&failure);
   bool unmapped = !mapped_at || be->ops->unmap(be->ctx, mapped_at, b->page) == TIDE_OK;
   if (unmapped && be->ops->release(be->ctx, h) == TIDE_OK) {
     _tide_budget_give(b->alloc, b->page);
@@ -121,7 +118,7 @@ static void undo_page(tide_buf *b, uintptr_t mapped_at, _tide_handle h) {
                  0, 0);
     _tide_lock_release(&arena->lock);
   }
-  _tide_error_set(failure, "%s", message);
+  _tide_error_restore(&failure);
 }
 
 /* Create and map pages [first, first + count) (twice for a ring) and make
@@ -162,11 +159,11 @@ static int map_pages(tide_buf *b, size_t first, size_t count) {
     if (!rc && b->ring) rc = be->ops->set_access(be->ctx, at + b->capacity, count * b->page);
   }
   if (rc) {
-    char why[200];
-    snprintf(why, sizeof why, "%s", tide_last_error());
+    _tide_saved_error why;
+    _tide_error_save(&why);
     while (done-- > 0) drop_page(b, first + done);
-    _tide_error_set((tide_status)rc, "growable buffer: mapping %zu page(s) of %zu bytes failed: %s",
-                    count, b->page, why);
+    _tide_error_restore(&why);
+    _tide_error_prefix("growable buffer: mapping %zu page(s) of %zu bytes failed", count, b->page);
   }
   return rc;
 }
@@ -224,7 +221,7 @@ static void *worker_main(void *arg) {
   tide_buf *b = arg;
   pthread_mutex_lock(&b->mutex);
   for (;;) {
-    while (!b->stop && (b->want <= b->mapped || b->release_pending || b->worker_error))
+    while (!b->stop && (b->want <= b->mapped || b->release_pending || b->worker_failed.status))
       pthread_cond_wait(&b->changed, &b->mutex);
     if (b->stop) break;
     size_t first = b->mapped, count = b->want - b->mapped;
@@ -234,8 +231,7 @@ static void *worker_main(void *arg) {
     pthread_mutex_lock(&b->mutex);
     b->busy = 0;
     if (rc) {
-      b->worker_error = rc;
-      snprintf(b->worker_message, sizeof b->worker_message, "%s", tide_last_error());
+      _tide_error_save(&b->worker_failed);
     } else {
       /* A shrink meanwhile lowered keep: the new pages then wait with the rest. */
       if (b->keep == b->mapped) b->keep = first + count;
@@ -313,19 +309,15 @@ static int check_options(tide_allocator *a, const tide_buf_options *o) {
 static void destroy_parts(tide_buf *b) {
   const _tide_backend *be = backend(b);
   if (b->release_pending) be->ops->event_destroy(be->ctx, b->release_event);
-  tide_status failure = tide_last_status();
-  char message[256];
-  snprintf(message, sizeof message, "%s", tide_last_error());
+  _tide_saved_error caller;
+  _tide_error_save(&caller);
   if (b->base && be->ops->unreserve(be->ctx, b->base, b->reserved_bytes) != TIDE_OK) {
     /* An orphaned mapping may still sit inside: retried after it. The
      * caller's error, if any, is the one to report. */
     _tide_lock_acquire(&b->arena->lock);
     _tide_orphan(b->arena, _TIDE_LARGE, 0, 0, 0, 0, b->base, b->reserved_bytes);
     _tide_lock_release(&b->arena->lock);
-    if (failure != TIDE_OK)
-      _tide_error_set(failure, "%s", message);
-    else
-      tide_clear_error();
+    _tide_error_restore(&caller);
   }
   pthread_cond_destroy(&b->changed);
   pthread_mutex_destroy(&b->mutex);
@@ -438,7 +430,8 @@ void _tide_bufs_figures(tide_allocator *a, _tide_arena *const *arenas, size_t n,
   for (tide_buf *b = a->bufs; b; b = b->next) {
     pthread_mutex_lock(&b->mutex);
     /* Pages the worker is mapping are counted already but not yet in `mapped`. */
-    while (b->busy || (b->async && b->want > b->mapped && !b->release_pending && !b->worker_error))
+    while (b->busy ||
+           (b->async && b->want > b->mapped && !b->release_pending && !b->worker_failed.status))
       pthread_cond_wait(&b->changed, &b->mutex);
     for (size_t i = 0; i < n; i++) {
       if (arenas[i] != b->arena) continue;
@@ -468,11 +461,11 @@ size_t _tide_bufs_list(tide_allocator *a, _tide_buf_info *out, size_t cap) {
 
 /* A failure of the worker since the last call, as this call's error. */
 static int worker_failure(tide_buf *b) {
-  if (!b->worker_error) return TIDE_OK;
-  int rc = b->worker_error;
-  b->worker_error = 0;
-  return _tide_error_set((tide_status)rc, "growable buffer: mapping ahead failed: %s",
-                         b->worker_message);
+  if (b->worker_failed.status == TIDE_OK) return TIDE_OK;
+  int rc = _tide_error_restore(&b->worker_failed);
+  b->worker_failed.status = TIDE_OK;
+  _tide_error_prefix("growable buffer: mapping ahead failed");
+  return rc;
 }
 
 tide_status tide_buf_resize(tide_buf *b, size_t length, tide_stream stream) {
