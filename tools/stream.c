@@ -68,14 +68,19 @@ typedef struct tide_target {
   double shown; /* the fraction last drawn */
 } tide_target;
 
+/* The first failure of a kind, with its message: later ones would only
+ * follow from it. */
+static void keep_first_failure(tide_status *status, char error[ERROR_LEN]) {
+  if (*status != TIDE_OK) return;
+  *status = tide_last_status();
+  snprintf(error, ERROR_LEN, "%s", tide_last_error());
+}
+
 static void *target_alloc(void *ctx, size_t bytes, stream_model_kind kind) {
   (void)kind;
   tide_target *t = ctx;
   void *ptr = tide_malloc(t->alloc, bytes, NULL);
-  if (ptr == NULL && t->alloc_status == TIDE_OK) {
-    t->alloc_status = tide_last_status();
-    snprintf(t->alloc_error, sizeof t->alloc_error, "%s", tide_last_error());
-  }
+  if (ptr == NULL) keep_first_failure(&t->alloc_status, t->alloc_error);
   return ptr;
 }
 
@@ -83,10 +88,7 @@ static void target_free(void *ctx, void *buf, size_t bytes) {
   (void)bytes;
   tide_target *t = ctx;
   tide_status st = tide_free(t->alloc, buf, NULL);
-  if (st != TIDE_OK && t->free_status == TIDE_OK) {
-    t->free_status = st;
-    snprintf(t->free_error, sizeof t->free_error, "%s", tide_last_error());
-  }
+  if (st != TIDE_OK) keep_first_failure(&t->free_status, t->free_error);
 }
 
 /* The cache copies of concatenation, on the device's stream. On the host
@@ -98,10 +100,7 @@ static int target_copy(void *ctx, void *dst, size_t dst_offset, const void *src,
   if (!t->copies) return 0;
   tide_status st =
       tide_memcpy(t->alloc, (char *)dst + dst_offset, (const char *)src + src_offset, bytes, NULL);
-  if (st != TIDE_OK && t->copy_status == TIDE_OK) {
-    t->copy_status = st;
-    snprintf(t->copy_error, sizeof t->copy_error, "%s", tide_last_error());
-  }
+  if (st != TIDE_OK) keep_first_failure(&t->copy_status, t->copy_error);
   return st == TIDE_OK ? 0 : -1;
 }
 
@@ -117,10 +116,7 @@ static void *target_buf_create(void *ctx, size_t capacity, stream_model_kind kin
   o.map_ahead = 1; /* one page */
   tide_buf *b = NULL;
   if (tide_buf_create(t->alloc, &o, &b) != TIDE_OK) {
-    if (t->alloc_status == TIDE_OK) {
-      t->alloc_status = tide_last_status();
-      snprintf(t->alloc_error, sizeof t->alloc_error, "%s", tide_last_error());
-    }
+    keep_first_failure(&t->alloc_status, t->alloc_error);
     return NULL;
   }
   *data = tide_buf_data(b);
@@ -130,19 +126,13 @@ static void *target_buf_create(void *ctx, size_t capacity, stream_model_kind kin
 static int target_buf_resize(void *ctx, void *buf, size_t bytes) {
   tide_target *t = ctx;
   if (tide_buf_resize(buf, bytes, NULL) == TIDE_OK) return 0;
-  if (t->alloc_status == TIDE_OK) {
-    t->alloc_status = tide_last_status();
-    snprintf(t->alloc_error, sizeof t->alloc_error, "%s", tide_last_error());
-  }
+  keep_first_failure(&t->alloc_status, t->alloc_error);
   return -1;
 }
 
 static void target_buf_destroy(void *ctx, void *buf) {
   tide_target *t = ctx;
-  if (tide_buf_destroy(buf) != TIDE_OK && t->free_status == TIDE_OK) {
-    t->free_status = tide_last_status();
-    snprintf(t->free_error, sizeof t->free_error, "%s", tide_last_error());
-  }
+  if (tide_buf_destroy(buf) != TIDE_OK) keep_first_failure(&t->free_status, t->free_error);
 }
 
 static void target_progress(void *ctx, int frames_done, int frames_total) {
@@ -219,11 +209,8 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
   uint64_t start = cli_now_ns();
   stream_model_status status = stream_model_run(&params, &ops, &result);
   /* Copies are asynchronous: the time counts until the device is done. */
-  if (target->copies && tide_stream_synchronize(alloc, NULL) != TIDE_OK &&
-      target->copy_status == TIDE_OK) {
-    target->copy_status = tide_last_status();
-    snprintf(target->copy_error, sizeof target->copy_error, "%s", tide_last_error());
-  }
+  if (target->copies && tide_stream_synchronize(alloc, NULL) != TIDE_OK)
+    keep_first_failure(&target->copy_status, target->copy_error);
   row->seconds = (double)(cli_now_ns() - start) / 1e9;
 
   tide_stats stats;
