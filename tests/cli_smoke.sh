@@ -85,6 +85,11 @@ bad_rows=$(tail -n +2 "$dir/out" | awk -F, '
   END { print n + 0 }')
 [ "$bad_rows" -eq 0 ] || fail "micro printed $bad_rows rows with bad fields"
 expect_status 2 "micro --repeat 0" -- "$bin" micro --repeat 0
+expect_status 0 "micro --sizes" -- "$bin" micro --csv --sizes 512,mixed --only tidalloc \
+  --threads 1 --ops 20 --repeat 1 --conf backend:host
+[ "$(tail -n +2 "$dir/out" | cut -d, -f1,2 | tr '\n' ' ')" = "pair,512 mixed,mixed " ] ||
+  fail "micro --sizes 512,mixed printed: $(cat "$dir/out")"
+expect_status 2 "micro --sizes 0" -- "$bin" micro --sizes 0
 
 # --- replay: peaks computed by hand -----------------------------------------
 # alloc 1 MiB, alloc 2 MiB, free the first, alloc 512 KiB: 3 MiB live at most.

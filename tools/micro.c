@@ -13,7 +13,11 @@
  * threads of each thread's median ns per op. Without --ops, a batch is sized
  * on one thread to last at least 20 ms. Worker i runs on the i-th CPU the
  * process may use (modulo their count): a thread the scheduler moves between
- * cores mid-batch measures the move, not the allocator. */
+ * cores mid-batch measures the move, not the allocator.
+ *
+ * run_pair is never inlined, so that `valgrind --tool=callgrind
+ * --toggle-collect=run_pair` counts the instructions of the pairs alone
+ * (scripts/pair_instructions.sh). */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* pthread barriers, thread affinity */
 #endif
@@ -42,6 +46,7 @@ enum {
   DEFAULT_REPEAT = 21,
   MAX_THREADS = 256,
   MAX_THREAD_COUNTS = 16, /* entries of --threads */
+  MAX_SIZES = 16,         /* entries of --sizes */
 };
 #define MIN_BATCH_NS 20000000.0 /* calibrated batches last at least this */
 #define MIXED_MIN_SIZE 512.0
@@ -231,7 +236,7 @@ static bool fail(worker *w, const char *what, size_t size) {
   return false;
 }
 
-static bool run_pair(worker *w, uint64_t ops) {
+static __attribute__((noinline)) bool run_pair(worker *w, uint64_t ops) {
   const anchor *a = w->plan->anchor;
   size_t size = w->plan->size;
   for (uint64_t k = 0; k < ops; k++) {
@@ -476,7 +481,8 @@ static void print_table(const result *results, size_t n) {
 /* ------------------------------------------------------------------------ */
 
 static void print_help(void) {
-  printf("usage: tidalloc micro [--csv] [--conf STR] [--repeat N] [--ops N] [--threads LIST]\n"
+  printf("usage: tidalloc micro [--csv] [--conf STR] [--repeat N] [--ops N] [--threads L]\n"
+         "                      [--only L] [--sizes L]\n"
          "\n"
          "Alloc+free latency of tidalloc (host backend unless --conf or TIDALLOC_CONF\n"
          "choose another), glibc and mimalloc, on 1 and 8 threads unless --threads says\n"
@@ -489,7 +495,9 @@ static void print_help(void) {
          "  --repeat N   timed batches per thread (default %d); the median is reported\n"
          "  --ops N      ops per batch (default: enough for a batch to last 20 ms)\n"
          "  --threads L  thread counts to run, such as 1,2,4,8 (default 1,8)\n"
-         "  --only L     allocators to run, such as tidalloc,glibc (default all)\n",
+         "  --only L     allocators to run, such as tidalloc,glibc (default all)\n"
+         "  --sizes L    workloads to run: pair sizes in bytes and `mixed`, such as\n"
+         "               512,mixed (default all)\n",
          DEFAULT_REPEAT);
 }
 
@@ -500,7 +508,9 @@ typedef struct micro_args {
   uint64_t ops;
   int threads[MAX_THREAD_COUNTS];
   size_t thread_count;
-  const char *only; /* comma-separated allocator names, NULL: all */
+  const char *only;        /* comma-separated allocator names, NULL: all */
+  size_t sizes[MAX_SIZES]; /* pair sizes, 0: mixed */
+  size_t size_count;
 } micro_args;
 
 /* Whether `name` is in the comma-separated list (NULL: every name is). */
@@ -533,11 +543,34 @@ static bool parse_thread_list(const char *text, micro_args *args) {
   return args->thread_count > 0;
 }
 
+/* "512,mixed" into args->sizes (0 stands for mixed); false if it is not
+ * such a list. */
+static bool parse_size_list(const char *text, micro_args *args) {
+  args->size_count = 0;
+  char item[32];
+  while (*text != '\0') {
+    size_t len = strcspn(text, ",");
+    uint64_t n = 0;
+    if (len == 0 || len >= sizeof(item) || args->size_count == MAX_SIZES) return false;
+    memcpy(item, text, len);
+    item[len] = '\0';
+    if (strcmp(item, "mixed") != 0 && (!cli_parse_u64(item, &n) || n == 0 || n > SIZE_MAX / 2))
+      return false;
+    args->sizes[args->size_count++] = (size_t)n;
+    text += len;
+    if (*text == ',' && *++text == '\0') return false; /* a trailing comma */
+  }
+  return args->size_count > 0;
+}
+
 /* Returns -1 to go on, or the exit code. */
 static int parse_args(int argc, char **argv, micro_args *args) {
   *args = (micro_args){.repeat = DEFAULT_REPEAT};
   args->thread_count = sizeof(default_thread_counts) / sizeof(default_thread_counts[0]);
   memcpy(args->threads, default_thread_counts, sizeof(default_thread_counts));
+  args->size_count = sizeof(pair_sizes) / sizeof(pair_sizes[0]) + 1; /* + mixed, last */
+  memcpy(args->sizes, pair_sizes, sizeof(pair_sizes));
+  args->sizes[args->size_count - 1] = 0;
   for (int i = 1; i < argc; i++) {
     const char *value = NULL;
     bool bad = false;
@@ -559,6 +592,13 @@ static int parse_args(int argc, char **argv, micro_args *args) {
         cli_error("micro: --threads wants a list such as 1,8 (each 1 to %d, at most %d), not "
                   "'%s'",
                   MAX_THREADS, MAX_THREAD_COUNTS, value);
+        return CLI_EXIT_USAGE;
+      }
+    } else if (cli_option_value(argc, argv, &i, "--sizes", &value, &bad)) {
+      if (!bad && !parse_size_list(value, args)) {
+        cli_error("micro: --sizes wants a list of byte counts and `mixed`, such as 512,mixed "
+                  "(at most %d), not '%s'",
+                  MAX_SIZES, value);
         return CLI_EXIT_USAGE;
       }
     } else if (cli_option_value(argc, argv, &i, "--only", &value, &bad)) {
@@ -591,7 +631,7 @@ int tide_cli_micro(int argc, char **argv) {
   fprintf(stderr, "tidalloc micro: built without mimalloc (or under ThreadSanitizer); its rows "
                   "are skipped\n");
 #endif
-  const size_t size_count = sizeof(pair_sizes) / sizeof(pair_sizes[0]) + 1; /* + mixed */
+  const size_t size_count = args.size_count;
   const size_t thread_count = args.thread_count;
   const size_t total = size_count * thread_count * anchor_count;
   result *results = calloc(total, sizeof(result));
@@ -601,7 +641,7 @@ int tide_cli_micro(int argc, char **argv) {
   }
   size_t n = 0;
   for (size_t s = 0; s < size_count; s++) {
-    size_t size = s < size_count - 1 ? pair_sizes[s] : 0;
+    size_t size = args.sizes[s];
     for (size_t a = 0; a < anchor_count; a++) {
       if (!selected(args.only, anchors[a].name)) continue;
       /* The batch one thread needs for 20 ms serves the other thread counts
