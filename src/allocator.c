@@ -5,10 +5,11 @@
  * controls.
  *
  * The fast path of tide_malloc/tide_free is: find the stream's arena in a
- * per-thread cache, take its lock, best fit (or merge) in its bins, update
- * its figures. Only growth, the out-of-memory path, frees on the wrong
- * stream and graph captures (pool.c, one predictable branch on a flag) leave
- * it. */
+ * per-thread cache, take its lock, take back (or keep) a quick block and
+ * update its figures (quick.h, inline: no call). The rest of the full path,
+ * best fit or merging in the bins, is a call into arena.c under the same
+ * lock; growth, the out-of-memory path, frees on the wrong stream and graph
+ * captures (pool.c, one predictable branch on a flag) leave it. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,6 +17,7 @@
 
 #include "core.h"
 #include "pinned.h"
+#include "quick.h"
 
 static _Atomic uint64_t next_allocator_id = 1;
 
@@ -203,10 +205,48 @@ static int add_arena_locked(tide_allocator *a, tide_stream stream, _tide_arena *
   return TIDE_OK;
 }
 
+static inline unsigned stream_slot(tide_stream stream) {
+  return (unsigned)(((uintptr_t)stream * UINT64_C(0x9E3779B97F4A7C15)) >> 58) &
+         (_TIDE_STREAM_SLOTS - 1);
+}
+
+/* The stream's own arena from the allocator's table of streams, or NULL. */
+static TIDE_ALWAYS_INLINE _tide_arena *stream_arena(tide_allocator *a, tide_stream stream) {
+  unsigned i = stream_slot(stream);
+  for (unsigned probes = 0; probes < _TIDE_STREAM_SLOTS; probes++) {
+    _tide_arena *arena = atomic_load_explicit(&a->streams[i].arena, memory_order_acquire);
+    if (TIDE_UNLIKELY(!arena)) return NULL;
+    if (TIDE_LIKELY(atomic_load_explicit(&a->streams[i].stream, memory_order_relaxed) == stream))
+      return arena;
+    i = (i + 1) & (_TIDE_STREAM_SLOTS - 1);
+  }
+  return NULL;
+}
+
+/* Enter a new own arena in the table of streams, if it has room. Under
+ * arenas_mutex: the stream first, then the arena, which readers look at
+ * first. */
+static void stream_table_add(tide_allocator *a, _tide_arena *arena) {
+  unsigned i = stream_slot(arena->stream);
+  for (unsigned probes = 0; probes < _TIDE_STREAM_SLOTS; probes++) {
+    if (!atomic_load_explicit(&a->streams[i].arena, memory_order_relaxed)) {
+      atomic_store_explicit(&a->streams[i].stream, arena->stream, memory_order_relaxed);
+      atomic_store_explicit(&a->streams[i].arena, arena, memory_order_release);
+      return;
+    }
+    i = (i + 1) & (_TIDE_STREAM_SLOTS - 1);
+  }
+}
+
 static _tide_arena *arena_slow(tide_allocator *a, tide_stream stream, bool create) {
   pthread_mutex_lock(&a->arenas_mutex);
   _tide_arena *arena = find_arena_locked(a, stream);
-  if (!arena && create && add_arena_locked(a, stream, &arena)) arena = NULL;
+  if (!arena && create) {
+    if (add_arena_locked(a, stream, &arena))
+      arena = NULL;
+    else
+      stream_table_add(a, arena);
+  }
   pthread_mutex_unlock(&a->arenas_mutex);
   if (arena) {
     unsigned slot = cache_slot(a->id, stream);
@@ -217,7 +257,11 @@ static _tide_arena *arena_slow(tide_allocator *a, tide_stream stream, bool creat
   return arena;
 }
 
+/* The stream's own arena: the table of streams, this thread's cache, then
+ * the arena table. */
 static inline _tide_arena *arena_of(tide_allocator *a, tide_stream stream, bool create) {
+  _tide_arena *arena = stream_arena(a, stream);
+  if (TIDE_LIKELY(arena != NULL)) return arena;
   unsigned slot = cache_slot(a->id, stream);
   if (TIDE_LIKELY(arena_cache[slot].id == a->id && arena_cache[slot].stream == stream))
     return arena_cache[slot].arena;
@@ -432,7 +476,53 @@ static TIDE_NOINLINE _tide_arena *capture_arena(tide_allocator *a, tide_stream s
   return arena ? arena : arena_of(a, stream, true);
 }
 
-void *tide_malloc(tide_allocator *a, size_t size, tide_stream stream) {
+/* The full path of tide_malloc under the arena lock, which it releases. */
+static TIDE_NOINLINE void *malloc_locked(tide_allocator *a, _tide_arena *arena, size_t size,
+                                         size_t rounded, tide_stream stream) {
+  void *ptr = NULL;
+  int rc = _tide_arena_malloc(arena, size, rounded, &ptr);
+  _tide_lock_release(&arena->lock);
+  if (TIDE_LIKELY(rc == TIDE_OK)) return ptr;
+  if (rc != TIDE_ERR_OOM) {
+    if (rc == TIDE_ERR_BACKEND)
+      _tide_error_prefix("tide_malloc(%zu bytes) failed in the device backend", size);
+    else
+      _tide_error_prefix("tide_malloc(%zu bytes)", size);
+    return NULL;
+  }
+  return malloc_retry(a, arena, size, rounded, stream);
+}
+
+/* A quick hit with extras to do (quick.h), under the arena lock, which it
+ * releases. */
+static TIDE_NOINLINE void *malloc_hit_extras(_tide_arena *arena, _tide_block *b) {
+  _tide_hit_extras(arena, b, true, arena->stream);
+  _tide_lock_release(&arena->lock);
+  return (void *)b->addr;
+}
+
+/* tide_malloc under the arena lock, which it releases: the quick hit, or
+ * the full path. */
+static TIDE_ALWAYS_INLINE void *malloc_in_arena(tide_allocator *a, _tide_arena *arena, size_t size,
+                                                size_t rounded, tide_stream stream) {
+  _tide_block *b = _tide_arena_malloc_quick(arena, size, rounded);
+  if (TIDE_UNLIKELY(!b)) return malloc_locked(a, arena, size, rounded, stream);
+  if (TIDE_UNLIKELY(_tide_hit_has_extras(a))) return malloc_hit_extras(arena, b);
+  _tide_lock_release(&arena->lock);
+  return (void *)b->addr;
+}
+
+/* tide_malloc when the arena's lock was held by another thread. */
+static TIDE_NOINLINE void *malloc_contended(tide_allocator *a, _tide_arena *arena, size_t size,
+                                            size_t rounded, tide_stream stream) {
+  _tide_lock_acquire(&arena->lock);
+  return malloc_in_arena(a, arena, size, rounded, stream);
+}
+
+/* Everything tide_malloc's quick hit does not cover: a bad call, an arena
+ * not in this thread's cache, captures being watched, rounding by
+ * roundup_power2_divisions. */
+static TIDE_NOINLINE void *malloc_slow(tide_allocator *a, size_t size, tide_stream stream) {
   CHECK_ALLOCATOR(a, NULL);
   if (TIDE_UNLIKELY(size == 0 || size > TIDE_MAX_ALLOC)) {
     _tide_error_set(TIDE_ERR_INVALID,
@@ -448,19 +538,23 @@ void *tide_malloc(tide_allocator *a, size_t size, tide_stream stream) {
                            ? arena_of(a, stream, true)
                            : capture_arena(a, stream);
   if (TIDE_UNLIKELY(!arena)) return NULL;
-  void *ptr = NULL;
   _tide_lock_acquire(&arena->lock);
-  int rc = _tide_arena_malloc(arena, size, rounded, &ptr);
-  _tide_lock_release(&arena->lock);
-  if (TIDE_LIKELY(rc == TIDE_OK)) return ptr;
-  if (rc != TIDE_ERR_OOM) {
-    if (rc == TIDE_ERR_BACKEND)
-      _tide_error_prefix("tide_malloc(%zu bytes) failed in the device backend", size);
-    else
-      _tide_error_prefix("tide_malloc(%zu bytes)", size);
-    return NULL;
-  }
-  return malloc_retry(a, arena, size, rounded, stream);
+  return malloc_in_arena(a, arena, size, rounded, stream);
+}
+
+/* The fast path makes calls only in tail position, so that it saves no
+ * registers: every case it does not finish goes to a function that does. */
+void *tide_malloc(tide_allocator *a, size_t size, tide_stream stream) {
+  /* size - 1 wraps for 0: one comparison refuses both impossible sizes. */
+  if (TIDE_UNLIKELY(!valid(a) || size - 1 >= TIDE_MAX_ALLOC || !a->plain_rounding ||
+                    atomic_load_explicit(&a->capture_watch, memory_order_relaxed)))
+    return malloc_slow(a, size, stream);
+  _tide_arena *arena = stream_arena(a, stream);
+  if (TIDE_UNLIKELY(!arena)) return malloc_slow(a, size, stream);
+  size_t rounded = (size + TIDE_MIN_BLOCK - 1) & ~(TIDE_MIN_BLOCK - 1);
+  if (TIDE_UNLIKELY(!_tide_lock_try(&arena->lock)))
+    return malloc_contended(a, arena, size, rounded, stream);
+  return malloc_in_arena(a, arena, size, rounded, stream);
 }
 
 /* Look for the block in every arena: a free on another stream than the
@@ -500,8 +594,8 @@ tide_status _tide_free_slow(tide_allocator *a, uintptr_t addr, size_t size, bool
                                       (void *)addr, a->device);
 }
 
-static tide_status free_any(tide_allocator *a, void *ptr, size_t size, bool sized,
-                            tide_stream stream) {
+static TIDE_NOINLINE tide_status free_any(tide_allocator *a, void *ptr, size_t size, bool sized,
+                                          tide_stream stream) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   if (!ptr) return TIDE_OK;
   uintptr_t addr = (uintptr_t)ptr;
@@ -521,8 +615,57 @@ static tide_status free_any(tide_allocator *a, void *ptr, size_t size, bool size
   return _tide_free_slow(a, addr, size, sized, stream);
 }
 
+/* tide_free after its quick hit missed, under the arena lock, which it
+ * releases: b is the live block at addr, or NULL. */
+static TIDE_NOINLINE tide_status free_locked(tide_allocator *a, _tide_arena *arena, _tide_block *b,
+                                             uintptr_t addr, tide_stream stream) {
+  if (b) {
+    int rc = _tide_arena_free(arena, b, stream);
+    _tide_lock_release(&arena->lock);
+    return (tide_status)rc;
+  }
+  _tide_lock_release(&arena->lock);
+  return _tide_free_slow(a, addr, 0, false, stream);
+}
+
+/* A quick hit with extras to do (quick.h), under the arena lock, which it
+ * releases. */
+static TIDE_NOINLINE tide_status free_hit_extras(_tide_arena *arena, _tide_block *b,
+                                                 tide_stream stream) {
+  _tide_hit_extras(arena, b, false, stream);
+  _tide_lock_release(&arena->lock);
+  return TIDE_OK;
+}
+
+/* tide_free under the arena lock, which it releases: the quick hit, or the
+ * full path. */
+static TIDE_ALWAYS_INLINE tide_status free_in_arena(tide_allocator *a, _tide_arena *arena,
+                                                    uintptr_t addr, tide_stream stream) {
+  _tide_block *b = _tide_arena_live(arena, addr);
+  if (TIDE_UNLIKELY(!b || !_tide_arena_free_quick(arena, b, stream)))
+    return free_locked(a, arena, b, addr, stream);
+  if (TIDE_UNLIKELY(_tide_hit_has_extras(a))) return free_hit_extras(arena, b, stream);
+  _tide_lock_release(&arena->lock);
+  return TIDE_OK;
+}
+
+/* tide_free when the arena's lock was held by another thread. */
+static TIDE_NOINLINE tide_status free_contended(tide_allocator *a, _tide_arena *arena,
+                                                uintptr_t addr, tide_stream stream) {
+  _tide_lock_acquire(&arena->lock);
+  return free_in_arena(a, arena, addr, stream);
+}
+
+/* As tide_malloc, calls only in tail position. */
 tide_status tide_free(tide_allocator *a, void *ptr, tide_stream stream) {
-  return free_any(a, ptr, 0, false, stream);
+  if (TIDE_UNLIKELY(!valid(a) || !ptr ||
+                    atomic_load_explicit(&a->capture_watch, memory_order_relaxed)))
+    return free_any(a, ptr, 0, false, stream);
+  _tide_arena *arena = stream_arena(a, stream);
+  if (TIDE_UNLIKELY(!arena)) return free_any(a, ptr, 0, false, stream);
+  if (TIDE_UNLIKELY(!_tide_lock_try(&arena->lock)))
+    return free_contended(a, arena, (uintptr_t)ptr, stream);
+  return free_in_arena(a, arena, (uintptr_t)ptr, stream);
 }
 
 tide_status tide_free_sized(tide_allocator *a, void *ptr, size_t size, tide_stream stream) {

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core.h"
+#include "quick.h"
 
 #define BLOCKS_PER_CHUNK 128
 
@@ -60,19 +60,6 @@ void _tide_pool_remove(_tide_arena *arena, _tide_block *b) {
   if (_tide_block_is_split(b)) {
     _tide_stat_add(&arena->stats, _TIDE_ST_INACTIVE_SPLIT, kind, -(int64_t)b->size);
     _tide_stat_add(&arena->stats, _TIDE_ST_INACTIVE_SPLIT_BLOCKS, kind, -1);
-  }
-}
-
-/* A quick block counts as free memory, as it would in a bin. */
-static inline void count_cached(_tide_arena *arena, const _tide_block *b, int sign) {
-  if (!_tide_block_is_split(b)) return;
-  int kind = b->segment->pool;
-  if (sign > 0) {
-    _tide_stat_up(&arena->stats, _TIDE_ST_INACTIVE_SPLIT, kind, (int64_t)b->size);
-    _tide_stat_up(&arena->stats, _TIDE_ST_INACTIVE_SPLIT_BLOCKS, kind, 1);
-  } else {
-    _tide_stat_down(&arena->stats, _TIDE_ST_INACTIVE_SPLIT, kind, (int64_t)b->size);
-    _tide_stat_down(&arena->stats, _TIDE_ST_INACTIVE_SPLIT_BLOCKS, kind, 1);
   }
 }
 
@@ -274,40 +261,9 @@ static void maybe_collect_garbage(_tide_arena *arena) {
     _tide_arena_collect_garbage(arena, target);
 }
 
-static void count_allocation(_tide_arena *arena, const _tide_block *b, size_t size) {
-  _tide_arena_stats *s = &arena->stats;
-  int kind = b->segment->pool;
-  _tide_stat_up(s, _TIDE_ST_ALLOCATED, kind, (int64_t)b->size);
-  _tide_stat_up(s, _TIDE_ST_REQUESTED, kind, (int64_t)size);
-  _tide_stat_up(s, _TIDE_ST_ALLOCATIONS, kind, 1);
-  _tide_track_active(s);
-  s->counters[_TIDE_CT_ALLOCS]++;
-  if (TIDE_UNLIKELY(b->size >= arena->alloc->conf.max_split_size)) s->counters[_TIDE_CT_OVERSIZE]++;
-  if (TIDE_UNLIKELY(atomic_load_explicit(&arena->alloc->shared_peak, memory_order_relaxed)))
-    _tide_arena_publish(arena, (int64_t)b->size);
-}
-
-static void quick_remove(_tide_arena *arena, unsigned i) {
-  arena->nquick--;
-  for (; i < arena->nquick; i++) arena->quick[i] = arena->quick[i + 1];
-}
-
-/* The most recently freed quick block of exactly `rounded` bytes. Quick
- * blocks stay in the live map, so taking one back needs no map work. */
-static _tide_block *take_quick(_tide_arena *arena, size_t rounded) {
-  for (unsigned i = arena->nquick; i-- > 0;) {
-    _tide_block *b = arena->quick[i];
-    if (b->size != rounded) continue;
-    quick_remove(arena, i);
-    count_cached(arena, b, -1);
-    return b;
-  }
-  return NULL;
-}
-
 /* A quick block becomes an ordinary free block: out of the live map, merged. */
 static void unquick(_tide_arena *arena, _tide_block *b) {
-  count_cached(arena, b, -1);
+  _tide_count_cached(arena, b, -1);
   _tide_ptrmap_remove(&arena->live, b->addr);
   _tide_arena_free_block(arena, b);
 }
@@ -315,7 +271,7 @@ static void unquick(_tide_arena *arena, _tide_block *b) {
 void _tide_arena_flush_quick(_tide_arena *arena) {
   while (arena->nquick) {
     _tide_block *b = arena->quick[0];
-    quick_remove(arena, 0);
+    _tide_quick_remove(arena, 0);
     unquick(arena, b);
   }
 }
@@ -325,13 +281,10 @@ void _tide_arena_flush_quick(_tide_arena *arena) {
 static void put_quick(_tide_arena *arena, _tide_block *b) {
   if (arena->nquick == _TIDE_QUICK_SLOTS) {
     _tide_block *oldest = arena->quick[0];
-    quick_remove(arena, 0);
+    _tide_quick_remove(arena, 0);
     unquick(arena, oldest);
   }
-  b->state = _TIDE_QUICK;
-  b->stamp = arena->clock;
-  arena->quick[arena->nquick++] = b;
-  count_cached(arena, b, +1);
+  _tide_quick_put(arena, b);
 }
 
 static bool releasable(const _tide_block *b, size_t page);
@@ -474,7 +427,7 @@ int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **o
     arena->stream_gone = false;
   }
   if (TIDE_UNLIKELY(arena->npending)) _tide_arena_process_events(arena, false);
-  _tide_block *b = take_quick(arena, rounded);
+  _tide_block *b = _tide_quick_take(arena, rounded);
   if (TIDE_UNLIKELY(!b)) {
     if (_tide_ptrmap_reserve_one(&arena->live) != TIDE_OK) return TIDE_ERR_OOM;
     int rc = take_best_fit(arena, rounded, &b);
@@ -482,11 +435,8 @@ int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **o
     if (should_split(a, b, rounded)) place(arena, b, rounded);
     _tide_ptrmap_put(&arena->live, b); /* room reserved above, at b's final address */
   }
-  b->state = _TIDE_ALLOCATED;
-  b->requested = size;
-  count_allocation(arena, b, size);
-  arena->clock++;
-  _tide_trace(a, TIDE_TRACE_ALLOC, b->segment->pool + 1, b->addr, b->size, arena->stream);
+  _tide_arena_hand_out(arena, b, size);
+  _tide_hit_extras(arena, b, true, arena->stream);
   *out = (void *)b->addr;
   return TIDE_OK;
 }
@@ -604,17 +554,6 @@ static void forget_streams(_tide_block *b) {
   b->nstreams = 0;
 }
 
-static void count_free(_tide_arena *arena, const _tide_block *b) {
-  _tide_arena_stats *s = &arena->stats;
-  int kind = b->segment->pool;
-  _tide_stat_down(s, _TIDE_ST_ALLOCATED, kind, (int64_t)b->size);
-  _tide_stat_down(s, _TIDE_ST_REQUESTED, kind, (int64_t)b->requested);
-  _tide_stat_down(s, _TIDE_ST_ALLOCATIONS, kind, 1); /* active only falls: no peak */
-  if (TIDE_UNLIKELY(b->size >= arena->alloc->conf.max_split_size)) s->counters[_TIDE_CT_OVERSIZE]--;
-  if (TIDE_UNLIKELY(atomic_load_explicit(&arena->alloc->shared_peak, memory_order_relaxed)))
-    _tide_arena_publish(arena, -(int64_t)b->size);
-}
-
 static void count_pending(_tide_arena *arena, const _tide_block *b, int sign) {
   _tide_arena_stats *s = &arena->stats;
   int kind = b->segment->pool;
@@ -652,7 +591,7 @@ int _tide_arena_free(_tide_arena *arena, _tide_block *b, tide_stream stream) {
     }
     forget_streams(b);
   }
-  count_free(arena, b);
+  _tide_count_free(arena, b);
   _tide_trace(arena->alloc, TIDE_TRACE_FREE, b->segment->pool + 1, b->addr, b->size, stream);
   if (b->events) {
     _tide_ptrmap_remove(&arena->live, b->addr);
@@ -807,7 +746,7 @@ int _tide_arena_explain_pointer(_tide_arena *arena, uintptr_t addr) {
 /* ------------------------------------------------------------------------ */
 
 void _tide_arena_defer_free(_tide_arena *arena, _tide_block *b) {
-  count_free(arena, b);
+  _tide_count_free(arena, b);
   _tide_trace(arena->alloc, TIDE_TRACE_FREE, b->segment->pool + 1, b->addr, b->size, arena->stream);
   _tide_ptrmap_remove(&arena->live, b->addr);
   b->state = _TIDE_PENDING;
@@ -829,13 +768,13 @@ int _tide_arena_finish_deferred(_tide_arena *arena, _tide_block *b, tide_stream 
 void _tide_arena_count_restored(_tide_arena *arena, _tide_block *b, size_t requested) {
   b->state = _TIDE_ALLOCATED;
   b->requested = requested;
-  count_allocation(arena, b, requested);
+  _tide_count_allocation(arena, b, requested);
   _tide_trace(arena->alloc, TIDE_TRACE_ALLOC, b->segment->pool + 1, b->addr, b->size,
               arena->stream);
 }
 
 void _tide_arena_count_released(_tide_arena *arena, _tide_block *b) {
-  count_free(arena, b);
+  _tide_count_free(arena, b);
   forget_streams(b);
   _tide_trace(arena->alloc, TIDE_TRACE_FREE, b->segment->pool + 1, b->addr, b->size, arena->stream);
 }

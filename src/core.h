@@ -500,6 +500,13 @@ typedef struct _tide_trace_ring {
 
 #define _TIDE_MAGIC 0x7469646541l /* "tideA" */
 
+/* A stream and its own arena, in the allocator's table of streams (below). */
+#define _TIDE_STREAM_SLOTS 64u
+typedef struct _tide_stream_slot {
+  _Atomic(tide_stream) stream;
+  _Atomic(struct _tide_arena *) arena; /* NULL: a free slot; set last, never changed */
+} _tide_stream_slot;
+
 struct tide_allocator {
   long magic;
   uint64_t id; /* unique for the process: arena caches key on it */
@@ -514,6 +521,13 @@ struct tide_allocator {
   _Atomic size_t limit;      /* reserved may not exceed this */
   atomic_bool shared_peak;   /* several arenas: keep `allocated` (read under arena locks) */
   _Atomic int capture_watch; /* captures to route or frees deferred: see pool.c */
+  /* The own arena of each stream, by a hash of its handle with linear
+   * probing. A stream keeps its arena as long as the allocator lives, so a
+   * slot, once filled (under arenas_mutex), never changes: tide_malloc and
+   * tide_free find the arena with a few loads, no lock and no thread-local
+   * storage (a call in a shared library). Streams beyond the table's room
+   * are found through the arena table. */
+  _tide_stream_slot streams[_TIDE_STREAM_SLOTS];
   /* Shared counters, each on its own cache line so that writing them does
    * not evict the read-mostly fields above from other cores (the allocator
    * is allocated 64-byte aligned for this). */

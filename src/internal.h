@@ -49,11 +49,13 @@
 #define TIDE_UNLIKELY(x) __builtin_expect(!!(x), 0)
 #define TIDE_PRINTF(f, a) __attribute__((format(printf, f, a)))
 #define TIDE_NOINLINE __attribute__((noinline))
+#define TIDE_ALWAYS_INLINE inline __attribute__((always_inline))
 #else
 #define TIDE_LIKELY(x) (x)
 #define TIDE_UNLIKELY(x) (x)
 #define TIDE_PRINTF(f, a)
 #define TIDE_NOINLINE
+#define TIDE_ALWAYS_INLINE inline
 #endif
 
 /* ------------------------------------------------------------------------ */

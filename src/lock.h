@@ -18,8 +18,13 @@
 
 static inline void _tide_lock_init(_tide_lock *l) { atomic_init(&l->held, 0); }
 
+/* One attempt: true when the lock is now held. */
+static inline bool _tide_lock_try(_tide_lock *l) {
+  return !atomic_exchange_explicit(&l->held, 1, memory_order_acquire);
+}
+
 static inline void _tide_lock_acquire(_tide_lock *l) {
-  if (TIDE_LIKELY(!atomic_exchange_explicit(&l->held, 1, memory_order_acquire))) return;
+  if (TIDE_LIKELY(_tide_lock_try(l))) return;
   for (unsigned spins = 0;; spins++) {
     while (atomic_load_explicit(&l->held, memory_order_relaxed)) {
       if (spins++ < 64)

@@ -1,0 +1,159 @@
+/* quick.h: the quick path of an arena, inline so that tide_malloc and
+ * tide_free (allocator.c) finish a hit without a call: taking back a quick
+ * block (just freed on its own stream, kept whole; see _TIDE_QUICK_SLOTS)
+ * and keeping one, with the figures each changes. arena.c does the rest
+ * with the same functions. Everything here runs under the arena lock. */
+#ifndef TIDE_QUICK_H
+#define TIDE_QUICK_H
+
+#include "core.h"
+
+/* ------------------------------------------------------------------------ */
+/* Figures                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* The arena's own figures of an allocation of block b, `size` bytes asked
+ * for; the shared counter is _tide_count_shared's. */
+static TIDE_ALWAYS_INLINE void _tide_count_allocation_local(_tide_arena *arena,
+                                                            const _tide_block *b, size_t size) {
+  _tide_arena_stats *s = &arena->stats;
+  int kind = b->segment->pool;
+  _tide_stat_up(s, _TIDE_ST_ALLOCATED, kind, (int64_t)b->size);
+  _tide_stat_up(s, _TIDE_ST_REQUESTED, kind, (int64_t)size);
+  _tide_stat_up(s, _TIDE_ST_ALLOCATIONS, kind, 1);
+  _tide_track_active(s);
+  s->counters[_TIDE_CT_ALLOCS]++;
+  if (TIDE_UNLIKELY(b->size >= arena->alloc->conf.max_split_size)) s->counters[_TIDE_CT_OVERSIZE]++;
+}
+
+static TIDE_ALWAYS_INLINE void _tide_count_free_local(_tide_arena *arena, const _tide_block *b) {
+  _tide_arena_stats *s = &arena->stats;
+  int kind = b->segment->pool;
+  _tide_stat_down(s, _TIDE_ST_ALLOCATED, kind, (int64_t)b->size);
+  _tide_stat_down(s, _TIDE_ST_REQUESTED, kind, (int64_t)b->requested);
+  _tide_stat_down(s, _TIDE_ST_ALLOCATIONS, kind, 1); /* active only falls: no peak */
+  if (TIDE_UNLIKELY(b->size >= arena->alloc->conf.max_split_size)) s->counters[_TIDE_CT_OVERSIZE]--;
+}
+
+/* With several arenas, the allocator-wide allocated bytes change too. */
+static inline void _tide_count_shared(_tide_arena *arena, int64_t delta) {
+  if (TIDE_UNLIKELY(atomic_load_explicit(&arena->alloc->shared_peak, memory_order_relaxed)))
+    _tide_arena_publish(arena, delta);
+}
+
+static inline void _tide_count_allocation(_tide_arena *arena, const _tide_block *b, size_t size) {
+  _tide_count_allocation_local(arena, b, size);
+  _tide_count_shared(arena, (int64_t)b->size);
+}
+
+static inline void _tide_count_free(_tide_arena *arena, const _tide_block *b) {
+  _tide_count_free_local(arena, b);
+  _tide_count_shared(arena, -(int64_t)b->size);
+}
+
+/* A quick block counts as free memory, as it would in a bin. */
+static TIDE_ALWAYS_INLINE void _tide_count_cached(_tide_arena *arena, const _tide_block *b,
+                                                  int sign) {
+  if (!_tide_block_is_split(b)) return;
+  int kind = b->segment->pool;
+  if (sign > 0) {
+    _tide_stat_up(&arena->stats, _TIDE_ST_INACTIVE_SPLIT, kind, (int64_t)b->size);
+    _tide_stat_up(&arena->stats, _TIDE_ST_INACTIVE_SPLIT_BLOCKS, kind, 1);
+  } else {
+    _tide_stat_down(&arena->stats, _TIDE_ST_INACTIVE_SPLIT, kind, (int64_t)b->size);
+    _tide_stat_down(&arena->stats, _TIDE_ST_INACTIVE_SPLIT_BLOCKS, kind, 1);
+  }
+}
+
+/* ------------------------------------------------------------------------ */
+/* The quick list                                                            */
+/* ------------------------------------------------------------------------ */
+
+static inline void _tide_quick_remove(_tide_arena *arena, unsigned i) {
+  arena->nquick--;
+  for (; i < arena->nquick; i++) arena->quick[i] = arena->quick[i + 1];
+}
+
+/* The most recently freed quick block of exactly `rounded` bytes, out of
+ * the list. Quick blocks stay in the live map, so taking one back needs no
+ * map work. */
+static TIDE_ALWAYS_INLINE _tide_block *_tide_quick_take(_tide_arena *arena, size_t rounded) {
+  for (unsigned i = arena->nquick; i-- > 0;) {
+    _tide_block *b = arena->quick[i];
+    if (b->size != rounded) continue;
+    _tide_quick_remove(arena, i);
+    _tide_count_cached(arena, b, -1);
+    return b;
+  }
+  return NULL;
+}
+
+/* Keep b, just freed on its own stream, for reuse as it is; the list has
+ * room. */
+static TIDE_ALWAYS_INLINE void _tide_quick_put(_tide_arena *arena, _tide_block *b) {
+  b->state = _TIDE_QUICK;
+  b->stamp = arena->clock;
+  arena->quick[arena->nquick++] = b;
+  _tide_count_cached(arena, b, +1);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Hits                                                                      */
+/* ------------------------------------------------------------------------ */
+
+/* Hits leave two things to their caller, so that tide_malloc and tide_free
+ * reach calls only in tail position (no registers to save on the way in):
+ * the shared counter and the trace, both off unless several arenas exist or
+ * tracing is on. _tide_hit_extras does them. */
+static TIDE_ALWAYS_INLINE bool _tide_hit_has_extras(const struct tide_allocator *a) {
+  return atomic_load_explicit(&a->shared_peak, memory_order_relaxed) || a->trace.cap != 0;
+}
+
+static inline void _tide_hit_extras(_tide_arena *arena, const _tide_block *b, bool alloc,
+                                    tide_stream stream) {
+  int64_t size = (int64_t)b->size;
+  _tide_count_shared(arena, alloc ? size : -size);
+  _tide_trace(arena->alloc, alloc ? TIDE_TRACE_ALLOC : TIDE_TRACE_FREE, b->segment->pool + 1,
+              b->addr, b->size, stream);
+}
+
+/* Block b, taken for `size` bytes, becomes allocated (extras: see above). */
+static TIDE_ALWAYS_INLINE void _tide_arena_hand_out(_tide_arena *arena, _tide_block *b,
+                                                    size_t size) {
+  b->state = _TIDE_ALLOCATED;
+  b->requested = size;
+  _tide_count_allocation_local(arena, b, size);
+  arena->clock++;
+}
+
+/* tide_malloc's hit: the newest quick block when it has exactly `rounded`
+ * bytes, allocated (extras: see above), or NULL when the arena's full path
+ * must run (another size, which may be an older quick block, events to
+ * poll, a destroyed stream). Only the newest: taking another shifts the
+ * list, a loop the compiler makes a call of. */
+static TIDE_ALWAYS_INLINE _tide_block *_tide_arena_malloc_quick(_tide_arena *arena, size_t size,
+                                                                size_t rounded) {
+  unsigned n = arena->nquick;
+  if (TIDE_UNLIKELY(n == 0 || arena->npending || arena->stream_gone)) return NULL;
+  _tide_block *b = arena->quick[n - 1];
+  if (TIDE_UNLIKELY(b->size != rounded)) return NULL;
+  arena->nquick = n - 1;
+  _tide_count_cached(arena, b, -1);
+  _tide_arena_hand_out(arena, b, size);
+  return b;
+}
+
+/* tide_free's hit: allocated block b, freed on the arena's own stream and
+ * recorded on no other, kept as a quick block (extras: see above). False
+ * when the full path (_tide_arena_free) must run: other streams to order
+ * the free after, or a full quick list. */
+static TIDE_ALWAYS_INLINE bool _tide_arena_free_quick(_tide_arena *arena, _tide_block *b,
+                                                      tide_stream stream) {
+  if (TIDE_UNLIKELY(b->nstreams || stream != arena->stream || arena->nquick == _TIDE_QUICK_SLOTS))
+    return false;
+  _tide_count_free_local(arena, b);
+  _tide_quick_put(arena, b); /* stays in the live map */
+  return true;
+}
+
+#endif /* TIDE_QUICK_H */
