@@ -174,7 +174,9 @@ static _tide_arena *find_arena_locked(tide_allocator *a, tide_stream stream) {
  * their own lock, so no update is missed). */
 static void share_peak(tide_allocator *a, _tide_arena *first) {
   _tide_lock_acquire(&first->lock);
-  atomic_store(&a->allocated.cur, first->stats.cur[_TIDE_ST_ALLOCATED][0]);
+  _tide_arena_stats figures;
+  _tide_arena_figures(first, &figures);
+  atomic_store(&a->allocated.cur, figures.cur[_TIDE_ST_ALLOCATED][0]);
   atomic_store(&a->allocated.peak, first->stats.peak[_TIDE_ST_ALLOCATED][0]);
   atomic_store(&a->shared_peak, true);
   _tide_lock_release(&first->lock);

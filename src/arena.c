@@ -261,8 +261,57 @@ static void maybe_collect_garbage(_tide_arena *arena) {
     _tide_arena_collect_garbage(arena, target);
 }
 
-/* A quick block becomes an ordinary free block: out of the live map, merged. */
+/* ------------------------------------------------------------------------ */
+/* Quick blocks (quick.h has the hits)                                       */
+/* ------------------------------------------------------------------------ */
+
+/* What the quick blocks add to the raw figures (quick.h). */
+typedef struct quick_tally {
+  int64_t bytes[TIDE_POOL_KINDS], blocks[TIDE_POOL_KINDS];
+  uint64_t oversize;
+} quick_tally;
+
+static void tally_quick(const _tide_arena *arena, quick_tally *t) {
+  memset(t, 0, sizeof *t);
+  for (unsigned i = 0; i < arena->nquick; i++) {
+    const _tide_block *b = arena->quick[i];
+    int pool = b->segment->pool + 1;
+    t->bytes[0] += (int64_t)b->size;
+    t->bytes[pool] += (int64_t)b->size;
+    t->blocks[0]++;
+    t->blocks[pool]++;
+    t->oversize += b->size >= arena->alloc->conf.max_split_size;
+  }
+}
+
+void _tide_arena_figures(const _tide_arena *arena, _tide_arena_stats *out) {
+  quick_tally t;
+  tally_quick(arena, &t);
+  *out = arena->stats;
+  for (int p = 0; p < TIDE_POOL_KINDS; p++) {
+    out->cur[_TIDE_ST_ALLOCATED][p] -= t.bytes[p];
+    out->cur[_TIDE_ST_ALLOCATIONS][p] -= t.blocks[p];
+  }
+  out->counters[_TIDE_CT_OVERSIZE] -= t.oversize;
+}
+
+void _tide_arena_track_active(_tide_arena *arena) {
+  quick_tally t;
+  tally_quick(arena, &t);
+  _tide_arena_stats *s = &arena->stats;
+  for (int p = 0; p < TIDE_POOL_KINDS; p++) {
+    int64_t bytes = s->cur[_TIDE_ST_ALLOCATED][p] - t.bytes[p] + s->cur[_TIDE_ST_PENDING][p];
+    int64_t blocks =
+        s->cur[_TIDE_ST_ALLOCATIONS][p] - t.blocks[p] + s->cur[_TIDE_ST_PENDING_BLOCKS][p];
+    if (bytes > s->active_peak[0][p]) s->active_peak[0][p] = bytes;
+    if (blocks > s->active_peak[1][p]) s->active_peak[1][p] = blocks;
+  }
+}
+
+/* A quick block becomes an ordinary free block: out of the live map and of
+ * the raw figures, merged. */
 static void unquick(_tide_arena *arena, _tide_block *b) {
+  _tide_count_raw(arena, b, -1);
   _tide_count_cached(arena, b, -1);
   _tide_ptrmap_remove(&arena->live, b->addr);
   _tide_arena_free_block(arena, b);
@@ -428,15 +477,22 @@ int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **o
   }
   if (TIDE_UNLIKELY(arena->npending)) _tide_arena_process_events(arena, false);
   _tide_block *b = _tide_quick_take(arena, rounded);
-  if (TIDE_UNLIKELY(!b)) {
-    if (_tide_ptrmap_reserve_one(&arena->live) != TIDE_OK) return TIDE_ERR_OOM;
-    int rc = take_best_fit(arena, rounded, &b);
-    if (rc) return rc;
-    if (should_split(a, b, rounded)) place(arena, b, rounded);
-    _tide_ptrmap_put(&arena->live, b); /* room reserved above, at b's final address */
+  if (TIDE_LIKELY(b != NULL)) {
+    _tide_arena_hand_back(arena, b, size);
+    _tide_hit_extras(arena, b, true, arena->stream);
+    *out = (void *)b->addr;
+    return TIDE_OK;
   }
-  _tide_arena_hand_out(arena, b, size);
-  _tide_hit_extras(arena, b, true, arena->stream);
+  if (_tide_ptrmap_reserve_one(&arena->live) != TIDE_OK) return TIDE_ERR_OOM;
+  int rc = take_best_fit(arena, rounded, &b);
+  if (rc) return rc;
+  if (should_split(a, b, rounded)) place(arena, b, rounded);
+  _tide_ptrmap_put(&arena->live, b); /* room reserved above, at b's final address */
+  b->state = _TIDE_ALLOCATED;
+  b->requested = size;
+  _tide_count_allocation(arena, b, size);
+  arena->clock++;
+  _tide_trace(a, TIDE_TRACE_ALLOC, b->segment->pool + 1, b->addr, b->size, arena->stream);
   *out = (void *)b->addr;
   return TIDE_OK;
 }
@@ -560,7 +616,7 @@ static void count_pending(_tide_arena *arena, const _tide_block *b, int sign) {
   if (sign > 0) {
     _tide_stat_up(s, _TIDE_ST_PENDING, kind, (int64_t)b->size);
     _tide_stat_up(s, _TIDE_ST_PENDING_BLOCKS, kind, 1);
-    _tide_track_active(s);
+    _tide_count_active(arena);
   } else {
     _tide_stat_down(s, _TIDE_ST_PENDING, kind, (int64_t)b->size);
     _tide_stat_down(s, _TIDE_ST_PENDING_BLOCKS, kind, 1);
@@ -591,15 +647,16 @@ int _tide_arena_free(_tide_arena *arena, _tide_block *b, tide_stream stream) {
     }
     forget_streams(b);
   }
-  _tide_count_free(arena, b);
-  _tide_trace(arena->alloc, TIDE_TRACE_FREE, b->segment->pool + 1, b->addr, b->size, stream);
   if (b->events) {
+    _tide_count_free(arena, b);
+    _tide_trace(arena->alloc, TIDE_TRACE_FREE, b->segment->pool + 1, b->addr, b->size, stream);
     _tide_ptrmap_remove(&arena->live, b->addr);
     b->state = _TIDE_PENDING;
     count_pending(arena, b, +1);
     return TIDE_OK;
   }
   put_quick(arena, b); /* stays in the live map */
+  _tide_hit_extras(arena, b, false, stream);
   return TIDE_OK;
 }
 

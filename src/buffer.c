@@ -59,6 +59,8 @@ static void count_page(tide_buf *b) {
 static void count_length(tide_buf *b, int64_t delta, int64_t allocations) {
   _tide_arena *arena = b->arena;
   _tide_lock_acquire(&arena->lock);
+  /* The raw figures rise only with no quick block (quick.h). */
+  if (delta > 0 || allocations > 0) _tide_arena_flush_quick(arena);
   _tide_stat_add(&arena->stats, _TIDE_ST_ALLOCATED, _TIDE_LARGE, delta);
   _tide_stat_add(&arena->stats, _TIDE_ST_REQUESTED, _TIDE_LARGE, delta);
   _tide_stat_add(&arena->stats, _TIDE_ST_ALLOCATIONS, _TIDE_LARGE, allocations);

@@ -363,6 +363,12 @@ void _tide_pool_remove(_tide_arena *arena, _tide_block *b);
 void _tide_orphan(_tide_arena *arena, int pool, uintptr_t map_addr, size_t map_size,
                   _tide_handle handle, size_t handle_size, uintptr_t range, size_t range_size);
 int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **out);
+/* The arena's figures as reported: its raw figures less the quick blocks,
+ * which they count as allocated (quick.h). */
+void _tide_arena_figures(const _tide_arena *arena, _tide_arena_stats *out);
+/* Record the active peak (allocated plus pending, of the figures as
+ * reported) while blocks are pending. */
+void _tide_arena_track_active(_tide_arena *arena);
 /* Return a free (or just unmapped) block to its pool: merge, bin. */
 void _tide_arena_free_block(_tide_arena *arena, _tide_block *b);
 int _tide_arena_free(_tide_arena *arena, _tide_block *b, tide_stream stream);

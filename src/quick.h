@@ -12,27 +12,36 @@
 /* Figures                                                                   */
 /* ------------------------------------------------------------------------ */
 
-/* The arena's own figures of an allocation of block b, `size` bytes asked
- * for; the shared counter is _tide_count_shared's. */
-static TIDE_ALWAYS_INLINE void _tide_count_allocation_local(_tide_arena *arena,
-                                                            const _tide_block *b, size_t size) {
+/* An arena's allocated bytes, allocations and oversize count go on counting
+ * a quick block as allocated: these are its raw figures, and what is
+ * reported (_tide_arena_figures) subtracts the blocks of the quick list,
+ * at most eight. A quick hit then changes only the requested bytes and the
+ * inactive-split figures.
+ *
+ * The raw figures rise only while the quick list is empty: a block that was
+ * not quick is counted after the list went to the bins (best fit merges it
+ * first anyway; _tide_count_allocation makes sure). So a raw figure never
+ * exceeds its peak, and its peak is exact: each value the peak took was the
+ * true one (no quick block then), and a quick hit raises the true value at
+ * most back to the raw one. */
+static TIDE_ALWAYS_INLINE void _tide_count_raw(_tide_arena *arena, const _tide_block *b, int sign) {
   _tide_arena_stats *s = &arena->stats;
   int kind = b->segment->pool;
-  _tide_stat_up(s, _TIDE_ST_ALLOCATED, kind, (int64_t)b->size);
-  _tide_stat_up(s, _TIDE_ST_REQUESTED, kind, (int64_t)size);
-  _tide_stat_up(s, _TIDE_ST_ALLOCATIONS, kind, 1);
-  _tide_track_active(s);
-  s->counters[_TIDE_CT_ALLOCS]++;
-  if (TIDE_UNLIKELY(b->size >= arena->alloc->conf.max_split_size)) s->counters[_TIDE_CT_OVERSIZE]++;
+  if (sign > 0) {
+    _tide_stat_up(s, _TIDE_ST_ALLOCATED, kind, (int64_t)b->size);
+    _tide_stat_up(s, _TIDE_ST_ALLOCATIONS, kind, 1);
+  } else {
+    _tide_stat_down(s, _TIDE_ST_ALLOCATED, kind, (int64_t)b->size);
+    _tide_stat_down(s, _TIDE_ST_ALLOCATIONS, kind, 1); /* active only falls: no peak */
+  }
+  if (TIDE_UNLIKELY(b->size >= arena->alloc->conf.max_split_size))
+    s->counters[_TIDE_CT_OVERSIZE] += (uint64_t)(int64_t)sign;
 }
 
-static TIDE_ALWAYS_INLINE void _tide_count_free_local(_tide_arena *arena, const _tide_block *b) {
-  _tide_arena_stats *s = &arena->stats;
-  int kind = b->segment->pool;
-  _tide_stat_down(s, _TIDE_ST_ALLOCATED, kind, (int64_t)b->size);
-  _tide_stat_down(s, _TIDE_ST_REQUESTED, kind, (int64_t)b->requested);
-  _tide_stat_down(s, _TIDE_ST_ALLOCATIONS, kind, 1); /* active only falls: no peak */
-  if (TIDE_UNLIKELY(b->size >= arena->alloc->conf.max_split_size)) s->counters[_TIDE_CT_OVERSIZE]--;
+/* Record the active peak (allocated plus pending) while blocks are pending. */
+static TIDE_ALWAYS_INLINE void _tide_count_active(_tide_arena *arena) {
+  if (TIDE_UNLIKELY(arena->stats.cur[_TIDE_ST_PENDING_BLOCKS][0] != 0))
+    _tide_arena_track_active(arena);
 }
 
 /* With several arenas, the allocator-wide allocated bytes change too. */
@@ -41,13 +50,20 @@ static inline void _tide_count_shared(_tide_arena *arena, int64_t delta) {
     _tide_arena_publish(arena, delta);
 }
 
+/* Block b, not a quick one, allocated for `size` bytes. */
 static inline void _tide_count_allocation(_tide_arena *arena, const _tide_block *b, size_t size) {
-  _tide_count_allocation_local(arena, b, size);
+  if (TIDE_UNLIKELY(arena->nquick)) _tide_arena_flush_quick(arena); /* see above */
+  _tide_count_raw(arena, b, +1);
+  _tide_stat_up(&arena->stats, _TIDE_ST_REQUESTED, b->segment->pool, (int64_t)size);
+  arena->stats.counters[_TIDE_CT_ALLOCS]++;
+  _tide_count_active(arena);
   _tide_count_shared(arena, (int64_t)b->size);
 }
 
+/* Allocated block b freed, not into the quick list. */
 static inline void _tide_count_free(_tide_arena *arena, const _tide_block *b) {
-  _tide_count_free_local(arena, b);
+  _tide_count_raw(arena, b, -1);
+  _tide_stat_down(&arena->stats, _TIDE_ST_REQUESTED, b->segment->pool, (int64_t)b->requested);
   _tide_count_shared(arena, -(int64_t)b->size);
 }
 
@@ -65,6 +81,23 @@ static TIDE_ALWAYS_INLINE void _tide_count_cached(_tide_arena *arena, const _tid
   }
 }
 
+/* Quick block b, out of the list, allocated again for `size` bytes (the
+ * shared counter: _tide_hit_extras). */
+static TIDE_ALWAYS_INLINE void _tide_count_quick_take(_tide_arena *arena, const _tide_block *b,
+                                                      size_t size) {
+  _tide_count_cached(arena, b, -1);
+  _tide_stat_up(&arena->stats, _TIDE_ST_REQUESTED, b->segment->pool, (int64_t)size);
+  arena->stats.counters[_TIDE_CT_ALLOCS]++;
+  _tide_count_active(arena);
+}
+
+/* Allocated block b freed into the quick list (the shared counter:
+ * _tide_hit_extras). */
+static TIDE_ALWAYS_INLINE void _tide_count_quick_put(_tide_arena *arena, const _tide_block *b) {
+  _tide_stat_down(&arena->stats, _TIDE_ST_REQUESTED, b->segment->pool, (int64_t)b->requested);
+  _tide_count_cached(arena, b, +1);
+}
+
 /* ------------------------------------------------------------------------ */
 /* The quick list                                                            */
 /* ------------------------------------------------------------------------ */
@@ -75,26 +108,25 @@ static inline void _tide_quick_remove(_tide_arena *arena, unsigned i) {
 }
 
 /* The most recently freed quick block of exactly `rounded` bytes, out of
- * the list. Quick blocks stay in the live map, so taking one back needs no
- * map work. */
-static TIDE_ALWAYS_INLINE _tide_block *_tide_quick_take(_tide_arena *arena, size_t rounded) {
+ * the list (its figures are the taker's). Quick blocks stay in the live
+ * map, so taking one back needs no map work. */
+static inline _tide_block *_tide_quick_take(_tide_arena *arena, size_t rounded) {
   for (unsigned i = arena->nquick; i-- > 0;) {
     _tide_block *b = arena->quick[i];
     if (b->size != rounded) continue;
     _tide_quick_remove(arena, i);
-    _tide_count_cached(arena, b, -1);
     return b;
   }
   return NULL;
 }
 
-/* Keep b, just freed on its own stream, for reuse as it is; the list has
- * room. */
+/* Keep b, allocated and just freed on its own stream, for reuse as it is;
+ * the list has room. */
 static TIDE_ALWAYS_INLINE void _tide_quick_put(_tide_arena *arena, _tide_block *b) {
+  _tide_count_quick_put(arena, b);
   b->state = _TIDE_QUICK;
   b->stamp = arena->clock;
   arena->quick[arena->nquick++] = b;
-  _tide_count_cached(arena, b, +1);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -117,12 +149,13 @@ static inline void _tide_hit_extras(_tide_arena *arena, const _tide_block *b, bo
               b->addr, b->size, stream);
 }
 
-/* Block b, taken for `size` bytes, becomes allocated (extras: see above). */
-static TIDE_ALWAYS_INLINE void _tide_arena_hand_out(_tide_arena *arena, _tide_block *b,
-                                                    size_t size) {
+/* Quick block b, out of the list, allocated for `size` bytes (extras: see
+ * above). */
+static TIDE_ALWAYS_INLINE void _tide_arena_hand_back(_tide_arena *arena, _tide_block *b,
+                                                     size_t size) {
+  _tide_count_quick_take(arena, b, size);
   b->state = _TIDE_ALLOCATED;
   b->requested = size;
-  _tide_count_allocation_local(arena, b, size);
   arena->clock++;
 }
 
@@ -138,8 +171,7 @@ static TIDE_ALWAYS_INLINE _tide_block *_tide_arena_malloc_quick(_tide_arena *are
   _tide_block *b = arena->quick[n - 1];
   if (TIDE_UNLIKELY(b->size != rounded)) return NULL;
   arena->nquick = n - 1;
-  _tide_count_cached(arena, b, -1);
-  _tide_arena_hand_out(arena, b, size);
+  _tide_arena_hand_back(arena, b, size);
   return b;
 }
 
@@ -151,7 +183,6 @@ static TIDE_ALWAYS_INLINE bool _tide_arena_free_quick(_tide_arena *arena, _tide_
                                                       tide_stream stream) {
   if (TIDE_UNLIKELY(b->nstreams || stream != arena->stream || arena->nquick == _TIDE_QUICK_SLOTS))
     return false;
-  _tide_count_free_local(arena, b);
   _tide_quick_put(arena, b); /* stays in the live map */
   return true;
 }

@@ -63,7 +63,9 @@ int _tide_stats_collect(tide_allocator *a, tide_stats *out) {
   for (size_t i = 0; i < n; i++) {
     _tide_lock_acquire(&arenas[i]->lock);
     if (arenas[i]->unpublished) flush_unpublished(arenas[i]);
-    add_arena(out, &arenas[i]->stats);
+    _tide_arena_stats figures;
+    _tide_arena_figures(arenas[i], &figures);
+    add_arena(out, &figures);
     _tide_lock_release(&arenas[i]->lock);
   }
   free(arenas);
@@ -86,7 +88,11 @@ void _tide_stats_collect_pool(tide_allocator *a, uint64_t pool_id, tide_stats *o
   size_t n = _tide_arenas_snapshot(a, &arenas);
   for (size_t i = 0; i < n; i++) {
     _tide_lock_acquire(&arenas[i]->lock);
-    if (arenas[i]->pool_id == pool_id) add_arena(out, &arenas[i]->stats);
+    if (arenas[i]->pool_id == pool_id) {
+      _tide_arena_stats figures;
+      _tide_arena_figures(arenas[i], &figures);
+      add_arena(out, &figures);
+    }
     _tide_lock_release(&arenas[i]->lock);
   }
   free(arenas);
@@ -107,10 +113,13 @@ tide_status tide_reset_peak_stats(tide_allocator *a) {
   size_t n = _tide_arenas_snapshot(a, &arenas);
   for (size_t i = 0; i < n; i++) {
     _tide_lock_acquire(&arenas[i]->lock);
+    /* With no quick block the raw figures are the true ones: the peaks
+     * start from them (quick.h). */
+    _tide_arena_flush_quick(arenas[i]);
     _tide_arena_stats *s = &arenas[i]->stats;
     memcpy(s->peak, s->cur, sizeof s->peak);
     memset(s->active_peak, 0, sizeof s->active_peak);
-    _tide_track_active(s);
+    _tide_arena_track_active(arenas[i]);
     _tide_lock_release(&arenas[i]->lock);
   }
   free(arenas);

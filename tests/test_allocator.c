@@ -522,6 +522,104 @@ static void test_stats_and_peaks(void **state) {
   destroy_clean(a);
 }
 
+/* The figures against a model, after every step of random allocations and
+ * frees in which most sizes repeat (quick hits), with pending frees, peak
+ * resets and emptied caches between them: current and peak of allocated
+ * and requested bytes and of allocations, per pool and in all, and the
+ * oversize count, exactly; tide_check each step. */
+typedef struct model_figure {
+  int64_t cur, peak;
+} model_figure;
+
+typedef struct model {
+  model_figure f[3][TIDE_POOL_KINDS]; /* allocated, requested, allocations */
+  int64_t oversize;
+} model;
+
+static void model_change(model *m, int pool, int64_t bytes, int64_t requested, int sign) {
+  const int64_t delta[3] = {sign * bytes, sign * requested, sign};
+  for (int k = 0; k < 3; k++)
+    for (int p = 0; p < TIDE_POOL_KINDS; p += p == 0 ? pool : TIDE_POOL_KINDS) {
+      model_figure *x = &m->f[k][p];
+      x->cur += delta[k];
+      if (x->cur > x->peak) x->peak = x->cur;
+    }
+}
+
+static void model_check(tide_allocator *a, const model *m, int step) {
+  tide_stats s = stats_of(a);
+  const tide_stat *got[3] = {s.allocated_bytes, s.requested_bytes, s.allocations};
+  static const char *const names[3] = {"allocated", "requested", "allocations"};
+  for (int k = 0; k < 3; k++)
+    for (int p = 0; p < TIDE_POOL_KINDS; p++)
+      if (got[k][p].current != m->f[k][p].cur || got[k][p].peak != m->f[k][p].peak)
+        fail_msg("step %d: %s of pool %d: %lld (peak %lld), the model %lld (peak %lld)", step,
+                 names[k], p, (long long)got[k][p].current, (long long)got[k][p].peak,
+                 (long long)m->f[k][p].cur, (long long)m->f[k][p].peak);
+  if ((int64_t)s.oversize_allocations != m->oversize)
+    fail_msg("step %d: %llu oversize allocations, the model %lld", step,
+             (unsigned long long)s.oversize_allocations, (long long)m->oversize);
+  if (tide_check(a) != TIDE_OK) fail_msg("step %d: %s", step, tide_last_error());
+}
+
+static void model_reset(model *m) {
+  for (int k = 0; k < 3; k++)
+    for (int p = 0; p < TIDE_POOL_KINDS; p++) m->f[k][p].peak = m->f[k][p].cur;
+}
+
+static void run_figures_model(const char *conf, size_t max_split) {
+  enum { SLOTS = 24, STEPS = 3000 };
+  static const size_t sizes[] = {500, 512, 4096, 70000, MiB, 3 * MiB, 21 * MiB};
+  tide_allocator *a = make(conf);
+  tide_stream side;
+  assert_int_equal(tide_stream_create(a, &side), TIDE_OK);
+  void *p[SLOTS] = {0};
+  size_t asked[SLOTS] = {0}, block[SLOTS] = {0};
+  model m;
+  memset(&m, 0, sizeof m);
+  uint64_t x = 0x7469646551ull;
+  for (int step = 0; step < STEPS; step++) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    unsigned r = (unsigned)(x >> 33), i = r % SLOTS, what = (r / SLOTS) % 100;
+    if (what < 2) {
+      assert_int_equal(tide_reset_peak_stats(a), TIDE_OK);
+      model_reset(&m);
+    } else if (what < 4) {
+      assert_int_equal(tide_empty_cache(a), TIDE_OK);
+    } else if (p[i]) {
+      int pool = block[i] > MiB ? 2 : 1; /* blocks of the small pool are at most 1 MiB */
+      if (what < 10) {                   /* a free that waits for the side stream */
+        assert_int_equal(tide_record_stream(a, p[i], side), TIDE_OK);
+      }
+      assert_int_equal(tide_free(a, p[i], NULL), TIDE_OK);
+      model_change(&m, pool, (int64_t)block[i], (int64_t)asked[i], -1);
+      m.oversize -= block[i] >= max_split;
+      p[i] = NULL;
+    } else {
+      size_t size = what < 80 ? sizes[r % 7] : 512 + (size_t)(r % 4096) * 64;
+      p[i] = tide_malloc(a, size, NULL);
+      if (!p[i]) fail_msg("step %d: %s", step, tide_last_error());
+      assert_int_equal(tide_block_info(a, p[i], NULL, &block[i], NULL), TIDE_OK);
+      asked[i] = size;
+      int pool = size <= MiB ? 1 : 2;
+      model_change(&m, pool, (int64_t)block[i], (int64_t)size, +1);
+      m.oversize += block[i] >= max_split;
+    }
+    model_check(a, &m, step);
+  }
+  for (int i = 0; i < SLOTS; i++)
+    if (p[i]) assert_int_equal(tide_free(a, p[i], NULL), TIDE_OK);
+  assert_int_equal(tide_stream_destroy(a, side), TIDE_OK);
+  destroy_clean(a);
+}
+
+static void test_figures_follow_a_model(void **state) {
+  (void)state;
+  run_figures_model(NULL, SIZE_MAX);
+  run_figures_model("expandable_segments:False", SIZE_MAX);
+  run_figures_model("max_split_size_mb:20", 20 * MiB);
+}
+
 static void test_trace_ring(void **state) {
   (void)state;
   tide_allocator *a = make("trace:4");
@@ -593,6 +691,7 @@ int main(void) {
       cmocka_unit_test(test_garbage_collection_threshold),
       cmocka_unit_test(test_max_split_size),
       cmocka_unit_test(test_stats_and_peaks),
+      cmocka_unit_test(test_figures_follow_a_model),
       cmocka_unit_test(test_trace_ring),
       cmocka_unit_test(test_snapshot_json),
       cmocka_unit_test(test_destroy_reports_leaks),
