@@ -99,7 +99,9 @@ tide_status tide_create(int device, const tide_config *config, tide_allocator **
   if ((rc = _tide_trace_init(&a->trace, a->conf.trace_capacity))) goto fail_backend;
   if ((rc = _tide_pinned_create(a, &a->pinned))) goto fail_trace;
   atomic_init(&a->limit, limit_of(a, a->conf.memory_fraction, a->conf.memory_limit));
+  atomic_init(&a->hit_extras, a->trace.cap != 0);
   _tide_captures_init(a);
+  _tide_fast_paths_update(a, atomic_load(&a->capture_watch) != 0);
   pthread_mutex_init(&a->arenas_mutex, NULL);
   pthread_mutex_init(&a->reclaim_mutex, NULL);
   pthread_mutex_init(&a->bufs_mutex, NULL);
@@ -179,6 +181,7 @@ static void share_peak(tide_allocator *a, _tide_arena *first) {
   atomic_store(&a->allocated.cur, figures.cur[_TIDE_ST_ALLOCATED][0]);
   atomic_store(&a->allocated.peak, first->stats.peak[_TIDE_ST_ALLOCATED][0]);
   atomic_store(&a->shared_peak, true);
+  atomic_store(&a->hit_extras, true);
   _tide_lock_release(&first->lock);
 }
 
@@ -212,8 +215,30 @@ static inline unsigned stream_slot(tide_stream stream) {
          (_TIDE_STREAM_SLOTS - 1);
 }
 
+/* The table of streams of a fast path that is off. */
+static _tide_stream_slot no_streams[_TIDE_STREAM_SLOTS];
+
+void _tide_fast_paths_update(tide_allocator *a, bool captures_watched) {
+  _tide_stream_slot *all = captures_watched ? no_streams : a->streams;
+  atomic_store_explicit(&a->free_streams, all, memory_order_release);
+  atomic_store_explicit(&a->malloc_streams, a->plain_rounding ? all : no_streams,
+                        memory_order_release);
+}
+
+/* The stream's own arena in its home slot of a fast path's table of
+ * streams, or NULL: the fast path looks no further (arena_of does). */
+static TIDE_ALWAYS_INLINE _tide_arena *stream_arena_home(_tide_stream_slot *table,
+                                                         tide_stream stream) {
+  const _tide_stream_slot *slot = &table[stream_slot(stream)];
+  _tide_arena *arena = atomic_load_explicit(&slot->arena, memory_order_acquire);
+  if (TIDE_LIKELY(arena != NULL) &&
+      TIDE_LIKELY(atomic_load_explicit(&slot->stream, memory_order_relaxed) == stream))
+    return arena;
+  return NULL;
+}
+
 /* The stream's own arena from the allocator's table of streams, or NULL. */
-static TIDE_ALWAYS_INLINE _tide_arena *stream_arena(tide_allocator *a, tide_stream stream) {
+static inline _tide_arena *stream_arena(tide_allocator *a, tide_stream stream) {
   unsigned i = stream_slot(stream);
   for (unsigned probes = 0; probes < _TIDE_STREAM_SLOTS; probes++) {
     _tide_arena *arena = atomic_load_explicit(&a->streams[i].arena, memory_order_acquire);
@@ -521,9 +546,9 @@ static TIDE_NOINLINE void *malloc_contended(tide_allocator *a, _tide_arena *aren
   return malloc_in_arena(a, arena, size, rounded, stream);
 }
 
-/* Everything tide_malloc's quick hit does not cover: a bad call, an arena
- * not in this thread's cache, captures being watched, rounding by
- * roundup_power2_divisions. */
+/* Everything tide_malloc's quick hit does not cover: a bad call, a stream
+ * not in its home slot of the table of streams, captures being watched,
+ * rounding by roundup_power2_divisions. */
 static TIDE_NOINLINE void *malloc_slow(tide_allocator *a, size_t size, tide_stream stream) {
   CHECK_ALLOCATOR(a, NULL);
   if (TIDE_UNLIKELY(size == 0 || size > TIDE_MAX_ALLOC)) {
@@ -548,10 +573,9 @@ static TIDE_NOINLINE void *malloc_slow(tide_allocator *a, size_t size, tide_stre
  * registers: every case it does not finish goes to a function that does. */
 void *tide_malloc(tide_allocator *a, size_t size, tide_stream stream) {
   /* size - 1 wraps for 0: one comparison refuses both impossible sizes. */
-  if (TIDE_UNLIKELY(!valid(a) || size - 1 >= TIDE_MAX_ALLOC || !a->plain_rounding ||
-                    atomic_load_explicit(&a->capture_watch, memory_order_relaxed)))
-    return malloc_slow(a, size, stream);
-  _tide_arena *arena = stream_arena(a, stream);
+  if (TIDE_UNLIKELY(!valid(a) || size - 1 >= TIDE_MAX_ALLOC)) return malloc_slow(a, size, stream);
+  _tide_arena *arena =
+      stream_arena_home(atomic_load_explicit(&a->malloc_streams, memory_order_relaxed), stream);
   if (TIDE_UNLIKELY(!arena)) return malloc_slow(a, size, stream);
   size_t rounded = (size + TIDE_MIN_BLOCK - 1) & ~(TIDE_MIN_BLOCK - 1);
   if (TIDE_UNLIKELY(!_tide_lock_try(&arena->lock)))
@@ -644,7 +668,7 @@ static TIDE_NOINLINE tide_status free_hit_extras(_tide_arena *arena, _tide_block
 static TIDE_ALWAYS_INLINE tide_status free_in_arena(tide_allocator *a, _tide_arena *arena,
                                                     uintptr_t addr, tide_stream stream) {
   _tide_block *b = _tide_arena_live(arena, addr);
-  if (TIDE_UNLIKELY(!b || !_tide_arena_free_quick(arena, b, stream)))
+  if (TIDE_UNLIKELY(!b || !_tide_arena_free_quick(arena, b)))
     return free_locked(a, arena, b, addr, stream);
   if (TIDE_UNLIKELY(_tide_hit_has_extras(a))) return free_hit_extras(arena, b, stream);
   _tide_lock_release(&arena->lock);
@@ -660,10 +684,9 @@ static TIDE_NOINLINE tide_status free_contended(tide_allocator *a, _tide_arena *
 
 /* As tide_malloc, calls only in tail position. */
 tide_status tide_free(tide_allocator *a, void *ptr, tide_stream stream) {
-  if (TIDE_UNLIKELY(!valid(a) || !ptr ||
-                    atomic_load_explicit(&a->capture_watch, memory_order_relaxed)))
-    return free_any(a, ptr, 0, false, stream);
-  _tide_arena *arena = stream_arena(a, stream);
+  if (TIDE_UNLIKELY(!valid(a) || !ptr)) return free_any(a, ptr, 0, false, stream);
+  _tide_arena *arena =
+      stream_arena_home(atomic_load_explicit(&a->free_streams, memory_order_relaxed), stream);
   if (TIDE_UNLIKELY(!arena)) return free_any(a, ptr, 0, false, stream);
   if (TIDE_UNLIKELY(!_tide_lock_try(&arena->lock)))
     return free_contended(a, arena, (uintptr_t)ptr, stream);

@@ -267,7 +267,7 @@ static void maybe_collect_garbage(_tide_arena *arena) {
 
 /* What the quick blocks add to the raw figures (quick.h). */
 typedef struct quick_tally {
-  int64_t bytes[TIDE_POOL_KINDS], blocks[TIDE_POOL_KINDS];
+  int64_t bytes[TIDE_POOL_KINDS], requested[TIDE_POOL_KINDS], blocks[TIDE_POOL_KINDS];
   uint64_t oversize;
 } quick_tally;
 
@@ -278,6 +278,8 @@ static void tally_quick(const _tide_arena *arena, quick_tally *t) {
     int pool = b->segment->pool + 1;
     t->bytes[0] += (int64_t)b->size;
     t->bytes[pool] += (int64_t)b->size;
+    t->requested[0] += (int64_t)b->requested;
+    t->requested[pool] += (int64_t)b->requested;
     t->blocks[0]++;
     t->blocks[pool]++;
     t->oversize += b->size >= arena->alloc->conf.max_split_size;
@@ -290,6 +292,7 @@ void _tide_arena_figures(const _tide_arena *arena, _tide_arena_stats *out) {
   *out = arena->stats;
   for (int p = 0; p < TIDE_POOL_KINDS; p++) {
     out->cur[_TIDE_ST_ALLOCATED][p] -= t.bytes[p];
+    out->cur[_TIDE_ST_REQUESTED][p] -= t.requested[p];
     out->cur[_TIDE_ST_ALLOCATIONS][p] -= t.blocks[p];
   }
   out->counters[_TIDE_CT_OVERSIZE] -= t.oversize;
@@ -478,7 +481,9 @@ int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **o
   if (TIDE_UNLIKELY(arena->npending)) _tide_arena_process_events(arena, false);
   _tide_block *b = _tide_quick_take(arena, rounded);
   if (TIDE_LIKELY(b != NULL)) {
+    if (!_tide_quick_take_keeps_raw(arena, b, size)) _tide_arena_flush_quick(arena);
     _tide_arena_hand_back(arena, b, size);
+    _tide_count_active(arena);
     _tide_hit_extras(arena, b, true, arena->stream);
     *out = (void *)b->addr;
     return TIDE_OK;
@@ -490,7 +495,7 @@ int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **o
   _tide_ptrmap_put(&arena->live, b); /* room reserved above, at b's final address */
   b->state = _TIDE_ALLOCATED;
   b->requested = size;
-  _tide_count_allocation(arena, b, size);
+  _tide_count_allocation(arena, b);
   arena->clock++;
   _tide_trace(a, TIDE_TRACE_ALLOC, b->segment->pool + 1, b->addr, b->size, arena->stream);
   *out = (void *)b->addr;
@@ -825,7 +830,7 @@ int _tide_arena_finish_deferred(_tide_arena *arena, _tide_block *b, tide_stream 
 void _tide_arena_count_restored(_tide_arena *arena, _tide_block *b, size_t requested) {
   b->state = _TIDE_ALLOCATED;
   b->requested = requested;
-  _tide_count_allocation(arena, b, requested);
+  _tide_count_allocation(arena, b);
   _tide_trace(arena->alloc, TIDE_TRACE_ALLOC, b->segment->pool + 1, b->addr, b->size,
               arena->stream);
 }

@@ -89,11 +89,17 @@ size_t _tide_bins_collect(const _tide_bins *bins, _tide_block **out, size_t cap)
 /* The live map: allocated blocks by address (ptrmap.c)                      */
 /* ------------------------------------------------------------------------ */
 
-/* Allocated blocks, and quick blocks (freed, kept whole for reuse). */
+/* Allocated blocks, and quick blocks (freed, kept whole for reuse). A key
+ * and its block share a slot: a lookup reads one cache line. */
+typedef struct _tide_ptrmap_entry {
+  uintptr_t key; /* 0: empty */
+  _tide_block *value;
+} _tide_ptrmap_entry;
+
 typedef struct _tide_ptrmap {
-  uintptr_t *keys;
-  _tide_block **values;
-  size_t mask; /* capacity - 1 */
+  _tide_ptrmap_entry *slots;
+  size_t mask;    /* capacity - 1 */
+  unsigned shift; /* 64 - log2(capacity) */
   size_t count;
 } _tide_ptrmap;
 
@@ -105,9 +111,9 @@ int _tide_ptrmap_grow(_tide_ptrmap *m);
 void _tide_ptrmap_close_hole(_tide_ptrmap *m, size_t i);
 
 static inline size_t _tide_ptrmap_slot(const _tide_ptrmap *m, uintptr_t addr) {
-  /* Addresses are 512-byte aligned: drop those bits, then mix. */
-  uint64_t h = (uint64_t)(addr >> 9) * UINT64_C(0x9E3779B97F4A7C15);
-  return (size_t)(h >> 32) & m->mask;
+  /* Fibonacci hashing: the top bits of the product mix every bit of the
+   * address (the 512-byte alignment's zeros included, harmlessly). */
+  return (size_t)(((uint64_t)addr * UINT64_C(0x9E3779B97F4A7C15)) >> m->shift);
 }
 
 /* Capacity for one more entry, so that an insert after it cannot fail; the
@@ -120,28 +126,28 @@ static inline int _tide_ptrmap_reserve_one(_tide_ptrmap *m) {
 /* Insert after _tide_ptrmap_reserve_one succeeded. */
 static inline void _tide_ptrmap_put(_tide_ptrmap *m, _tide_block *b) {
   size_t i = _tide_ptrmap_slot(m, b->addr);
-  while (m->keys[i]) i = (i + 1) & m->mask;
-  m->keys[i] = b->addr;
-  m->values[i] = b;
+  while (m->slots[i].key) i = (i + 1) & m->mask;
+  m->slots[i].key = b->addr;
+  m->slots[i].value = b;
   m->count++;
 }
 
 static inline _tide_block *_tide_ptrmap_find(const _tide_ptrmap *m, uintptr_t addr) {
   if (TIDE_UNLIKELY(!addr)) return NULL;
   for (size_t i = _tide_ptrmap_slot(m, addr);; i = (i + 1) & m->mask) {
-    if (m->keys[i] == addr) return m->values[i];
-    if (!m->keys[i]) return NULL;
+    if (m->slots[i].key == addr) return m->slots[i].value;
+    if (!m->slots[i].key) return NULL;
   }
 }
 
 static inline _tide_block *_tide_ptrmap_remove(_tide_ptrmap *m, uintptr_t addr) {
   if (TIDE_UNLIKELY(!addr)) return NULL;
   size_t i = _tide_ptrmap_slot(m, addr);
-  while (m->keys[i] != addr) {
-    if (!m->keys[i]) return NULL;
+  while (m->slots[i].key != addr) {
+    if (!m->slots[i].key) return NULL;
     i = (i + 1) & m->mask;
   }
-  _tide_block *found = m->values[i];
+  _tide_block *found = m->slots[i].value;
   _tide_ptrmap_close_hole(m, i);
   m->count--;
   return found;
@@ -526,7 +532,9 @@ struct tide_allocator {
   size_t total_memory;       /* the device's */
   _Atomic size_t limit;      /* reserved may not exceed this */
   atomic_bool shared_peak;   /* several arenas: keep `allocated` (read under arena locks) */
+  atomic_bool hit_extras;    /* shared_peak or tracing: quick hits have more to do (quick.h) */
   _Atomic int capture_watch; /* captures to route or frees deferred: see pool.c */
+
   /* The own arena of each stream, by a hash of its handle with linear
    * probing. A stream keeps its arena as long as the allocator lives, so a
    * slot, once filled (under arenas_mutex), never changes: tide_malloc and
@@ -534,6 +542,11 @@ struct tide_allocator {
    * storage (a call in a shared library). Streams beyond the table's room
    * are found through the arena table. */
   _tide_stream_slot streams[_TIDE_STREAM_SLOTS];
+  /* The tables the fast paths of tide_malloc and tide_free look streams up
+   * in: `streams`, or an empty one while that fast path is off (captures are
+   * watched; for tide_malloc also sizes rounded by roundup_power2_divisions),
+   * so that the lookup they make anyway is also that test. */
+  _Atomic(_tide_stream_slot *) malloc_streams, free_streams;
   /* Shared counters, each on its own cache line so that writing them does
    * not evict the read-mostly fields above from other cores (the allocator
    * is allocated 64-byte aligned for this). */
@@ -565,6 +578,9 @@ static inline bool _tide_allocator_valid(const struct tide_allocator *a) {
   return a && (uintptr_t)a % _Alignof(struct tide_allocator) == 0 && a->magic == _TIDE_MAGIC;
 }
 
+/* Turn the fast paths of tide_malloc and tide_free on or off (off while
+ * captures are watched). */
+void _tide_fast_paths_update(struct tide_allocator *a, bool captures_watched);
 /* The arena of `stream`, created on first use; NULL with a message for a
  * stream the device does not know. */
 _tide_arena *_tide_arena_get(struct tide_allocator *a, tide_stream stream);

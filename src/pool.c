@@ -45,6 +45,7 @@ static void update_watch(tide_allocator *a) {
   for (const _tide_capture *c = a->captures.active; c; c = c->next) watch++;
   if (a->captures.deferred) watch++;
   atomic_store_explicit(&a->capture_watch, watch, memory_order_release);
+  _tide_fast_paths_update(a, watch != 0);
 }
 
 void _tide_captures_init(tide_allocator *a) {

@@ -11,16 +11,11 @@
 #define INITIAL_CAPACITY 64u
 
 static int alloc_table(_tide_ptrmap *m, size_t capacity) {
-  m->keys = calloc(capacity, sizeof *m->keys);
-  m->values = calloc(capacity, sizeof *m->values);
-  if (!m->keys || !m->values) {
-    free(m->keys);
-    free(m->values);
-    m->keys = NULL;
-    m->values = NULL;
-    return _tide_error_set(TIDE_ERR_OOM, "out of host memory for the live-block map");
-  }
+  m->slots = calloc(capacity, sizeof *m->slots);
+  if (!m->slots) return _tide_error_set(TIDE_ERR_OOM, "out of host memory for the live-block map");
   m->mask = capacity - 1;
+  m->shift = 64;
+  for (size_t c = capacity; c > 1; c >>= 1) m->shift--;
   return TIDE_OK;
 }
 
@@ -30,10 +25,8 @@ int _tide_ptrmap_init(_tide_ptrmap *m) {
 }
 
 void _tide_ptrmap_destroy(_tide_ptrmap *m) {
-  free(m->keys);
-  free(m->values);
-  m->keys = NULL;
-  m->values = NULL;
+  free(m->slots);
+  m->slots = NULL;
   m->count = 0;
 }
 
@@ -46,23 +39,21 @@ int _tide_ptrmap_grow(_tide_ptrmap *m) {
   }
   m->count = 0;
   for (size_t i = 0; i <= old.mask; i++)
-    if (old.keys[i]) _tide_ptrmap_put(m, old.values[i]);
-  free(old.keys);
-  free(old.values);
+    if (old.slots[i].key) _tide_ptrmap_put(m, old.slots[i].value);
+  free(old.slots);
   return TIDE_OK;
 }
 
 /* Backward-shift deletion: move later members of the probe run into the
  * hole when their home slot does not lie between the hole and them. */
 void _tide_ptrmap_close_hole(_tide_ptrmap *m, size_t i) {
-  for (size_t j = (i + 1) & m->mask; m->keys[j]; j = (j + 1) & m->mask) {
-    size_t home = _tide_ptrmap_slot(m, m->keys[j]);
+  for (size_t j = (i + 1) & m->mask; m->slots[j].key; j = (j + 1) & m->mask) {
+    size_t home = _tide_ptrmap_slot(m, m->slots[j].key);
     bool stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
     if (stays) continue;
-    m->keys[i] = m->keys[j];
-    m->values[i] = m->values[j];
+    m->slots[i] = m->slots[j];
     i = j;
   }
-  m->keys[i] = 0;
-  m->values[i] = NULL;
+  m->slots[i].key = 0;
+  m->slots[i].value = NULL;
 }

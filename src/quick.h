@@ -12,26 +12,31 @@
 /* Figures                                                                   */
 /* ------------------------------------------------------------------------ */
 
-/* An arena's allocated bytes, allocations and oversize count go on counting
- * a quick block as allocated: these are its raw figures, and what is
- * reported (_tide_arena_figures) subtracts the blocks of the quick list,
- * at most eight. A quick hit then changes only the requested bytes and the
- * inactive-split figures.
+/* An arena's allocated and requested bytes, allocations and oversize count
+ * go on counting a quick block as allocated (with the size last asked for
+ * it): these are its raw figures, and what is reported
+ * (_tide_arena_figures) subtracts the blocks of the quick list, at most
+ * eight. A quick hit then changes only the inactive-split figures, and the
+ * requested bytes when a size other than the last one is asked for.
  *
  * The raw figures rise only while the quick list is empty: a block that was
  * not quick is counted after the list went to the bins (best fit merges it
- * first anyway; _tide_count_allocation makes sure). So a raw figure never
- * exceeds its peak, and its peak is exact: each value the peak took was the
- * true one (no quick block then), and a quick hit raises the true value at
- * most back to the raw one. */
+ * first anyway; _tide_count_allocation makes sure), and a quick hit that
+ * asks for more than its block's last size takes the last quick block (or
+ * merges the others first). So a raw figure never exceeds its peak, and
+ * its peak is exact: each value the peak took was the true one (no quick
+ * block then), and a quick hit raises the true value at most back to the
+ * raw one. */
 static TIDE_ALWAYS_INLINE void _tide_count_raw(_tide_arena *arena, const _tide_block *b, int sign) {
   _tide_arena_stats *s = &arena->stats;
   int kind = b->segment->pool;
   if (sign > 0) {
     _tide_stat_up(s, _TIDE_ST_ALLOCATED, kind, (int64_t)b->size);
+    _tide_stat_up(s, _TIDE_ST_REQUESTED, kind, (int64_t)b->requested);
     _tide_stat_up(s, _TIDE_ST_ALLOCATIONS, kind, 1);
   } else {
     _tide_stat_down(s, _TIDE_ST_ALLOCATED, kind, (int64_t)b->size);
+    _tide_stat_down(s, _TIDE_ST_REQUESTED, kind, (int64_t)b->requested);
     _tide_stat_down(s, _TIDE_ST_ALLOCATIONS, kind, 1); /* active only falls: no peak */
   }
   if (TIDE_UNLIKELY(b->size >= arena->alloc->conf.max_split_size))
@@ -50,11 +55,10 @@ static inline void _tide_count_shared(_tide_arena *arena, int64_t delta) {
     _tide_arena_publish(arena, delta);
 }
 
-/* Block b, not a quick one, allocated for `size` bytes. */
-static inline void _tide_count_allocation(_tide_arena *arena, const _tide_block *b, size_t size) {
+/* Block b, not a quick one, allocated (b->requested set). */
+static inline void _tide_count_allocation(_tide_arena *arena, const _tide_block *b) {
   if (TIDE_UNLIKELY(arena->nquick)) _tide_arena_flush_quick(arena); /* see above */
   _tide_count_raw(arena, b, +1);
-  _tide_stat_up(&arena->stats, _TIDE_ST_REQUESTED, b->segment->pool, (int64_t)size);
   arena->stats.counters[_TIDE_CT_ALLOCS]++;
   _tide_count_active(arena);
   _tide_count_shared(arena, (int64_t)b->size);
@@ -63,7 +67,6 @@ static inline void _tide_count_allocation(_tide_arena *arena, const _tide_block 
 /* Allocated block b freed, not into the quick list. */
 static inline void _tide_count_free(_tide_arena *arena, const _tide_block *b) {
   _tide_count_raw(arena, b, -1);
-  _tide_stat_down(&arena->stats, _TIDE_ST_REQUESTED, b->segment->pool, (int64_t)b->requested);
   _tide_count_shared(arena, -(int64_t)b->size);
 }
 
@@ -81,20 +84,29 @@ static TIDE_ALWAYS_INLINE void _tide_count_cached(_tide_arena *arena, const _tid
   }
 }
 
-/* Quick block b, out of the list, allocated again for `size` bytes (the
- * shared counter: _tide_hit_extras). */
+/* Whether quick block b, out of the list, may be allocated for `size`
+ * bytes without a rise of the raw requested bytes while other quick blocks
+ * remain (see above). */
+static TIDE_ALWAYS_INLINE bool _tide_quick_take_keeps_raw(const _tide_arena *arena,
+                                                          const _tide_block *b, size_t size) {
+  return size <= b->requested || arena->nquick == 0;
+}
+
+/* Quick block b, out of the list, allocated again for `size` bytes, which
+ * _tide_quick_take_keeps_raw allows (the shared counter: _tide_hit_extras;
+ * the active peak, while blocks are pending: _tide_count_active). */
 static TIDE_ALWAYS_INLINE void _tide_count_quick_take(_tide_arena *arena, const _tide_block *b,
                                                       size_t size) {
   _tide_count_cached(arena, b, -1);
-  _tide_stat_up(&arena->stats, _TIDE_ST_REQUESTED, b->segment->pool, (int64_t)size);
+  if (TIDE_UNLIKELY(size != b->requested))
+    _tide_stat_add(&arena->stats, _TIDE_ST_REQUESTED, b->segment->pool,
+                   (int64_t)size - (int64_t)b->requested);
   arena->stats.counters[_TIDE_CT_ALLOCS]++;
-  _tide_count_active(arena);
 }
 
 /* Allocated block b freed into the quick list (the shared counter:
  * _tide_hit_extras). */
 static TIDE_ALWAYS_INLINE void _tide_count_quick_put(_tide_arena *arena, const _tide_block *b) {
-  _tide_stat_down(&arena->stats, _TIDE_ST_REQUESTED, b->segment->pool, (int64_t)b->requested);
   _tide_count_cached(arena, b, +1);
 }
 
@@ -138,7 +150,7 @@ static TIDE_ALWAYS_INLINE void _tide_quick_put(_tide_arena *arena, _tide_block *
  * the shared counter and the trace, both off unless several arenas exist or
  * tracing is on. _tide_hit_extras does them. */
 static TIDE_ALWAYS_INLINE bool _tide_hit_has_extras(const struct tide_allocator *a) {
-  return atomic_load_explicit(&a->shared_peak, memory_order_relaxed) || a->trace.cap != 0;
+  return atomic_load_explicit(&a->hit_extras, memory_order_relaxed);
 }
 
 static inline void _tide_hit_extras(_tide_arena *arena, const _tide_block *b, bool alloc,
@@ -150,7 +162,7 @@ static inline void _tide_hit_extras(_tide_arena *arena, const _tide_block *b, bo
 }
 
 /* Quick block b, out of the list, allocated for `size` bytes (extras: see
- * above). */
+ * above; the active peak: _tide_count_quick_take). */
 static TIDE_ALWAYS_INLINE void _tide_arena_hand_back(_tide_arena *arena, _tide_block *b,
                                                      size_t size) {
   _tide_count_quick_take(arena, b, size);
@@ -161,28 +173,35 @@ static TIDE_ALWAYS_INLINE void _tide_arena_hand_back(_tide_arena *arena, _tide_b
 
 /* tide_malloc's hit: the newest quick block when it has exactly `rounded`
  * bytes, allocated (extras: see above), or NULL when the arena's full path
- * must run (another size, which may be an older quick block, events to
- * poll, a destroyed stream). Only the newest: taking another shifts the
- * list, a loop the compiler makes a call of. */
+ * must run (another size, which may be an older quick block, pending
+ * blocks, whose events it polls and whose active peak it keeps, a
+ * destroyed stream). Only the newest: taking another shifts the list, a
+ * loop the compiler makes a call of. */
 static TIDE_ALWAYS_INLINE _tide_block *_tide_arena_malloc_quick(_tide_arena *arena, size_t size,
                                                                 size_t rounded) {
   unsigned n = arena->nquick;
-  if (TIDE_UNLIKELY(n == 0 || arena->npending || arena->stream_gone)) return NULL;
+  /* Events wait only for pending blocks: no pending block, no events. */
+  if (TIDE_UNLIKELY(n == 0 || arena->stats.cur[_TIDE_ST_PENDING_BLOCKS][0] != 0 ||
+                    arena->stream_gone))
+    return NULL;
   _tide_block *b = arena->quick[n - 1];
   if (TIDE_UNLIKELY(b->size != rounded)) return NULL;
   arena->nquick = n - 1;
+  if (TIDE_UNLIKELY(!_tide_quick_take_keeps_raw(arena, b, size))) {
+    arena->nquick = n; /* still the newest: the full path merges the others first */
+    return NULL;
+  }
   _tide_arena_hand_back(arena, b, size);
   return b;
 }
 
-/* tide_free's hit: allocated block b, freed on the arena's own stream and
- * recorded on no other, kept as a quick block (extras: see above). False
- * when the full path (_tide_arena_free) must run: other streams to order
- * the free after, or a full quick list. */
-static TIDE_ALWAYS_INLINE bool _tide_arena_free_quick(_tide_arena *arena, _tide_block *b,
-                                                      tide_stream stream) {
-  if (TIDE_UNLIKELY(b->nstreams || stream != arena->stream || arena->nquick == _TIDE_QUICK_SLOTS))
-    return false;
+/* tide_free's hit: allocated block b, freed on the arena's own stream (the
+ * caller found the arena by that stream) and recorded on no other, kept as
+ * a quick block (extras: see above). False when the full path
+ * (_tide_arena_free) must run: other streams to order the free after, or a
+ * full quick list. */
+static TIDE_ALWAYS_INLINE bool _tide_arena_free_quick(_tide_arena *arena, _tide_block *b) {
+  if (TIDE_UNLIKELY(b->nstreams || arena->nquick == _TIDE_QUICK_SLOTS)) return false;
   _tide_quick_put(arena, b); /* stays in the live map */
   return true;
 }

@@ -25,10 +25,10 @@
  * - figures: allocated, requested, pending, inactive-split, reserved,
  *   allocation, segment and block counts equal the sums over the blocks
  *   (reserved: mapped pages, fixed segments and handles the backend refused
- *   to release; allocated bytes, allocations and oversize blocks: the raw
- *   figures of quick.h, which count quick blocks too), peaks are at least
- *   the current values, and the counters of pages, segments, device handles
- *   and oversize blocks agree;
+ *   to release; allocated and requested bytes, allocations and oversize
+ *   blocks: the raw figures of quick.h, which count quick blocks too),
+ *   peaks are at least the current values, and the counters of pages,
+ *   segments, device handles and oversize blocks agree;
  * - allocator-wide: reserved bytes equal the arenas' sum (and, on the host
  *   backend, the bytes the emulated device holds); the shared allocated
  *   counter plus what arenas have not published equals their sum; streams
@@ -195,6 +195,7 @@ static bool check_block(checker *c, sums *s, const _tide_block *b) {
       /* The raw figures count a quick block as allocated (quick.h). */
       s->quick_bytes += (int64_t)b->size;
       add(s, _TIDE_ST_ALLOCATED, pool, (int64_t)b->size);
+      add(s, _TIDE_ST_REQUESTED, pool, (int64_t)b->requested);
       add(s, _TIDE_ST_ALLOCATIONS, pool, 1);
       s->oversize += b->size >= c->a->conf.max_split_size;
     }
@@ -378,21 +379,22 @@ static bool check_unmapped(checker *c, const sums *s, const _tide_pool *pool) {
 static bool check_live_map(checker *c, const sums *s) {
   const _tide_ptrmap *m = &c->arena->live;
   size_t cap = m->mask + 1, n = 0;
-  CHECK(c, m->keys && m->values && (cap & m->mask) == 0, "the live map has capacity %zu", cap);
+  CHECK(c, m->slots && (cap & m->mask) == 0, "the live map has capacity %zu", cap);
   for (size_t i = 0; i < cap; i++) {
-    if (!m->keys[i]) {
-      CHECK(c, m->values[i] == NULL, "slot %zu of the live map has a value but no key", i);
+    if (!m->slots[i].key) {
+      CHECK(c, m->slots[i].value == NULL, "slot %zu of the live map has a value but no key", i);
       continue;
     }
     n++;
-    const _tide_block *b = m->values[i];
-    CHECK(c, b && b->addr == m->keys[i], "slot %zu of the live map: key %#lx, block %p", i,
-          (unsigned long)m->keys[i], (void *)b);
+    const _tide_block *b = m->slots[i].value;
+    CHECK(c, b && b->addr == m->slots[i].key, "slot %zu of the live map: key %#lx, block %p", i,
+          (unsigned long)m->slots[i].key, (void *)b);
     CHECK(c, known(c, b) && (b->state == _TIDE_ALLOCATED || b->state == _TIDE_QUICK),
           "the live map holds %#lx, not an allocated or quick block of the arena (%s)",
-          (unsigned long)m->keys[i], known(c, b) ? state_name(b->state) : "no block");
-    CHECK(c, _tide_ptrmap_find(m, m->keys[i]) == b,
-          "the live map's entry for %#lx cannot be found by a lookup", (unsigned long)m->keys[i]);
+          (unsigned long)m->slots[i].key, known(c, b) ? state_name(b->state) : "no block");
+    CHECK(c, _tide_ptrmap_find(m, m->slots[i].key) == b,
+          "the live map's entry for %#lx cannot be found by a lookup",
+          (unsigned long)m->slots[i].key);
   }
   CHECK(c, n == m->count && n == s->live + s->quick && n * 2 <= cap,
         "the live map holds %zu entries, counts %zu, capacity %zu; the arena has %zu allocated "
