@@ -134,10 +134,13 @@ static inline void _tide_ptrmap_put(_tide_ptrmap *m, _tide_block *b) {
 
 static inline _tide_block *_tide_ptrmap_find(const _tide_ptrmap *m, uintptr_t addr) {
   if (TIDE_UNLIKELY(!addr)) return NULL;
-  for (size_t i = _tide_ptrmap_slot(m, addr);; i = (i + 1) & m->mask) {
+  size_t i = _tide_ptrmap_slot(m, addr);
+  if (TIDE_LIKELY(m->slots[i].key == addr)) return m->slots[i].value; /* most lookups */
+  while (m->slots[i].key) {
+    i = (i + 1) & m->mask;
     if (m->slots[i].key == addr) return m->slots[i].value;
-    if (!m->slots[i].key) return NULL;
   }
+  return NULL;
 }
 
 static inline _tide_block *_tide_ptrmap_remove(_tide_ptrmap *m, uintptr_t addr) {

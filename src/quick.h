@@ -186,11 +186,10 @@ static TIDE_ALWAYS_INLINE _tide_block *_tide_arena_malloc_quick(_tide_arena *are
     return NULL;
   _tide_block *b = arena->quick[n - 1];
   if (TIDE_UNLIKELY(b->size != rounded)) return NULL;
+  /* _tide_quick_take_keeps_raw, before b leaves the list: the full path
+   * merges the others first. */
+  if (TIDE_UNLIKELY(size > b->requested && n > 1)) return NULL;
   arena->nquick = n - 1;
-  if (TIDE_UNLIKELY(!_tide_quick_take_keeps_raw(arena, b, size))) {
-    arena->nquick = n; /* still the newest: the full path merges the others first */
-    return NULL;
-  }
   _tide_arena_hand_back(arena, b, size);
   return b;
 }
