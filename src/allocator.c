@@ -148,8 +148,10 @@ tide_status tide_destroy(tide_allocator *a) {
 /* Arenas by stream                                                          */
 /* ------------------------------------------------------------------------ */
 
-/* The last arenas this thread used, keyed by allocator id and stream; ids
- * are never reused, so an entry of a destroyed allocator never matches. */
+/* Behind the allocator's table of streams (below), for streams it has no
+ * room for: the last arenas this thread used, keyed by allocator id and
+ * stream; ids are never reused, so an entry of a destroyed allocator never
+ * matches. */
 #define ARENA_CACHE 8
 static _Thread_local struct {
   uint64_t id;
