@@ -411,6 +411,41 @@ static void test_arena_per_stream(void **state) {
   destroy_clean(a);
 }
 
+/* More streams than the table of streams has slots: those beyond it, and
+ * those whose home slot another took, go through the slower lookups, with
+ * the same results. A block freed on its stream comes back on that stream
+ * only. */
+static void test_more_streams_than_slots(void **state) {
+  (void)state;
+  enum { STREAMS = 100 };
+  tide_allocator *a = make(NULL);
+  tide_stream s[STREAMS];
+  void *p[STREAMS];
+  for (int i = 0; i < STREAMS; i++) {
+    assert_int_equal(tide_stream_create(a, &s[i]), TIDE_OK);
+    p[i] = tide_malloc(a, 4096, s[i]);
+    assert_non_null(p[i]);
+  }
+  for (int round = 0; round < 3; round++)
+    for (int i = 0; i < STREAMS; i++) {
+      tide_stream where = NULL;
+      assert_int_equal(tide_block_info(a, p[i], NULL, NULL, &where), TIDE_OK);
+      assert_ptr_equal(where, s[i]);
+      assert_int_equal(tide_free(a, p[i], s[i]), TIDE_OK);
+      void *again = tide_malloc(a, 4096, s[i]);
+      assert_ptr_equal(again, p[i]); /* its own quick block, not another stream's */
+    }
+  tide_stats st = stats_of(a);
+  assert_int_equal(st.allocated_bytes[0].current, STREAMS * 4096);
+  assert_int_equal(st.allocations[0].current, STREAMS);
+  assert_int_equal(tide_check(a), TIDE_OK);
+  for (int i = 0; i < STREAMS; i++) {
+    assert_int_equal(tide_free(a, p[i], s[i]), TIDE_OK);
+    assert_int_equal(tide_stream_destroy(a, s[i]), TIDE_OK);
+  }
+  destroy_clean(a);
+}
+
 static void test_memory_limit(void **state) {
   (void)state;
   tide_allocator *a = make("memory_limit:64MiB");
@@ -686,6 +721,7 @@ int main(void) {
       cmocka_unit_test(test_stream_ordered_reuse),
       cmocka_unit_test(test_free_on_other_stream),
       cmocka_unit_test(test_arena_per_stream),
+      cmocka_unit_test(test_more_streams_than_slots),
       cmocka_unit_test(test_memory_limit),
       cmocka_unit_test(test_oom_frees_cache_and_retries),
       cmocka_unit_test(test_garbage_collection_threshold),
