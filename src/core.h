@@ -533,10 +533,12 @@ struct tide_allocator {
   _Atomic uint64_t num_ooms;
   _Atomic uint64_t num_sync_all_streams;
   _tide_trace_ring trace;
-  struct _tide_pinned *pinned; /* the pinned host memory pool (pinned.c) */
-  pthread_mutex_t bufs_mutex;  /* guards the list of growable buffers */
-  struct tide_buf *bufs;       /* live growable buffers (buffer.c) */
-  _tide_captures captures;     /* capture pools (pool.c) */
+  struct _tide_pinned *pinned;   /* the pinned host memory pool (pinned.c) */
+  pthread_mutex_t bufs_mutex;    /* guards the list of growable buffers */
+  struct tide_buf *bufs;         /* live growable buffers (buffer.c) */
+  _tide_captures captures;       /* capture pools (pool.c) */
+  pthread_mutex_t imports_mutex; /* guards the list of imported memory */
+  struct _tide_import *imports;  /* memory of other processes mapped here (share.c) */
 };
 
 /* A live allocator: not NULL, aligned as allocators are (a stray pointer
@@ -544,6 +546,9 @@ struct tide_allocator {
 static inline bool _tide_allocator_valid(const struct tide_allocator *a) {
   return a && (uintptr_t)a % _Alignof(struct tide_allocator) == 0 && a->magic == _TIDE_MAGIC;
 }
+
+/* Unmap every import left (allocator teardown, share.c). */
+void _tide_imports_close_all(struct tide_allocator *a);
 
 /* The arena of `stream`, created on first use; NULL with a message for a
  * stream the device does not know. */
