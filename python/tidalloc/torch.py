@@ -72,4 +72,6 @@ def install(conf=None):
                                                          "tide_torch_free")
     torch.cuda.memory.change_current_allocator(allocator)
     _patch(torch)
+    from . import share
+    share.enable_torch_sharing()  # torch.multiprocessing sends CUDA tensors through tidalloc
     _installed = True
