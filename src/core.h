@@ -291,6 +291,9 @@ typedef struct _tide_block_chunk {
  * request merges them into the bins first. */
 #define _TIDE_QUICK_SLOTS 8
 
+/* Idle marks an arena keeps in flight (see idle_marks). */
+#define _TIDE_IDLE_MARKS 4
+
 typedef struct _tide_arena {
   _tide_lock lock;
   unsigned nquick;
@@ -318,6 +321,30 @@ typedef struct _tide_arena {
   bool keep_spare_pages; /* release_pages keeps handles instead of releasing */
   size_t norphans, orphans_cap;
   uint64_t clock; /* allocations so far: the gc clock */
+  /* Events recorded on the arena's stream when pages had to be unmapped to
+   * make room, each with the clock then (oldest first). Once one completes,
+   * a free block stamped before its clock is touched by no queued work, so
+   * its pages can be unmapped without waiting for the stream. */
+  struct _tide_idle_mark {
+    _tide_event event;
+    uint64_t clock;
+  } idle_marks[_TIDE_IDLE_MARKS];
+  unsigned nidle_marks;
+  uint64_t idle_before; /* free blocks stamped before this clock are idle */
+  /* Pages unmapped from their segment without waiting for the stream (see
+   * release_for): still mapped at their old address until work queued
+   * before their free is done (stamp < idle_before), their handles mapped
+   * again by growth meanwhile, or, once `owned`, released after the unmap
+   * (counted as reserved until then). */
+  struct _tide_stale_page {
+    uintptr_t addr;
+    _tide_handle handle;
+    uint64_t stamp;
+    int pool;
+    bool owned;
+  } * stale;
+  size_t nstale, stale_cap;
+  bool defer_unmap; /* release_expandable leaves the pages mapped as stale ones */
   _tide_arena_stats stats;
   int64_t unpublished; /* allocated bytes not yet added to the allocator's */
   /* Capture pools (pool.c): the blocks a stream allocated in one pool have
@@ -403,9 +430,12 @@ int _tide_pool_grow(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_blo
 typedef struct _tide_growth {
   _tide_block *unmapped;
   size_t first, count; /* page index in the segment, pages to map */
+  bool blocked;        /* stale pages lie there: mapping waits for the stream */
 } _tide_growth;
-/* TIDE_ERR_OOM (no message) when no unmapped block of the pool can hold it. */
-int _tide_pool_plan_growth(_tide_pool *pool, size_t size, size_t page, _tide_growth *out);
+/* TIDE_ERR_OOM (no message) when no unmapped block of the pool can hold it.
+ * Places without stale pages (of `arena`) win over places with them. */
+int _tide_pool_plan_growth(const _tide_arena *arena, _tide_pool *pool, size_t size, size_t page,
+                           _tide_growth *out);
 /* Unmap the whole pages inside a free block of an expandable segment (at
  * most `limit` bytes of them), or release the fixed segment it fills. */
 int _tide_release_block(_tide_arena *arena, _tide_block *b, size_t limit);
@@ -417,6 +447,16 @@ int _tide_pool_release_cached(_tide_arena *arena, _tide_pool *pool);
 int _tide_pool_release_empty_segments(_tide_arena *arena, _tide_pool *pool);
 /* Give back the spare pages growth did not use. */
 void _tide_arena_release_spare_pages(_tide_arena *arena);
+/* Unmap the stale pages in [lo, hi) stamped before `idle_before` (a
+ * refused unmap becomes an orphan); returns how many in the range are left
+ * (segment.c). */
+size_t _tide_stale_unmap(_tide_arena *arena, uintptr_t lo, uintptr_t hi, uint64_t idle_before);
+/* Unmap every stale page at once and give back the owned handles
+ * (teardown, or once the stream is known idle). */
+void _tide_stale_drop_all(_tide_arena *arena);
+/* Unmap the stale pages in [lo, hi) that are idle; with `wait`, wait for
+ * the stream first if some are not, so that none is left (arena.c). */
+int _tide_arena_settle_stale(_tide_arena *arena, uintptr_t lo, uintptr_t hi, bool wait);
 /* Try again to give back what the backend refused earlier. */
 int _tide_arena_retry_orphans(_tide_arena *arena);
 /* The address-ordered list of unmapped blocks of a pool. */

@@ -472,6 +472,18 @@ static bool check_orphans(checker *c, sums *s) {
       s->handles++;
     }
   }
+  /* Stale pages: mapped at an address their segment no longer maps. The
+   * owned ones hold their handle's bytes. */
+  size_t page = arena->alloc->page_size;
+  for (size_t i = 0; i < arena->nstale; i++) {
+    const struct _tide_stale_page *sp = &arena->stale[i];
+    CHECK(c, sp->addr % page == 0 && sp->handle, "stale page %zu at %#lx with handle %#llx", i,
+          (unsigned long)sp->addr, (unsigned long long)sp->handle);
+    if (sp->owned) {
+      add(s, _TIDE_ST_RESERVED, sp->pool, (int64_t)page);
+      s->handles++;
+    }
+  }
   return true;
 }
 
