@@ -463,7 +463,8 @@ static bool next_to_growth(const _tide_block *b, const _tide_growth *g) {
  * and every page unmapped would likely be mapped again (the peak is what
  * the caller pays for). The free blocks the growth extends are left
  * alone. */
-static void release_for(_tide_arena *arena, size_t need, const _tide_growth *growth) {
+static void release_for(_tide_arena *arena, size_t need, const _tide_growth *growth,
+                        bool may_defer) {
   struct tide_allocator *a = arena->alloc;
   const _tide_growth g = *growth;
   if (arena->nstale) _tide_arena_settle_stale(arena, 0, UINTPTR_MAX, false);
@@ -493,7 +494,7 @@ static void release_for(_tide_arena *arena, size_t need, const _tide_growth *gro
      * does the stream get synchronized (after which every free block is
      * idle). */
     arena->keep_spare_pages = true;
-    if (idle_marks_usable(arena) && arena->pool_id == 0) {
+    if (may_defer && idle_marks_usable(arena) && arena->pool_id == 0) {
       /* Pages are taken out of their segment at once but stay mapped at
        * their old address until the stream is past the work queued before
        * their free: growth maps their handles again meanwhile, stream
@@ -514,14 +515,16 @@ static void release_for(_tide_arena *arena, size_t need, const _tide_growth *gro
 static void release_holes(_tide_arena *arena, _tide_pool *pool, size_t rounded) {
   _tide_growth g;
   size_t need = growth_bytes(arena, pool, rounded, arena->alloc->page_size, &g);
-  release_for(arena, need, &g);
+  release_for(arena, need, &g, true);
 }
 
 void _tide_arena_make_room(_tide_arena *arena, size_t bytes) {
   const struct tide_allocator *a = arena->alloc;
   if (!a->conf.release_holes || !a->conf.expandable_segments) return;
   const _tide_growth none = {0};
-  release_for(arena, bytes, &none);
+  /* Not deferred: the pages' handles are not mapped again here, so only
+   * unmapping them now makes room. */
+  release_for(arena, bytes, &none, false);
   /* The pages' handles are not mapped again by a segment: give them back. */
   if (arena->nspare_pages) _tide_arena_release_spare_pages(arena);
 }
