@@ -189,8 +189,19 @@ if [[ ${GPU_BENCH:-1} == 1 && -x build/tidalloc ]]; then
   step "stream grow" "$bench_log" 150 \
     build/tidalloc stream --frames ${STREAM_FRAMES:-64 128 256 512 1024} --mode grow \
     --conf backend:cuda --csv "build/stream_grow.csv"
+  # A/B in the same session: OLD_TREE, a source tarball of an earlier
+  # commit (git archive), built and run through the same expandable sweep.
+  if [[ -n ${OLD_TREE:-} && -f ${OLD_TREE:-} ]]; then
+    rm -rf build-old-src && mkdir -p build-old-src && tar -xf "$OLD_TREE" -C build-old-src &&
+      step "old tree build" "$bench_log" 180 bash -c "cmake -S build-old-src -B build-old \
+        -DCMAKE_BUILD_TYPE=Release ${cmake_args[*]} -DTIDE_BUILD_TESTS=OFF >/dev/null && \
+        cmake --build build-old -j$jobs --target tidalloc_cli" &&
+      step "stream expandable (old tree)" "$bench_log" 150 \
+        build-old/tidalloc stream --frames ${STREAM_FRAMES:-64 128 256 512 1024} \
+        --conf backend:cuda --label tidalloc-expandable-old --csv build/stream_old.csv
+  fi
   { head -1 build/stream_True.csv; tail -q -n +2 build/stream_True.csv build/stream_False.csv \
-    build/stream_grow.csv; } >"$out/stream.csv" 2>/dev/null
+    build/stream_grow.csv build/stream_old.csv; } >"$out/stream.csv" 2>/dev/null
   for t in gpt2 llama; do
     trace=${TRACE_DIR:-shared/traces}/${t}_generate.csv.gz
     [[ -f $trace ]] || continue
