@@ -33,6 +33,14 @@ class BufOptions(ctypes.Structure):
                 ("stream", ctypes.c_void_p)]
 
 
+class Info(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_char_p), ("backend", ctypes.c_char_p),
+                ("device_name", ctypes.c_char_p), ("device", ctypes.c_int),
+                ("device_count", ctypes.c_int), ("total_memory", ctypes.c_uint64),
+                ("free_memory", ctypes.c_uint64), ("granularity", ctypes.c_uint64),
+                ("page_size", ctypes.c_uint64)]
+
+
 def _candidates():
     env = os.environ.get("TIDALLOC_LIB")
     if env:
@@ -68,6 +76,7 @@ def lib():
         l.tide_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(Stats)]
         l.tide_reset_peak_stats.argtypes = [ctypes.c_void_p]
         l.tide_conf_set.argtypes = [ctypes.c_char_p]
+        l.tide_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(Info)]
         l.tide_torch_alloc.restype = ctypes.c_void_p
         l.tide_torch_alloc.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
         l.tide_torch_free.restype = None
@@ -79,6 +88,7 @@ def lib():
                                       ctypes.POINTER(ctypes.c_void_p)]
         l.tide_buf_destroy.argtypes = [ctypes.c_void_p]
         l.tide_buf_resize.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        l.tide_buf_reserve_ahead.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         l.tide_buf_data.restype = ctypes.c_void_p
         l.tide_buf_data.argtypes = [ctypes.c_void_p]
         for name in ("tide_buf_length", "tide_buf_capacity", "tide_buf_mapped"):
@@ -142,3 +152,10 @@ def reset_peak(index=0):
 def configure(conf):
     """Set the process-wide configuration before first use ("key:value,...")."""
     check(lib().tide_conf_set(conf.encode()), "tide_conf_set(%r)" % conf)
+
+
+def backend(index=0):
+    """"host" (an emulated device in host memory) or "cuda"."""
+    out = Info()
+    check(lib().tide_get_info(device(index), ctypes.byref(out)), "tide_get_info")
+    return out.backend.decode()

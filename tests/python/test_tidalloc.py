@@ -123,3 +123,46 @@ def test_memory_viz_snapshot_has_pytorchs_shape(tmp_path):
     assert "alloc" in actions and "free_requested" in actions  # ctest turns the trace on
     for p in ps[:1] + ps[2:]:
         lib.tide_torch_free(p, 0, 0, None)
+
+
+def test_growable_tensor_appends_in_place_on_the_host_backend():
+    # On the host backend a GrowableTensor is a CPU tensor over the buffer's
+    # host pages: the narrowing, dtypes and figures are checked without a GPU.
+    torch = pytest.importorskip("torch")
+    import gc
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        before = tidalloc.memory_stats(0)["allocated_bytes.all.current"]
+        g = tidalloc.GrowableTensor((8, 64), dtype, capacity_rows=4096, map_ahead_rows=64)
+        ptr = g.data_ptr
+        assert g.tensor().shape == (0, 8, 64) and g.tensor().dtype == dtype
+        ref = torch.empty(0, 8, 64, dtype=dtype)
+        for step in range(1, 40):  # 780 rows: past the first 2 MiB page for 4- and 8-byte types
+            rows = (torch.arange(step * 512).reshape(step, 8, 64) % 251 - 125).to(dtype)
+            out = g.append(rows)
+            ref = torch.cat([ref, rows])
+            assert out.data_ptr() == ptr and out.dtype == dtype and out.shape == ref.shape
+            assert torch.equal(out, ref)
+        assert (tidalloc.memory_stats(0)["allocated_bytes.all.current"] ==
+                before + ref.shape[0] * g.row_bytes)
+        assert torch.equal(g.tensor(), ref) and g.tensor().data_ptr() == ptr
+        with pytest.raises(ValueError, match="capacity"):
+            g.append(torch.zeros(4000, 8, 64, dtype=dtype))
+        with pytest.raises(ValueError, match="shape"):
+            g.append(torch.zeros(1, 64, 8, dtype=dtype))
+        assert g.rows == ref.shape[0]  # a refused append changes nothing
+        g.truncate(10)
+        assert torch.equal(g.tensor(), ref[:10])
+        assert torch.equal(g.append(ref[10:20]), ref[:20])
+        # A view outlives the GrowableTensor: the buffer goes with the last tensor over it.
+        view = g.tensor()
+        del g, out
+        gc.collect()
+        assert torch.equal(view, ref[:20])
+        del view
+        gc.collect()
+        assert tidalloc.memory_stats(0)["allocated_bytes.all.current"] == before
+    g = tidalloc.GrowableTensor((4,), torch.float32, capacity_rows=16)
+    g.append(torch.ones(3, 4))
+    g.close()
+    with pytest.raises(tidalloc.TidallocError, match="NULL buffer"):
+        g.append(torch.ones(1, 4))
