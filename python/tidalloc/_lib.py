@@ -41,6 +41,16 @@ class Info(ctypes.Structure):
                 ("page_size", ctypes.c_uint64)]
 
 
+class OptionInfo(ctypes.Structure):
+    _fields_ = [("key", ctypes.c_char_p), ("value", ctypes.c_char_p),
+                ("default_value", ctypes.c_char_p), ("meaning", ctypes.c_char_p),
+                ("source", ctypes.c_int)]
+
+
+# tide_conf_source: where an option's value came from.
+CONF_SOURCES = ("default", "environment", "code")
+
+
 def _candidates():
     env = os.environ.get("TIDALLOC_LIB")
     if env:
@@ -76,6 +86,13 @@ def lib():
         l.tide_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(Stats)]
         l.tide_reset_peak_stats.argtypes = [ctypes.c_void_p]
         l.tide_conf_set.argtypes = [ctypes.c_char_p]
+        l.tide_conf_get.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        l.tide_config_free.argtypes = [ctypes.c_void_p]
+        l.tide_config_free.restype = None
+        l.tide_config_option_count.restype = ctypes.c_size_t
+        l.tide_config_option_count.argtypes = []
+        l.tide_config_option.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
+                                         ctypes.POINTER(OptionInfo)]
         l.tide_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(Info)]
         l.tide_torch_alloc.restype = ctypes.c_void_p
         l.tide_torch_alloc.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
@@ -152,6 +169,24 @@ def reset_peak(index=0):
 def configure(conf):
     """Set the process-wide configuration before first use ("key:value,...")."""
     check(lib().tide_conf_set(conf.encode()), "tide_conf_set(%r)" % conf)
+
+
+def conf_option(key):
+    """(value, source) of one option of the process-wide configuration as it
+    stands now: defaults, TIDALLOC_CONF, then configure() calls. `source` is
+    "default", "environment" or "code"."""
+    l = lib()
+    config = ctypes.c_void_p()
+    check(l.tide_conf_get(ctypes.byref(config)), "tide_conf_get")
+    try:
+        info = OptionInfo()
+        for i in range(l.tide_config_option_count()):
+            check(l.tide_config_option(config, i, ctypes.byref(info)), "tide_config_option")
+            if info.key.decode() == key:
+                return info.value.decode(), CONF_SOURCES[info.source]
+    finally:
+        l.tide_config_free(config)
+    raise KeyError("tidalloc has no option %r" % key)
 
 
 def backend(index=0):

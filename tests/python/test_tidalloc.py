@@ -166,3 +166,33 @@ def test_growable_tensor_appends_in_place_on_the_host_backend():
     g.close()
     with pytest.raises(tidalloc.TidallocError, match="NULL buffer"):
         g.append(torch.ones(1, 4))
+
+
+@pytest.mark.parametrize("env_conf, conf, expected", [
+    ("", None, "True code"),
+    ("", "release_slack:0.02", "True code"),
+    ("capture_detection:False", None, "False environment"),
+    ("capture_detection:True", None, "True environment"),
+    ("", "capture_detection:False", "False code"),
+])
+def test_install_turns_capture_detection_on_unless_the_user_set_it(env_conf, conf, expected):
+    # install()'s configuration step alone (the rest needs CUDA), in a fresh
+    # process: the process-wide configuration is fixed after first use.
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "..", "python"),
+               TIDALLOC_CONF=",".join(c for c in ("backend:host", env_conf) if c))
+    code = ("from tidalloc import torch as t, _lib; t._configure(%r); "
+            "print(*_lib.conf_option('capture_detection'))" % (conf,))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == expected
+
+
+def test_install_default_after_first_use_warns(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "..", "python"),
+               TIDALLOC_CONF="backend:host")
+    code = ("import tidalloc; from tidalloc import torch as t, _lib; tidalloc.stats(0); "
+            "t._configure(); print(*_lib.conf_option('capture_detection'))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False default"
+    assert "capture_detection:True not applied" in r.stderr
