@@ -94,6 +94,10 @@ def lib():
         l.tide_config_option.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
                                          ctypes.POINTER(OptionInfo)]
         l.tide_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(Info)]
+        l.tide_block_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.POINTER(ctypes.c_void_p),
+                                      ctypes.POINTER(ctypes.c_size_t),
+                                      ctypes.POINTER(ctypes.c_void_p)]
         l.tide_torch_alloc.restype = ctypes.c_void_p
         l.tide_torch_alloc.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
         l.tide_torch_free.restype = None
@@ -194,3 +198,11 @@ def backend(index=0):
     out = Info()
     check(lib().tide_get_info(device(index), ctypes.byref(out)), "tide_get_info")
     return out.backend.decode()
+
+
+def owns(ptr, index=0):
+    """Whether `ptr` lies in a block tidalloc allocated on device `index`
+    (such as a torch tensor's data_ptr() under tidalloc.torch.install())."""
+    base, size, stream = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_void_p()
+    return lib().tide_block_info(device(index), ptr, ctypes.byref(base), ctypes.byref(size),
+                                 ctypes.byref(stream)) == 0

@@ -29,6 +29,9 @@ def test_torch_entry_points_allocate_and_count():
     assert st["allocation.all.current"] == before["allocation.all.current"] + 1
     assert st["reserved_bytes.all.current"] >= st["allocated_bytes.all.current"]
     ctypes.memset(p, 0x5A, 3 * MiB)  # host backend: the CPU may write it
+    assert _lib.owns(p, 0) and _lib.owns(p + 12345, 0)
+    local = ctypes.create_string_buffer(64)
+    assert not _lib.owns(ctypes.addressof(local), 0)
     lib.tide_torch_free(p, 3 * MiB, 0, None)
     st = tidalloc.memory_stats(0)
     assert st["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
