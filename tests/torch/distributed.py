@@ -32,6 +32,7 @@ starts.
 import argparse
 import csv
 import datetime
+import functools
 import math
 import os
 import socket
@@ -172,20 +173,17 @@ def training(r, args):
 
 def run_rank(rank, world, args):
     """One rank, start to end; returns True if every check of every rank passed."""
-    owns = None
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    owns = None  # whether tidalloc allocated a pointer, when tidalloc is in use
     if not args.native and not args.cpu:
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                         "python"))
         import tidalloc.torch
         from tidalloc import _lib
         tidalloc.torch.install(args.conf)  # before this rank starts CUDA
-        local = int(os.environ.get("LOCAL_RANK", rank))
-
-        def owns(ptr):
-            return _lib.owns(ptr, local)
+        owns = functools.partial(_lib.owns, index=local)
     import torch
     import torch.distributed as dist
-    local = int(os.environ.get("LOCAL_RANK", rank))
     if args.cpu:
         dev = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world,
