@@ -123,7 +123,10 @@ def test_memory_viz_snapshot_has_pytorchs_shape(tmp_path):
     assert len(seg) == 1 and seg[0]["allocated_size"] == 5 * MiB and seg[0]["total_size"] == 6 * MiB
     buf.close()
     actions = [e["action"] for e in snap["device_traces"][0]]
-    assert "alloc" in actions and "free_requested" in actions  # ctest turns the trace on
+    if _lib.conf_option("trace")[0] != "0":  # ctest turns the trace on; a plain run may not
+        assert "alloc" in actions and "free_requested" in actions
+    else:
+        assert actions == []
     for p in ps[:1] + ps[2:]:
         lib.tide_torch_free(p, 0, 0, None)
 
