@@ -94,10 +94,10 @@ def lib():
         l.tide_config_option.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
                                          ctypes.POINTER(OptionInfo)]
         l.tide_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(Info)]
+        # As share.py binds it: the stream output may be NULL.
         l.tide_block_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.POINTER(ctypes.c_void_p),
-                                      ctypes.POINTER(ctypes.c_size_t),
-                                      ctypes.POINTER(ctypes.c_void_p)]
+                                      ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p]
         l.tide_torch_alloc.restype = ctypes.c_void_p
         l.tide_torch_alloc.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
         l.tide_torch_free.restype = None
@@ -203,6 +203,6 @@ def backend(index=0):
 def owns(ptr, index=0):
     """Whether `ptr` lies in a block tidalloc allocated on device `index`
     (such as a torch tensor's data_ptr() under tidalloc.torch.install())."""
-    base, size, stream = ctypes.c_void_p(), ctypes.c_size_t(), ctypes.c_void_p()
+    base, size = ctypes.c_void_p(), ctypes.c_size_t()
     return lib().tide_block_info(device(index), ptr, ctypes.byref(base), ctypes.byref(size),
-                                 ctypes.byref(stream)) == 0
+                                 None) == 0
