@@ -5,6 +5,8 @@
 #                    figures, empty_cache, a torch.cuda.graph capture
 #   graph_safety.py  graphs replayed while other tensors are allocated and written
 #   growable_kv.py   a short KV loop (128 steps, float32 and bfloat16)
+#   share_mp.py      CUDA tensors sent to a spawned process through
+#                    torch.multiprocessing (tidalloc's sharing)
 #   distributed.py   NCCL collectives and DDP training on 2 GPUs (skips itself
 #                    with fewer)
 # A test passes with exit status 0, is skipped with 77 (it says why), and fails
@@ -67,6 +69,7 @@ run_test() {
 run_test smoke "$py" -m tidalloc run tests/torch/smoke.py
 run_test graph_safety "$py" tests/torch/graph_safety.py
 run_test growable_kv "$py" -m tidalloc run tests/torch/growable_kv.py 128 --repeats 1
+run_test share_mp "$py" tests/torch/share_mp.py
 run_test distributed "$py" tests/torch/distributed.py
 
 [[ -n $failures ]] && echo "gpu-test: torch tests failed:$failures"
