@@ -149,7 +149,9 @@ gpu_counts() {
 
 if [[ ${GPU_TESTS:-1} == 1 ]]; then
 gpu_log=$out/gpu_tests.log
-step "make gpu-test" "$gpu_log" 240 bash -c 'gpu_test 0'
+# 480 s: the C GPU tests, then the PyTorch tests of tests/torch (their library
+# build, five scripts, the distributed one training 1000 iterations on 2 GPUs).
+step "make gpu-test" "$gpu_log" 480 bash -c 'gpu_test 0'
 gpu_counts "$gpu_log"
 
 memcheck_log=$out/gpu_memcheck.log
