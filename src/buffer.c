@@ -168,6 +168,15 @@ static int map_pages(tide_buf *b, size_t first, size_t count) {
   return rc;
 }
 
+/* No shrink waits any more: the worker, which never maps while one does,
+ * may have been asked for pages meanwhile. Under the mutex. */
+static void release_done(tide_buf *b) {
+  const _tide_backend *be = backend(b);
+  be->ops->event_destroy(be->ctx, b->release_event);
+  b->release_pending = false;
+  pthread_cond_broadcast(&b->changed);
+}
+
 /* Unmap the pages let go by a shrink once its stream is past it; `wait`
  * blocks until then. Under the mutex. */
 static int settle_release(tide_buf *b, bool wait) {
@@ -180,8 +189,7 @@ static int settle_release(tide_buf *b, bool wait) {
   if (rc == TIDE_ERR_NOT_READY && !wait) return TIDE_OK;
   if (rc) return rc;
   while (b->mapped > b->keep) drop_page(b, --b->mapped);
-  be->ops->event_destroy(be->ctx, b->release_event);
-  b->release_pending = false;
+  release_done(b);
   return TIDE_OK;
 }
 
@@ -189,11 +197,7 @@ static int settle_release(tide_buf *b, bool wait) {
 static void want_mapped(tide_buf *b, size_t pages) {
   if (pages <= b->keep) return;
   b->keep = pages < b->mapped ? pages : b->mapped;
-  if (b->release_pending && b->keep == b->mapped) {
-    const _tide_backend *be = backend(b);
-    be->ops->event_destroy(be->ctx, b->release_event);
-    b->release_pending = false;
-  }
+  if (b->release_pending && b->keep == b->mapped) release_done(b);
 }
 
 /* Make the first `pages` pages mapped, waiting for the worker if it is
@@ -464,6 +468,7 @@ static int worker_failure(tide_buf *b) {
   if (b->worker_failed.status == TIDE_OK) return TIDE_OK;
   int rc = _tide_error_restore(&b->worker_failed);
   b->worker_failed.status = TIDE_OK;
+  pthread_cond_broadcast(&b->changed); /* it waits while a failure is unreported */
   _tide_error_prefix("growable buffer: mapping ahead failed");
   return rc;
 }
@@ -487,6 +492,7 @@ tide_status tide_buf_resize(tide_buf *b, size_t length, tide_stream stream) {
   } else if (!rc && length < b->length) {
     rc = settle_release(b, false);
     size_t keep = pages + b->ahead_pages;
+    if (b->want > keep) b->want = keep; /* the worker maps ahead of this length, no more */
     if (!rc && keep < b->keep) {
       const _tide_backend *be = backend(b);
       if (!b->release_pending) {

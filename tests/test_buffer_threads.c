@@ -3,7 +3,9 @@
  * memory limit, figures, backend faults at every call and bad input. */
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
+#include <time.h>
 
 #include <cmocka.h>
 
@@ -168,6 +170,49 @@ static void test_worker_maps_ahead(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* Until the buffer has `bytes` mapped; false after 5 s. */
+static bool mapped_within(tide_buf *b, size_t bytes) {
+  for (int i = 0; i < 5000 && tide_buf_mapped(b) != bytes; i++) {
+    struct timespec ms = {0, 1000000};
+    nanosleep(&ms, NULL);
+  }
+  return tide_buf_mapped(b) == bytes;
+}
+
+/* The worker never maps while a shrink's pages wait for their stream. A
+ * growth meanwhile asks it for more; once a later call lets those pages go,
+ * it must wake up and map (tide_check waits for it: it would wait forever).
+ * And a shrink takes back what it was asked for: it never maps ahead of a
+ * length the buffer no longer has. */
+static void test_worker_after_pending_release(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create(NULL);
+  tide_stream s;
+  tu_assert_ok(tide_stream_create(a, &s));
+  tide_buf *b = make(a, 64 * TU_MiB, 4 * PAGE, 1, 0);
+  tu_assert_ok(tide_buf_resize(b, 8 * PAGE, s));
+  assert_true(mapped_within(b, 12 * PAGE));
+  tu_assert_ok(tide_host_stream_hold(a, s));
+  tu_assert_ok(tide_buf_resize(b, 2 * PAGE, s));  /* pages 6.. wait for s */
+  tu_assert_ok(tide_buf_resize(b, 10 * PAGE, s)); /* the worker is asked for 14 */
+  tu_assert_ok(tide_host_stream_release(a, s));
+  tu_assert_ok(tide_buf_resize(b, 10 * PAGE - 1, s)); /* pages 10, 11 go */
+  if (!mapped_within(b, 14 * PAGE))
+    fail_msg("the worker did not map ahead once the release was settled: %zu bytes mapped",
+             tide_buf_mapped(b));
+  tu_assert_ok(tide_check(a));
+  tu_assert_ok(tide_host_stream_hold(a, s));
+  tu_assert_ok(tide_buf_resize(b, PAGE, s)); /* 5 pages wanted now, 14 mapped */
+  tu_assert_ok(tide_host_stream_release(a, s));
+  tu_assert_ok(tide_buf_resize(b, PAGE - 1, s)); /* pages 5.. go */
+  tu_assert_ok(tide_check(a));
+  assert_int_equal(tide_buf_mapped(b), 5 * PAGE);
+  assert_int_equal(reserved(a), 5 * PAGE);
+  tu_assert_ok(tide_buf_destroy(b));
+  tu_assert_ok(tide_stream_destroy(a, s));
+  tu_assert_ok(tide_destroy(a));
+}
+
 static void test_ring_maps_pages_twice(void **state) {
   (void)state;
   tide_allocator *a = tu_create(NULL);
@@ -305,6 +350,7 @@ int main(void) {
       cmocka_unit_test(test_regrowth_cancels_pending_release),
       cmocka_unit_test(test_map_ahead_avoids_backend_calls),
       cmocka_unit_test(test_worker_maps_ahead),
+      cmocka_unit_test(test_worker_after_pending_release),
       cmocka_unit_test(test_ring_maps_pages_twice),
       cmocka_unit_test(test_limit_and_capacity),
       cmocka_unit_test(test_bad_input),
