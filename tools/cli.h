@@ -24,6 +24,7 @@ int tide_cli_micro(int argc, char **argv);  /* micro.c */
 int tide_cli_replay(int argc, char **argv); /* replay.c */
 int tide_cli_info(int argc, char **argv);   /* info.c */
 int tide_cli_stream(int argc, char **argv); /* stream.c */
+int tide_cli_soak(int argc, char **argv);   /* soak.c */
 
 /* ------------------------------------------------------------------------ */
 /* Configuration (cli.c): one rule for every subcommand.                     */

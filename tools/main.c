@@ -17,6 +17,7 @@ static const subcommand subcommands[] = {
     {"micro", tide_cli_micro, "measure alloc+free latency against glibc and mimalloc"},
     {"replay", tide_cli_replay, "replay a recorded allocation trace and report peak memory"},
     {"stream", tide_cli_stream, "run a streaming-inference memory workload"},
+    {"soak", tide_cli_soak, "run a mixed workload for a while, verifying every byte"},
 };
 static const size_t subcommand_count = sizeof(subcommands) / sizeof(subcommands[0]);
 
