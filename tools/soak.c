@@ -527,13 +527,13 @@ static bool op_cross_free(soak_thread *th) {
   soak_shared *sh = th->sh;
   size_t i = (size_t)rand_below(th, th->nblocks);
   if (!verify_block(th, &th->blocks[i], false)) return false;
-  soak_block b = take_block(th, i);
-  int reader = other_stream(th, b.stream);
-  int freer = rand_below(th, 2) ? b.stream : other_stream(th, b.stream);
+  int reader = other_stream(th, th->blocks[i].stream);
+  int freer = rand_below(th, 2) ? th->blocks[i].stream : other_stream(th, th->blocks[i].stream);
   size_t at, len;
-  pick_window(th, &b, 8 * MIB, &at, &len);
+  pick_window(th, &th->blocks[i], 8 * MIB, &at, &len);
   unsigned char *pin = tide_pinned_malloc(sh->alloc, len, sh->streams[reader]);
   if (pin == NULL) return call_failed(sh, "tide_pinned_malloc");
+  soak_block b = take_block(th, i);
   bool ok =
       call_ok(sh, tide_memcpy(sh->alloc, pin, b.ptr + at, len, sh->streams[reader]),
               "tide_memcpy to pinned memory") &&
@@ -594,11 +594,13 @@ static bool op_pinned_write(soak_thread *th) {
   unsigned char *pin = tide_pinned_malloc(sh->alloc, b->size, s);
   if (pin == NULL) return call_failed(sh, "tide_pinned_malloc");
   /* A block reused on its stream may still be the source of a queued copy. */
-  if (!call_ok(sh, tide_stream_synchronize(sh->alloc, s), "tide_stream_synchronize")) return false;
-  b->id = new_id(sh);
-  pattern_fill(pin, b->size, b->id, 0);
-  bool ok = call_ok(sh, tide_memcpy(sh->alloc, b->ptr, pin, b->size, s),
-                    "tide_memcpy from pinned memory");
+  bool ok = call_ok(sh, tide_stream_synchronize(sh->alloc, s), "tide_stream_synchronize");
+  if (ok) {
+    b->id = new_id(sh);
+    pattern_fill(pin, b->size, b->id, 0);
+    ok = call_ok(sh, tide_memcpy(sh->alloc, b->ptr, pin, b->size, s),
+                 "tide_memcpy from pinned memory");
+  }
   ok = call_ok(sh, tide_pinned_free(sh->alloc, pin, s), "tide_pinned_free") && ok;
   if (ok) note(th, FIG_WRITTEN, b->size);
   return ok && call_ok(sh, tide_stream_synchronize(sh->alloc, s), "tide_stream_synchronize");
