@@ -822,41 +822,40 @@ static bool expect_oom(soak_thread *th, size_t size, int64_t allocated, uint64_t
   return true;
 }
 
-/* Alone: empty the cache, hold a block X larger than the memory other than
- * allocated (reserved - allocated), set the limit to what is reserved and
- * ask for more than the limit leaves: allocated + S > limit, so it must
- * fail. Then free X, on the stream it was allocated on: the same request
- * must now succeed from X's memory, with no new page. X is twice the gap so
- * that rounding of S (roundup_power2_divisions) still fits. */
+/* Alone: empty the cache and hold a block of X bytes, X more than the
+ * memory reserved but not allocated; then set the memory limit to what is
+ * reserved. X more bytes cannot fit under it (allocated + X > limit): asking
+ * for them must fail. Once the block is freed, on its own stream (reusable
+ * at once), the same request must succeed from its memory, whatever the
+ * rounding and splitting options. */
 static bool oom_check_alone(soak_thread *th) {
   soak_shared *sh = th->sh;
   int64_t allocated, reserved;
   if (!op_empty_cache(th) || !read_stats(sh, &allocated, &reserved)) return false;
   uint64_t gap = reserved > allocated ? (uint64_t)(reserved - allocated) : 0;
-  uint64_t x = (2 * (gap + 16 * MIB) + sh->page - 1) / sh->page * sh->page;
+  size_t x = (size_t)((gap + 16 * MIB + sh->page - 1) / sh->page * sh->page);
   uint64_t most = sh->thread_budget * 2 > 256 * MIB ? sh->thread_budget * 2 : 256 * MIB;
   if (x > most) {
     note(th, FIG_OOM_SKIPPED, 1);
     return true;
   }
-  uint64_t xid = new_id(sh);
-  char *xp = oom_block(th, (size_t)x, xid);
-  if (xp == NULL) return call_failed(sh, "out-of-memory check: tide_malloc before the limit");
+  uint64_t id = new_id(sh);
+  char *p = oom_block(th, x, id);
+  if (p == NULL) return call_failed(sh, "out-of-memory check: tide_malloc before the limit");
   bool ok = read_stats(sh, &allocated, &reserved);
   uint64_t limit = (uint64_t)reserved;
-  size_t s = (size_t)(limit - (uint64_t)allocated) + 2 * MIB;
-  if (ok && s > x) { /* the gap grew meanwhile (a buffer's worker mapped ahead) */
+  if (ok && limit - (uint64_t)allocated >= x) { /* a buffer's worker mapped ahead meanwhile */
     note(th, FIG_OOM_SKIPPED, 1);
-    return oom_block_free(th, xp, (size_t)x, xid);
+    return oom_block_free(th, p, x, id);
   }
   ok = ok && call_ok(sh, tide_set_memory_limit(sh->alloc, (size_t)limit), "tide_set_memory_limit");
-  ok = ok && expect_oom(th, s, allocated, limit);
-  ok = oom_block_free(th, xp, (size_t)x, xid) && ok;
-  uint64_t sid = new_id(sh);
-  char *sp = ok ? oom_block(th, s, sid) : NULL;
-  if (ok && sp == NULL)
-    ok = call_failed(sh, "out-of-memory check: the same request after freeing enough");
-  if (sp != NULL) ok = oom_block_free(th, sp, s, sid) && ok;
+  ok = ok && expect_oom(th, x, allocated, limit);
+  ok = oom_block_free(th, p, x, id) && ok;
+  id = new_id(sh);
+  p = ok ? oom_block(th, x, id) : NULL;
+  if (ok && p == NULL)
+    ok = call_failed(sh, "out-of-memory check: the same request once as much was freed");
+  if (p != NULL) ok = oom_block_free(th, p, x, id) && ok;
   return call_ok(sh, tide_set_memory_limit(sh->alloc, (size_t)sh->initial_limit),
                  "tide_set_memory_limit (back)") &&
          ok;
