@@ -20,7 +20,8 @@
 #   make clean        remove the build directories
 #
 # A test joins the ThreadSanitizer run by its name: a tests/test_*.c whose name
-# contains "stress" or "thread" is labelled so (see CMakeLists.txt).
+# contains "stress" or "thread" is labelled so (see CMakeLists.txt); the soak
+# (`tidalloc soak` for a few seconds) is labelled threads there too.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c

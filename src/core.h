@@ -600,7 +600,9 @@ void _tide_arena_make_room(_tide_arena *arena, size_t bytes);
 /* What the growable buffers of each of n arenas add to its figures, for
  * tide_check: their lengths (allocated and requested bytes), mapped pages
  * (reserved bytes, pages and handles) and count (allocations). Waits for
- * their workers to be idle; takes no arena lock. */
+ * their workers to be idle; takes no arena lock. Returns holding the list's
+ * mutex and every buffer's, so that no buffer changes its figures while the
+ * caller takes the arena locks and compares; _tide_bufs_figures_end lets go. */
 typedef struct _tide_buf_figures {
   int64_t length, count;
   uint64_t pages;
@@ -608,6 +610,7 @@ typedef struct _tide_buf_figures {
 } _tide_buf_figures;
 void _tide_bufs_figures(struct tide_allocator *a, _tide_arena *const *arenas, size_t n,
                         _tide_buf_figures *out);
+void _tide_bufs_figures_end(struct tide_allocator *a);
 /* The growable buffers now, for the snapshot: up to `cap` into `out`;
  * returns how many there are. */
 typedef struct _tide_buf_info {

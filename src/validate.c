@@ -644,7 +644,8 @@ int _tide_validate(struct tide_allocator *a, char *why, size_t len) {
   if (len) why[0] = '\0';
   pthread_mutex_lock(&a->arenas_mutex);
   size_t n = atomic_load(&a->narenas);
-  /* Growable buffers first: their lock comes before the arenas'. */
+  /* Growable buffers first: their locks come before the arenas', and are
+   * held until the end, so that no buffer changes the figures meanwhile. */
   _tide_buf_figures *bufs = calloc(n ? n : 1, sizeof *bufs);
   if (!bufs) {
     pthread_mutex_unlock(&a->arenas_mutex);
@@ -656,6 +657,7 @@ int _tide_validate(struct tide_allocator *a, char *why, size_t len) {
   for (size_t i = 0; i < n; i++) _tide_lock_acquire(&a->arenas[i]->lock);
   bool ok = check_allocator(&c, a->arenas, n);
   for (size_t i = n; i-- > 0;) _tide_lock_release(&a->arenas[i]->lock);
+  _tide_bufs_figures_end(a);
   pthread_mutex_unlock(&a->arenas_mutex);
   free(bufs);
   free(c.blocks);
