@@ -8,7 +8,10 @@
 #                     then the tests labelled stress or threads under TSan (build-tsan/)
 #   make test-unit    only the first step; test-asan and test-tsan: the others
 #   make gpu-test     the GPU tests of tests/gpu (build-gpu/), on a machine with CUDA;
-#                     SANITIZE=1: the same under compute-sanitizer memcheck
+#                     SANITIZE=1: the same under compute-sanitizer memcheck. Then
+#                     the PyTorch tests of tests/torch (gpu-test-torch) with the
+#                     python TIDE_PYTHON names (default python3); skipped, saying
+#                     why, when it has no torch or torch sees no GPU
 #   make fuzz         the libFuzzer targets of fuzz/ (build-fuzz/, clang), each for
 #                     FUZZ_SECONDS (default 60); prints the executions reached.
 #                     FUZZ_CSV=file appends them, FUZZ_TARGETS="conf ops" picks
@@ -17,7 +20,8 @@
 #   make clean        remove the build directories
 #
 # A test joins the ThreadSanitizer run by its name: a tests/test_*.c whose name
-# contains "stress" or "thread" is labelled so (see CMakeLists.txt).
+# contains "stress" or "thread" is labelled so (see CMakeLists.txt); the soak
+# (`tidalloc soak` for a few seconds) is labelled threads there too.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
@@ -54,12 +58,13 @@ CMAKE_BUILD := env -u MAKEFLAGS -u MAKELEVEL -u MFLAGS cmake --build
 CTEST := ctest --output-on-failure --no-tests=error -j$(JOBS)
 
 .PHONY: all deps build run test test-unit test-asan test-tsan fuzz gpu-test gpu-test-cmake \
-        gpu-test-make gpu-test-empty gpu-test-none install format format-check clean help
+        gpu-test-make gpu-test-empty gpu-test-none gpu-test-torch install format format-check \
+        clean help
 
 all: build
 
 help:
-	@sed -n '3,20s/^# \{0,1\}//p' Makefile
+	@sed -n '3,23s/^# \{0,1\}//p' Makefile
 
 deps:
 	@scripts/deps.sh
@@ -130,7 +135,13 @@ GPU_LABEL := $(if $(filter 1,$(SANITIZE)),^gpu-memcheck$$,^gpu$$)
 GPU_TESTS_KIND := $(if $(wildcard tests/gpu/CMakeLists.txt),cmake,$(if \
                   $(wildcard tests/gpu/Makefile),make,$(if $(wildcard tests/gpu),empty,none)))
 
-gpu-test: gpu-test-$(GPU_TESTS_KIND)
+# Both steps run even when the first failed; the target fails if either did.
+gpu-test:
+	@failed=""; \
+	$(MAKE) --no-print-directory gpu-test-$(GPU_TESTS_KIND) || failed="$$failed gpu-test-$(GPU_TESTS_KIND)"; \
+	$(MAKE) --no-print-directory gpu-test-torch || failed="$$failed gpu-test-torch"; \
+	if [ -n "$$failed" ]; then echo "make gpu-test: FAILED:$$failed"; exit 1; fi; \
+	echo "make gpu-test: all steps passed"
 
 gpu-test-cmake:
 	@scripts/deps.sh gpu
@@ -142,6 +153,23 @@ gpu-test-cmake:
 gpu-test-make: build
 	$(MAKE) -C tests/gpu test TIDALLOC_SRC="$(CURDIR)" TIDALLOC_BUILD="$(CURDIR)/build" \
 	  SANITIZE=$(SANITIZE)
+
+# The PyTorch tests (tests/torch/run_gpu_tests.sh says which) load the shared
+# library through ctypes: build-torch/ builds only that, with no CUDA compiler.
+# They are not run under compute-sanitizer (SANITIZE=1): that is for the C tests.
+TIDE_PYTHON ?= python3
+
+gpu-test-torch:
+	@if [ "$(SANITIZE)" = 1 ]; then \
+	  echo "gpu-test-torch: not run with SANITIZE=1 (the torch tests are not for compute-sanitizer)"; \
+	elif TIDE_PYTHON="$(TIDE_PYTHON)" tests/torch/run_gpu_tests.sh --check; then \
+	  scripts/deps.sh gpu; \
+	  cmake -S . -B build-torch -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTIDE_BUILD_TESTS=OFF \
+	    -DTIDE_BUILD_TOOLS=OFF -DTIDE_BUILD_EXAMPLES=OFF $(CMAKE_ARGS); \
+	  $(CMAKE_BUILD) build-torch -j$(JOBS) --target tidalloc; \
+	  TIDE_PYTHON="$(TIDE_PYTHON)" TIDALLOC_LIB="$(CURDIR)/build-torch/libtidalloc.so" \
+	    tests/torch/run_gpu_tests.sh; \
+	fi
 
 gpu-test-empty:
 	@echo "gpu-test: tests/gpu has neither a CMakeLists.txt nor a Makefile" >&2; exit 1
@@ -163,4 +191,4 @@ format-check:
 	clang-format --dry-run --Werror $(C_FILES)
 
 clean:
-	rm -rf build build-asan build-tsan build-gpu build-fuzz
+	rm -rf build build-asan build-tsan build-gpu build-torch build-fuzz

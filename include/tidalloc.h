@@ -482,6 +482,64 @@ TIDE_API void tide_checkpoint_free(tide_checkpoint *checkpoint);
 TIDE_API void tide_restore_delta_free(tide_restore_delta *delta);
 
 /* ------------------------------------------------------------------------ */
+/* Sharing memory between processes                                         */
+/* ------------------------------------------------------------------------ */
+
+/* An allocated block can be mapped by another process on the same machine.
+ * Its memory is made of pieces (the pages of an expandable segment, or the
+ * one handle of a fixed segment), each exported as a POSIX file descriptor
+ * (cuMemExportToShareableHandle on CUDA; the emulated device's memory file
+ * on the host backend). The descriptors travel between processes over a
+ * Unix-domain socket (tide_share_send / tide_share_recv, or any other
+ * SCM_RIGHTS channel); the importer maps the pieces back to back at an
+ * address of its own.
+ *
+ * The exporter keeps the block allocated for as long as importers use it:
+ * once it is freed, the exporter may hand its memory out again. An importer
+ * that keeps a mapping after that keeps the pages alive, no longer shared.
+ * Imported memory is not counted in the importer's figures. */
+typedef struct tide_share_desc {
+  uint64_t size;       /* bytes of the block */
+  uint64_t offset;     /* where the block starts in the first piece */
+  uint32_t num_pieces; /* descriptors, in address order */
+  int32_t device;      /* the exporter's device */
+  uint32_t backend;    /* 0: host backend, 1: CUDA; the importer's must match */
+  uint32_t reserved;
+} tide_share_desc;
+
+typedef struct tide_share_piece {
+  int fd; /* a POSIX file descriptor, owned by whoever holds the piece */
+  uint32_t pad;
+  uint64_t offset; /* where the piece's memory starts in what fd refers to */
+  uint64_t size;   /* bytes of the piece (a multiple of the granularity) */
+} tide_share_piece;
+
+/* Export the allocated block that holds `ptr`: fills *desc and returns a
+ * malloc'd array of desc->num_pieces pieces whose descriptors the caller
+ * owns (tide_share_pieces_close closes and frees them).
+ * TIDE_ERR_BAD_POINTER when ptr is not in an allocated block;
+ * TIDE_ERR_UNAVAILABLE when the device's memory cannot be exported. */
+TIDE_API tide_status tide_share_export(tide_allocator *alloc, const void *ptr,
+                                       tide_share_desc *desc, tide_share_piece **pieces);
+/* Close the descriptors of n pieces and free the array (NULL is a no-op). */
+TIDE_API void tide_share_pieces_close(tide_share_piece *pieces, uint32_t n);
+/* Map exported memory in this process: *out is the block's address here.
+ * The pieces' descriptors stay the caller's (they may be closed at once).
+ * The allocator must be of the same backend kind as the exporter's. */
+TIDE_API tide_status tide_share_import(tide_allocator *alloc, const tide_share_desc *desc,
+                                       const tide_share_piece *pieces, void **out);
+/* Unmap memory tide_share_import mapped (ptr: its address). Destroying the
+ * allocator unmaps what is left. */
+TIDE_API tide_status tide_share_close(tide_allocator *alloc, void *ptr);
+/* Send a description and its pieces' descriptors over a connected
+ * Unix-domain socket (stream or seqpacket); the descriptors stay the
+ * caller's. tide_share_recv receives them: *pieces is malloc'd, its
+ * descriptors the caller's (tide_share_pieces_close). */
+TIDE_API tide_status tide_share_send(int socket, const tide_share_desc *desc,
+                                     const tide_share_piece *pieces);
+TIDE_API tide_status tide_share_recv(int socket, tide_share_desc *desc, tide_share_piece **pieces);
+
+/* ------------------------------------------------------------------------ */
 /* PyTorch                                                                  */
 /* ------------------------------------------------------------------------ */
 
@@ -590,6 +648,8 @@ typedef enum tide_backend_op {
   TIDE_OP_HOST_FREE,
   TIDE_OP_COPY,
   TIDE_OP_CAPTURE_STATUS,
+  TIDE_OP_EXPORT, /* a memory handle to a file descriptor (sharing) */
+  TIDE_OP_IMPORT, /* a file descriptor to a memory handle */
   TIDE_OP_COUNT
 } tide_backend_op;
 

@@ -10,6 +10,9 @@
 # Files written (8 at most): summary.txt, system.txt, build.log (with the CPU
 # tests), gpu_tests.log, gpu_memcheck.log, bench.log, bench.csv, stream.csv.
 # GPU_TESTS=0 or GPU_BENCH=0 leave a part out; TRACE_DIR holds the traces.
+# SOAK_SECONDS=N (default 0: none) runs `tidalloc soak` on the GPU for N
+# seconds at the end; its output and its CSV row go to bench.log, its result
+# to the summary (the budget below grows by N).
 # Exit status: 0 if every step passed.
 set -uo pipefail
 
@@ -20,7 +23,12 @@ jobs=$(nproc 2>/dev/null || echo 8)
 start=$(date +%s)
 # The steps take about 5 minutes; a step that hangs is cut so that the whole
 # run stays under GPU_RUN_SECONDS (later steps get what is left).
-budget=${GPU_RUN_SECONDS:-540}
+soak_seconds=${SOAK_SECONDS:-0}
+if [[ ! $soak_seconds =~ ^[0-9]+$ ]]; then
+  echo "gpu_session.sh: SOAK_SECONDS must be a number of seconds, not '$soak_seconds'" >&2
+  exit 2
+fi
+budget=${GPU_RUN_SECONDS:-$((540 + soak_seconds))}
 summary=$out/summary.txt
 : >"$summary"
 failed=0
@@ -149,7 +157,9 @@ gpu_counts() {
 
 if [[ ${GPU_TESTS:-1} == 1 ]]; then
 gpu_log=$out/gpu_tests.log
-step "make gpu-test" "$gpu_log" 240 bash -c 'gpu_test 0'
+# 480 s: the C GPU tests, then the PyTorch tests of tests/torch (their library
+# build, five scripts, the distributed one training 1000 iterations on 2 GPUs).
+step "make gpu-test" "$gpu_log" 480 bash -c 'gpu_test 0'
 gpu_counts "$gpu_log"
 
 memcheck_log=$out/gpu_memcheck.log
@@ -189,14 +199,52 @@ if [[ ${GPU_BENCH:-1} == 1 && -x build/tidalloc ]]; then
   step "stream grow" "$bench_log" 150 \
     build/tidalloc stream --frames ${STREAM_FRAMES:-64 128 256 512 1024} --mode grow \
     --conf backend:cuda --csv "build/stream_grow.csv"
+  # A/B in the same session: OLD_TREE, a source tarball of an earlier
+  # commit (git archive), built and run through the same expandable sweep.
+  if [[ -n ${OLD_TREE:-} && -f ${OLD_TREE:-} ]]; then
+    rm -rf build-old-src && mkdir -p build-old-src && tar -xf "$OLD_TREE" -C build-old-src &&
+      step "old tree build" "$bench_log" 180 bash -c "cmake -S build-old-src -B build-old \
+        -DCMAKE_BUILD_TYPE=Release ${cmake_args[*]} -DTIDE_BUILD_TESTS=OFF >/dev/null && \
+        cmake --build build-old -j$jobs --target tidalloc_cli" &&
+      step "stream expandable (old tree)" "$bench_log" 150 \
+        build-old/tidalloc stream --frames ${STREAM_FRAMES:-64 128 256 512 1024} \
+        --conf backend:cuda --label tidalloc-expandable-old --csv build/stream_old.csv
+  fi
   { head -1 build/stream_True.csv; tail -q -n +2 build/stream_True.csv build/stream_False.csv \
-    build/stream_grow.csv; } >"$out/stream.csv" 2>/dev/null
+    build/stream_grow.csv build/stream_old.csv; } >"$out/stream.csv" 2>/dev/null
   for t in gpt2 llama; do
     trace=${TRACE_DIR:-shared/traces}/${t}_generate.csv.gz
     [[ -f $trace ]] || continue
     step "replay $t (cuda)" "$bench_log" 120 build/tidalloc replay "$trace" --conf backend:cuda
   done
 fi
+
+# ---------------------------------------------------------------------------
+# The soak (SOAK_SECONDS > 0): the mixed workload with data verification on
+# the CUDA backend. bench.log gets its output, then its CSV (a header and one
+# row); the summary its result. A 2-minute margin covers the end's checks.
+# ---------------------------------------------------------------------------
+# The result lines of the last soak in bench.log.
+soak_result() {
+  awk '/^=== soak /{text=""} {text=text $0 "\n"} END{printf "%s", text}' "$bench_log" |
+    grep -E '^  operations|^  written|^  (verification failures|unexpected errors|tide_check failures|leaks) |^soak: (PASS|FAIL)$' |
+    sed 's/^ */  /' | tee -a "$summary"
+}
+
+if ((soak_seconds > 0)); then
+  if [[ -x build/tidalloc ]]; then
+    soak_csv=build/soak.csv
+    rm -f "$soak_csv"
+    step "soak ${soak_seconds} s (cuda)" "$bench_log" $((soak_seconds + 120)) \
+      env TIDALLOC_CONF=backend:cuda build/tidalloc soak --seconds "$soak_seconds" \
+      --csv "$soak_csv"
+    soak_result
+    { echo "soak.csv:"; cat "$soak_csv" 2>/dev/null || echo "(not written)"; } >>"$bench_log"
+  else
+    note "soak: skipped (the tidalloc command was not built)"
+  fi
+fi
+
 note ""
 note "total: $(elapsed) s; $( ((failed)) && echo 'some steps FAILED' || echo 'every step passed')"
 exit "$failed"

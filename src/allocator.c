@@ -105,6 +105,7 @@ tide_status tide_create(int device, const tide_config *config, tide_allocator **
   pthread_mutex_init(&a->arenas_mutex, NULL);
   pthread_mutex_init(&a->reclaim_mutex, NULL);
   pthread_mutex_init(&a->bufs_mutex, NULL);
+  pthread_mutex_init(&a->imports_mutex, NULL);
   a->id = atomic_fetch_add(&next_allocator_id, 1);
   a->magic = _TIDE_MAGIC;
   *out = a;
@@ -122,6 +123,7 @@ fail:
 tide_status tide_destroy(tide_allocator *a) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   size_t unfreed = _tide_bufs_destroy_all(a); /* their figures live in the arenas */
+  _tide_imports_close_all(a);
   size_t n = atomic_load(&a->narenas);
   for (size_t i = 0; i < n; i++) unfreed += _tide_arena_destroy(a->arenas[i]);
   free(a->arenas);
@@ -133,6 +135,7 @@ tide_status tide_destroy(tide_allocator *a) {
   pthread_mutex_destroy(&a->arenas_mutex);
   pthread_mutex_destroy(&a->reclaim_mutex);
   pthread_mutex_destroy(&a->bufs_mutex);
+  pthread_mutex_destroy(&a->imports_mutex);
   a->magic = 0;
   free(a);
   if (unfreed)

@@ -93,6 +93,9 @@ size_t _tide_arena_destroy(_tide_arena *arena) {
   }
   for (size_t i = 0; i < arena->nspare_events; i++)
     be->ops->event_destroy(be->ctx, arena->spare_events[i]);
+  for (unsigned i = 0; i < arena->nidle_marks; i++)
+    be->ops->event_destroy(be->ctx, arena->idle_marks[i].event);
+  _tide_stale_drop_all(arena); /* before the pages' handles go with their segments */
   _tide_pool_teardown(arena, &arena->pools[_TIDE_SMALL]);
   _tide_pool_teardown(arena, &arena->pools[_TIDE_LARGE]);
   _tide_arena_release_spare_pages(arena);
@@ -108,6 +111,7 @@ size_t _tide_arena_destroy(_tide_arena *arena) {
   free(arena->spare_events);
   free(arena->orphans);
   free(arena->spare_pages);
+  free(arena->stale);
   free(arena);
   return unfreed;
 }
@@ -344,8 +348,9 @@ static int by_stamp(const void *x, const void *y);
 static int settle_stream(_tide_arena *arena);
 
 /* Bytes that growth by `rounded` bytes would map. */
-static size_t growth_bytes(_tide_pool *pool, size_t rounded, size_t page, _tide_growth *g) {
-  if (_tide_pool_plan_growth(pool, rounded, page, g) == TIDE_OK) return g->count * page;
+static size_t growth_bytes(const _tide_arena *arena, _tide_pool *pool, size_t rounded, size_t page,
+                           _tide_growth *g) {
+  if (_tide_pool_plan_growth(arena, pool, rounded, page, g) == TIDE_OK) return g->count * page;
   return (rounded + page - 1) / page * page;
 }
 
@@ -372,6 +377,86 @@ static int64_t growth_headroom(const _tide_arena *arena) {
   return ceiling - atomic_load(&a->reserved.cur);
 }
 
+static int take_event(_tide_arena *arena, _tide_event *out);
+static void give_event(_tide_arena *arena, _tide_event e);
+static int settle_stream(_tide_arena *arena);
+
+/* Idle marks may be used: not while captures are watched (an event
+ * recorded on a capturing stream would join the graph, and a capture's
+ * frees follow rules of their own), nor on a stream that is gone. */
+static bool idle_marks_usable(const _tide_arena *arena) {
+  return !arena->stream_gone &&
+         atomic_load_explicit(&arena->alloc->capture_watch, memory_order_relaxed) == 0;
+}
+
+/* Retire the idle marks whose events completed (in order: they were
+ * recorded on one stream), moving idle_before up to their clocks. A failed
+ * query counts as not done. */
+static void poll_idle_marks(_tide_arena *arena) {
+  const _tide_backend *be = &arena->alloc->backend;
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
+  unsigned done = 0;
+  while (done < arena->nidle_marks &&
+         be->ops->event_query(be->ctx, arena->idle_marks[done].event) == TIDE_OK) {
+    if (arena->idle_marks[done].clock > arena->idle_before)
+      arena->idle_before = arena->idle_marks[done].clock;
+    give_event(arena, arena->idle_marks[done].event);
+    done++;
+  }
+  arena->nidle_marks -= done;
+  memmove(arena->idle_marks, arena->idle_marks + done,
+          arena->nidle_marks * sizeof *arena->idle_marks);
+  _tide_error_restore(&saved);
+}
+
+/* Record an idle mark now, when there is room; best effort. */
+static void add_idle_mark(_tide_arena *arena) {
+  if (arena->nidle_marks == _TIDE_IDLE_MARKS || !idle_marks_usable(arena)) return;
+  const _tide_backend *be = &arena->alloc->backend;
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
+  _tide_event e;
+  if (take_event(arena, &e) == TIDE_OK) {
+    if (be->ops->event_record(be->ctx, e, arena->stream) == TIDE_OK) {
+      /* A tick, so that blocks freed from now on are stamped after it. */
+      arena->idle_marks[arena->nidle_marks++] = (struct _tide_idle_mark){e, ++arena->clock};
+    } else {
+      give_event(arena, e);
+    }
+  }
+  _tide_error_restore(&saved);
+}
+
+/* The stream was waited for: everything freed so far is idle. */
+static void stream_settled(_tide_arena *arena) { arena->idle_before = ++arena->clock; }
+
+int _tide_arena_settle_stale(_tide_arena *arena, uintptr_t lo, uintptr_t hi, bool wait) {
+  poll_idle_marks(arena);
+  if (!_tide_stale_unmap(arena, lo, hi, arena->idle_before) || !wait) return TIDE_OK;
+  int rc = settle_stream(arena);
+  if (rc) return rc;
+  stream_settled(arena);
+  _tide_stale_unmap(arena, lo, hi, arena->idle_before);
+  return TIDE_OK;
+}
+
+/* Unmap free pages of the candidates (oldest first) until `need` bytes are
+ * released. Returns the bytes. */
+static size_t release_candidates(_tide_arena *arena, _tide_block **candidates, size_t n,
+                                 size_t need) {
+  struct tide_allocator *a = arena->alloc;
+  size_t released = 0;
+  for (size_t i = 0; i < n && released < need; i++) {
+    size_t before = arena->nspare_pages;
+    int64_t held = atomic_load(&a->reserved.cur);
+    if (_tide_release_block(arena, candidates[i], need - released)) break;
+    released += (arena->nspare_pages - before) * a->page_size +
+                (size_t)(held - atomic_load(&a->reserved.cur));
+  }
+  return released;
+}
+
 static bool next_to_growth(const _tide_block *b, const _tide_growth *g) {
   return g->unmapped && (b == g->unmapped->prev || b == g->unmapped->next);
 }
@@ -383,9 +468,11 @@ static bool next_to_growth(const _tide_block *b, const _tide_growth *g) {
  * and every page unmapped would likely be mapped again (the peak is what
  * the caller pays for). The free blocks the growth extends are left
  * alone. */
-static void release_for(_tide_arena *arena, size_t need, const _tide_growth *growth) {
+static void release_for(_tide_arena *arena, size_t need, const _tide_growth *growth,
+                        bool may_defer) {
   struct tide_allocator *a = arena->alloc;
   const _tide_growth g = *growth;
+  if (arena->nstale) _tide_arena_settle_stale(arena, 0, UINTPTR_MAX, false);
   int64_t headroom = growth_headroom(arena);
   if (headroom >= (int64_t)need) return;
   if (headroom > 0)
@@ -404,35 +491,45 @@ static void release_for(_tide_arena *arena, size_t need, const _tide_growth *gro
         candidates[n++] = b; /* keep: n <= i, so the list compacts in place */
     }
   }
-  if (n && settle_stream(arena) == TIDE_OK) {
+  if (n) {
     qsort(candidates, n, sizeof *candidates, by_stamp);
     /* The unmapped pages' handles are mapped again by the growth that
-     * follows: no release, no create. */
+     * follows: no release, no create. Pages no queued work can touch go
+     * first, without waiting for the stream; only if they are not enough
+     * does the stream get synchronized (after which every free block is
+     * idle). */
     arena->keep_spare_pages = true;
-    size_t released = 0;
-    for (size_t i = 0; i < n && released < need; i++) {
-      size_t before = arena->nspare_pages;
-      int64_t held = atomic_load(&a->reserved.cur);
-      if (_tide_release_block(arena, candidates[i], need - released)) break;
-      released += (arena->nspare_pages - before) * a->page_size +
-                  (size_t)(held - atomic_load(&a->reserved.cur));
+    if (may_defer && idle_marks_usable(arena) && arena->pool_id == 0) {
+      /* Pages are taken out of their segment at once but stay mapped at
+       * their old address until the stream is past the work queued before
+       * their free: growth maps their handles again meanwhile, stream
+       * order keeping the old readers first, and nothing waits. */
+      arena->defer_unmap = true;
+      release_candidates(arena, candidates, n, need);
+      arena->defer_unmap = false;
+    } else if (settle_stream(arena) == TIDE_OK) {
+      stream_settled(arena);
+      release_candidates(arena, candidates, n, need);
     }
     arena->keep_spare_pages = false;
+    add_idle_mark(arena);
   }
   free(candidates);
 }
 
 static void release_holes(_tide_arena *arena, _tide_pool *pool, size_t rounded) {
   _tide_growth g;
-  size_t need = growth_bytes(pool, rounded, arena->alloc->page_size, &g);
-  release_for(arena, need, &g);
+  size_t need = growth_bytes(arena, pool, rounded, arena->alloc->page_size, &g);
+  release_for(arena, need, &g, true);
 }
 
 void _tide_arena_make_room(_tide_arena *arena, size_t bytes) {
   const struct tide_allocator *a = arena->alloc;
   if (!a->conf.release_holes || !a->conf.expandable_segments) return;
   const _tide_growth none = {0};
-  release_for(arena, bytes, &none);
+  /* Not deferred: the pages' handles are not mapped again here, so only
+   * unmapping them now makes room. */
+  release_for(arena, bytes, &none, false);
   /* The pages' handles are not mapped again by a segment: give them back. */
   if (arena->nspare_pages) _tide_arena_release_spare_pages(arena);
 }
@@ -695,7 +792,7 @@ int _tide_arena_process_events(_tide_arena *arena, bool wait) {
 static bool holds_cache(const _tide_arena *arena) {
   return arena->pools[_TIDE_SMALL].bins.count || arena->pools[_TIDE_LARGE].bins.count ||
          arena->pools[_TIDE_SMALL].unmapped || arena->pools[_TIDE_LARGE].unmapped ||
-         arena->norphans;
+         arena->norphans || arena->nstale;
 }
 
 /* Work queued on the stream may still touch free blocks (a block freed on
@@ -714,6 +811,8 @@ int _tide_arena_release_cached(_tide_arena *arena) {
   if (!holds_cache(arena)) return TIDE_OK;
   int rc = settle_stream(arena);
   if (rc) return rc;
+  stream_settled(arena);
+  _tide_stale_unmap(arena, 0, UINTPTR_MAX, arena->idle_before);
   /* Orphans first: a range may be unreserved only once nothing is mapped in it. */
   int orphans = arena->norphans ? _tide_arena_retry_orphans(arena) : TIDE_OK;
   _tide_first_error first = {0};
@@ -752,7 +851,11 @@ int _tide_arena_collect_garbage(_tide_arena *arena, size_t target) {
     for (_tide_segment *seg = arena->pools[kind].segments; seg; seg = seg->next)
       for (_tide_block *b = seg->first; b; b = b->next)
         if (b->state == _TIDE_FREE && releasable(b, a->page_size) && n < cap) candidates[n++] = b;
-  int rc = n ? settle_stream(arena) : TIDE_OK;
+  int rc = n || arena->nstale ? settle_stream(arena) : TIDE_OK;
+  if (!rc && arena->nstale) {
+    stream_settled(arena);
+    _tide_stale_unmap(arena, 0, UINTPTR_MAX, arena->idle_before);
+  }
   qsort(candidates, n, sizeof *candidates, by_stamp);
   for (size_t i = 0; i < n && !rc; i++) {
     if ((size_t)atomic_load(&a->reserved.cur) <= target) break;

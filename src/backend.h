@@ -24,6 +24,15 @@
  *   peer_access, every peer device that can access this one's memory may
  *   too (the backend finds them when it opens).
  * - unmap: exactly one earlier mapping (its address and size).
+ * - export_fd: a new POSIX file descriptor (the caller's to close) through
+ *   which another process can import the handle's memory, and where in what
+ *   the descriptor refers to that memory starts (0 on CUDA; the host backend
+ *   hands out its memory file). TIDE_ERR_UNAVAILABLE when the handle cannot
+ *   be shared (CUDA: created without a shareable handle type).
+ * - import_fd: a handle for `size` bytes at `offset` of an exported
+ *   descriptor's memory, mapped and released like any handle; the
+ *   descriptor stays the caller's. Imported memory is the exporter's: it
+ *   counts against no capacity of the importing device.
  * - host_alloc: pinned host memory of at least `size` bytes (size > 0),
  *   page-aligned, readable and writable by the CPU and usable in copies;
  *   TIDE_ERR_OOM when there is no more. host_free: a pointer host_alloc
@@ -65,6 +74,8 @@ typedef struct _tide_backend_ops {
   int (*map)(void *ctx, uintptr_t addr, size_t size, _tide_handle handle);
   int (*set_access)(void *ctx, uintptr_t addr, size_t size);
   int (*unmap)(void *ctx, uintptr_t addr, size_t size);
+  int (*export_fd)(void *ctx, _tide_handle handle, int *fd, uint64_t *offset);
+  int (*import_fd)(void *ctx, int fd, uint64_t offset, size_t size, _tide_handle *out);
 
   int (*host_alloc)(void *ctx, size_t size, void **out);
   int (*host_free)(void *ctx, void *ptr);

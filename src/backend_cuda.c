@@ -193,6 +193,9 @@ typedef struct cuda_driver {
    * asked for (12.0, or the driver's, at least 11.3) gets. */
   CUresult (*stream_get_capture_info)(CUstream, CUstreamCaptureStatus *, cuuint64_t *, CUgraph *,
                                       const CUgraphNode **, size_t *);
+  CUresult (*mem_export)(void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                         unsigned long long);
+  CUresult (*mem_import)(CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType);
 } cuda_driver;
 
 typedef struct driver_symbol {
@@ -239,6 +242,8 @@ static const driver_symbol optional_symbols[] = {
     SYMBOL("cuMemHostAlloc", mem_host_alloc),
     SYMBOL("cuMemFreeHost", mem_free_host),
     SYMBOL("cuStreamGetCaptureInfo", stream_get_capture_info),
+    SYMBOL("cuMemExportToShareableHandle", mem_export),
+    SYMBOL("cuMemImportFromShareableHandle", mem_import),
 };
 #undef SYMBOL
 
@@ -458,6 +463,9 @@ typedef struct cuda_device {
   int ordinal;
   CUcontext ctx; /* the primary context, retained */
   size_t granularity;
+  /* Physical memory is created exportable as a POSIX file descriptor: the
+   * device supports it, and no creation has been refused for asking. */
+  _Atomic bool shareable;
   /* Who may read and write our memory: this device, then its peers. */
   CUmemAccessDesc *access;
   size_t naccess;
@@ -529,11 +537,12 @@ static const char *bytes_text(uint64_t bytes, char *buf) {
   return _tide_format_bytes(bytes, buf, 32);
 }
 
-static CUmemAllocationProp allocation_prop(const cuda_device *d) {
+static CUmemAllocationProp allocation_prop(const cuda_device *d, bool shareable) {
   CUmemAllocationProp prop;
   memset(&prop, 0, sizeof prop);
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+  prop.requestedHandleTypes =
+      shareable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
   prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = d->ordinal;
   return prop;
@@ -700,12 +709,21 @@ static int cuda_create(void *ctx, size_t size, _tide_handle *out) {
   cuda_device *d = ctx;
   char a[32];
   if (!out) return _tide_error_set(TIDE_ERR_INVALID, "create: NULL output");
-  CUmemAllocationProp prop = allocation_prop(d);
+  bool shareable = atomic_load_explicit(&d->shareable, memory_order_relaxed);
+  CUmemAllocationProp prop = allocation_prop(d, shareable);
   CUmemGenericAllocationHandle h = 0;
   scope s;
   int rc = enter(d, &s, "creating physical memory");
   if (rc) return rc;
   CUresult r = d->drv.mem_create(&h, size, &prop, 0);
+  if (shareable && (r == CUDA_ERROR_NOT_SUPPORTED || r == CUDA_ERROR_NOT_PERMITTED ||
+                    r == CUDA_ERROR_INVALID_VALUE)) {
+    /* Some systems (containers, say) refuse exportable memory: memory that
+     * cannot be shared beats no memory. Sharing then reports why. */
+    atomic_store_explicit(&d->shareable, false, memory_order_relaxed);
+    prop = allocation_prop(d, false);
+    r = d->drv.mem_create(&h, size, &prop, 0);
+  }
   leave(d, &s);
   if (r != CUDA_SUCCESS)
     return fail(d, r, "cuMemCreate", "creating %s of device memory", bytes_text(size, a));
@@ -739,6 +757,67 @@ static int cuda_map(void *ctx, uintptr_t addr, size_t size, _tide_handle handle)
   leave(d, &s);
   if (r != CUDA_SUCCESS)
     return fail(d, r, "cuMemMap", "mapping %s at %p", bytes_text(size, a), (void *)addr);
+  return TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Sharing between processes                                                 */
+/* ------------------------------------------------------------------------ */
+
+static int cuda_export_fd(void *ctx, _tide_handle handle, int *fd, uint64_t *offset) {
+  cuda_device *d = ctx;
+  if (!fd || !offset) return _tide_error_set(TIDE_ERR_INVALID, "export: NULL output");
+  if (!d->drv.mem_export)
+    return _tide_error_set(TIDE_ERR_UNAVAILABLE,
+                           "CUDA device %d: the driver lacks cuMemExportToShareableHandle",
+                           d->ordinal);
+  int out = -1;
+  scope s;
+  int rc = enter(d, &s, "exporting memory");
+  if (rc) return rc;
+  CUresult r = d->drv.mem_export(&out, (CUmemGenericAllocationHandle)handle,
+                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  leave(d, &s);
+  if (r != CUDA_SUCCESS) {
+    fail(d, r, "cuMemExportToShareableHandle", "exporting memory handle 0x%llx",
+         (unsigned long long)handle);
+    if (atomic_load(&d->shareable)) return TIDE_ERR_BACKEND;
+    /* Not an accident: the memory was made without a shareable handle. */
+    return _tide_error_set(TIDE_ERR_UNAVAILABLE,
+                           "the memory cannot be shared: this device's memory is made without a "
+                           "file-descriptor handle type (the device or system refused exportable "
+                           "memory): %s",
+                           tide_last_error());
+  }
+  *fd = out;
+  *offset = 0;
+  return TIDE_OK;
+}
+
+static int cuda_import_fd(void *ctx, int fd, uint64_t offset, size_t size, _tide_handle *out) {
+  cuda_device *d = ctx;
+  char a[32];
+  if (!out) return _tide_error_set(TIDE_ERR_INVALID, "import: NULL output");
+  if (!d->drv.mem_import)
+    return _tide_error_set(TIDE_ERR_UNAVAILABLE,
+                           "CUDA device %d: the driver lacks cuMemImportFromShareableHandle",
+                           d->ordinal);
+  if (offset != 0)
+    return _tide_error_set(TIDE_ERR_BACKEND,
+                           "import: CUDA memory handles start at offset 0, not %llu "
+                           "(was it exported by another backend?)",
+                           (unsigned long long)offset);
+  CUmemGenericAllocationHandle h = 0;
+  scope s;
+  int rc = enter(d, &s, "importing memory");
+  if (rc) return rc;
+  CUresult r =
+      d->drv.mem_import(&h, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  leave(d, &s);
+  if (r != CUDA_SUCCESS)
+    return fail(d, r, "cuMemImportFromShareableHandle", "importing %s from descriptor %d",
+                bytes_text(size, a), fd);
+  *out = (_tide_handle)h;
   return TIDE_OK;
 }
 
@@ -1091,6 +1170,8 @@ static const _tide_backend_ops cuda_ops = {
     .map = cuda_map,
     .set_access = cuda_set_access,
     .unmap = cuda_unmap,
+    .export_fd = cuda_export_fd,
+    .import_fd = cuda_import_fd,
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,
     .copy = cuda_copy,
@@ -1136,7 +1217,7 @@ static int open_device(cuda_device *d) {
                            "%s (is the device in exclusive-process mode and used elsewhere?)",
                            d->ordinal, error_text(&d->drv, r, err, sizeof err));
   }
-  CUmemAllocationProp prop = allocation_prop(d);
+  CUmemAllocationProp prop = allocation_prop(d, false);
   scope s;
   int rc = enter(d, &s, "reading the granularity");
   if (rc) return rc;
@@ -1148,6 +1229,12 @@ static int open_device(cuda_device *d) {
                            "CUDA device %d cannot be used: its mapping granularity of %zu bytes "
                            "is not a power of two",
                            d->ordinal, d->granularity);
+  int fd_handles = 0;
+  if (d->drv.mem_export && d->drv.mem_import &&
+      d->drv.device_get_attribute(&fd_handles,
+                                  CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                                  d->dev) == CUDA_SUCCESS)
+    atomic_store(&d->shareable, fd_handles != 0);
   return TIDE_OK;
 }
 

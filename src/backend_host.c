@@ -50,6 +50,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "backend.h"
@@ -84,6 +85,8 @@ static const char *const op_names[TIDE_OP_COUNT] = {
     [TIDE_OP_HOST_FREE] = "host_free",
     [TIDE_OP_COPY] = "copy",
     [TIDE_OP_CAPTURE_STATUS] = "capture_status",
+    [TIDE_OP_EXPORT] = "export",
+    [TIDE_OP_IMPORT] = "import",
 };
 
 const char *tide_backend_op_name(tide_backend_op op) {
@@ -102,6 +105,10 @@ typedef struct host_handle {
   uint32_t maps; /* live mappings of this handle */
   size_t first_unit;
   size_t units;
+  /* Imported from another process (import_fd): memory of that fd at
+   * `fd_offset`, outside this device's memfd and capacity; -1 otherwise. */
+  int fd;
+  off_t fd_offset;
 } host_handle;
 
 /* A reserved range, or a mapping (then `handle` is its slot in the table). */
@@ -306,6 +313,16 @@ static size_t units_largest_free_run(const host_device *d) {
 /* Give the units of a handle back and the RAM behind them to the system. */
 static void handle_free(host_device *d, uint32_t slot) {
   host_handle *h = &d->handles[slot];
+  if (h->fd >= 0) {
+    /* Imported: the exporter's memory, never this device's units. */
+    close(h->fd);
+    h->fd = -1;
+    h->live = false;
+    h->released = false;
+    h->gen++;
+    d->free_handles.items[d->free_handles.count++] = slot;
+    return;
+  }
   units_mark(d, h->first_unit, h->units, false);
   size_t bytes = h->units * d->granularity;
   /* A failed punch only keeps RAM that a later create reuses: not an error. */
@@ -526,6 +543,24 @@ static int create_oom(host_device *d, size_t size, bool fits_in_total) {
       fits_in_total ? " (enough is free, but not in one piece)" : "");
 }
 
+/* A free slot of the handle table (room on the free stack is made for every
+ * slot, so freeing never allocates); false when the tables cannot grow. */
+static bool handle_slot(host_device *d, uint32_t *slot) {
+  if (d->free_handles.count > 0) {
+    *slot = d->free_handles.items[--d->free_handles.count];
+    return true;
+  }
+  if (d->handle_count >= UINT32_MAX ||
+      !_tide_grow_array((void **)&d->handles, &d->handle_cap, d->handle_count + 1,
+                        sizeof *d->handles) ||
+      !_tide_grow_array((void **)&d->free_handles.items, &d->free_handles.cap, d->handle_count + 1,
+                        sizeof *d->free_handles.items))
+    return false;
+  *slot = (uint32_t)d->handle_count++;
+  d->handles[*slot] = (host_handle){.fd = -1};
+  return true;
+}
+
 static int host_create(void *ctx, size_t size, _tide_handle *out) {
   host_device *d = ctx;
   char g[32];
@@ -544,20 +579,9 @@ static int host_create(void *ctx, size_t size, _tide_handle *out) {
     return rc;
   }
   uint32_t slot;
-  if (d->free_handles.count > 0) {
-    slot = d->free_handles.items[--d->free_handles.count];
-  } else {
-    /* Room on the free stack for every slot, so freeing never allocates. */
-    if (d->handle_count >= UINT32_MAX ||
-        !_tide_grow_array((void **)&d->handles, &d->handle_cap, d->handle_count + 1,
-                          sizeof *d->handles) ||
-        !_tide_grow_array((void **)&d->free_handles.items, &d->free_handles.cap,
-                          d->handle_count + 1, sizeof *d->free_handles.items)) {
-      unlock(d);
-      return oom_tables("handle");
-    }
-    slot = (uint32_t)d->handle_count++;
-    d->handles[slot] = (host_handle){0};
+  if (!handle_slot(d, &slot)) {
+    unlock(d);
+    return oom_tables("handle");
   }
   host_handle *h = &d->handles[slot];
   h->live = true;
@@ -565,6 +589,7 @@ static int host_create(void *ctx, size_t size, _tide_handle *out) {
   h->maps = 0;
   h->first_unit = first;
   h->units = units;
+  h->fd = -1;
   units_mark(d, first, units, true);
   d->bytes_in_use += size;
   *out = ((uint64_t)h->gen << 32) | (slot + 1);
@@ -585,6 +610,82 @@ static int host_release(void *ctx, _tide_handle handle) {
   /* As cuMemRelease: mapped memory lives on until its last unmap. */
   d->handles[slot].released = true;
   if (d->handles[slot].maps == 0) handle_free(d, slot);
+  unlock(d);
+  return TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Sharing between processes                                                */
+/* ------------------------------------------------------------------------ */
+
+/* A handle's memory is a range of a file: this device's memfd, or for an
+ * imported handle the exporter's. The new descriptor refers to that file;
+ * the offset says where in it the handle's memory starts. */
+static int host_export_fd(void *ctx, _tide_handle handle, int *fd, uint64_t *offset) {
+  host_device *d = ctx;
+  int rc = ENTER(d, TIDE_OP_EXPORT);
+  if (rc) return rc;
+  if (!fd || !offset) return _tide_error_set(TIDE_ERR_INVALID, "export: NULL output");
+  lock(d);
+  uint32_t slot;
+  if (!handle_find(d, handle, "export", &slot)) {
+    unlock(d);
+    return TIDE_ERR_BACKEND;
+  }
+  const host_handle *h = &d->handles[slot];
+  int from = h->fd >= 0 ? h->fd : d->memfd;
+  uint64_t at = h->fd >= 0 ? (uint64_t)h->fd_offset : (uint64_t)(h->first_unit * d->granularity);
+  int copy = fcntl(from, F_DUPFD_CLOEXEC, 0);
+  unlock(d);
+  if (copy < 0)
+    return _tide_error_set(TIDE_ERR_BACKEND,
+                           "export: duplicating the memory's descriptor failed: %s",
+                           strerror(errno));
+  *fd = copy;
+  *offset = at;
+  return TIDE_OK;
+}
+
+/* The fd stays the caller's: the handle keeps a duplicate, closed when the
+ * handle is released and unmapped everywhere. */
+static int host_import_fd(void *ctx, int fd, uint64_t offset, size_t size, _tide_handle *out) {
+  host_device *d = ctx;
+  char g[32];
+  int rc = ENTER(d, TIDE_OP_IMPORT);
+  if (rc) return rc;
+  if (!out) return _tide_error_set(TIDE_ERR_INVALID, "import: NULL output");
+  if (size == 0 || !multiple_of(size, d->granularity) || offset % d->granularity ||
+      offset > (uint64_t)INT64_MAX - size)
+    return _tide_error_set(TIDE_ERR_BACKEND,
+                           "import: size %zu and offset %llu must be multiples of the "
+                           "granularity (%s)",
+                           size, (unsigned long long)offset, bytes_text(d->granularity, g));
+  struct stat st;
+  if (fd < 0 || fstat(fd, &st) != 0)
+    return _tide_error_set(TIDE_ERR_BACKEND, "import: descriptor %d is not open", fd);
+  if ((uint64_t)st.st_size < offset + size)
+    return _tide_error_set(TIDE_ERR_BACKEND,
+                           "import: the descriptor holds %lld bytes, not the %llu the handle "
+                           "needs",
+                           (long long)st.st_size, (unsigned long long)(offset + size));
+  int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (own < 0)
+    return _tide_error_set(TIDE_ERR_BACKEND, "import: duplicating descriptor %d failed: %s", fd,
+                           strerror(errno));
+  lock(d);
+  uint32_t slot;
+  if (!handle_slot(d, &slot)) {
+    unlock(d);
+    close(own);
+    return oom_tables("handle");
+  }
+  host_handle *h = &d->handles[slot];
+  *h = (host_handle){.gen = h->gen,
+                     .live = true,
+                     .units = size / d->granularity,
+                     .fd = own,
+                     .fd_offset = (off_t)offset};
+  *out = ((uint64_t)h->gen << 32) | (slot + 1);
   unlock(d);
   return TIDE_OK;
 }
@@ -635,8 +736,9 @@ static int host_map(void *ctx, uintptr_t addr, size_t size, _tide_handle handle)
     unlock(d);
     return oom_tables("mapping");
   }
-  off_t offset = (off_t)(h->first_unit * d->granularity);
-  if (mmap((void *)addr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, d->memfd, offset) == MAP_FAILED) {
+  int fd = h->fd >= 0 ? h->fd : d->memfd;
+  off_t offset = h->fd >= 0 ? h->fd_offset : (off_t)(h->first_unit * d->granularity);
+  if (mmap((void *)addr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd, offset) == MAP_FAILED) {
     _tide_error_set(TIDE_ERR_BACKEND, "map: mmap at 0x%llx failed: %s", (unsigned long long)addr,
                     strerror(errno));
     goto fail;
@@ -1095,6 +1197,8 @@ static void host_destroy(void *ctx) {
   for (size_t i = 0; i < d->pinned.count; i++)
     munmap((void *)d->pinned.items[i].addr, d->pinned.items[i].size);
   if (d->memfd >= 0) close(d->memfd);
+  for (size_t i = 0; i < d->handle_count; i++)
+    if (d->handles[i].live && d->handles[i].fd >= 0) close(d->handles[i].fd);
   free(d->unit_bits);
   free(d->handles);
   free(d->free_handles.items);
@@ -1123,6 +1227,8 @@ static const _tide_backend_ops host_ops = {
     .map = host_map,
     .set_access = host_set_access,
     .unmap = host_unmap,
+    .export_fd = host_export_fd,
+    .import_fd = host_import_fd,
     .host_alloc = host_host_alloc,
     .host_free = host_host_free,
     .copy = host_copy,

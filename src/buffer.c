@@ -170,6 +170,15 @@ static int map_pages(tide_buf *b, size_t first, size_t count) {
   return rc;
 }
 
+/* No shrink waits any more: the worker, which never maps while one does,
+ * may have been asked for pages meanwhile. Under the mutex. */
+static void release_done(tide_buf *b) {
+  const _tide_backend *be = backend(b);
+  be->ops->event_destroy(be->ctx, b->release_event);
+  b->release_pending = false;
+  pthread_cond_broadcast(&b->changed);
+}
+
 /* Unmap the pages let go by a shrink once its stream is past it; `wait`
  * blocks until then. Under the mutex. */
 static int settle_release(tide_buf *b, bool wait) {
@@ -182,8 +191,7 @@ static int settle_release(tide_buf *b, bool wait) {
   if (rc == TIDE_ERR_NOT_READY && !wait) return TIDE_OK;
   if (rc) return rc;
   while (b->mapped > b->keep) drop_page(b, --b->mapped);
-  be->ops->event_destroy(be->ctx, b->release_event);
-  b->release_pending = false;
+  release_done(b);
   return TIDE_OK;
 }
 
@@ -191,11 +199,7 @@ static int settle_release(tide_buf *b, bool wait) {
 static void want_mapped(tide_buf *b, size_t pages) {
   if (pages <= b->keep) return;
   b->keep = pages < b->mapped ? pages : b->mapped;
-  if (b->release_pending && b->keep == b->mapped) {
-    const _tide_backend *be = backend(b);
-    be->ops->event_destroy(be->ctx, b->release_event);
-    b->release_pending = false;
-  }
+  if (b->release_pending && b->keep == b->mapped) release_done(b);
 }
 
 /* Make the first `pages` pages mapped, waiting for the worker if it is
@@ -266,23 +270,22 @@ static void map_ahead(tide_buf *b, size_t pages) {
 /* The allocator's list                                                      */
 /* ------------------------------------------------------------------------ */
 
+/* A buffer's figures change in the arenas together with its place on the
+ * list, under the list's mutex: tide_check, which holds it, sees a buffer
+ * with its figures or neither. */
 static void list_add(tide_buf *b) {
   tide_allocator *a = b->alloc;
-  pthread_mutex_lock(&a->bufs_mutex);
   b->next = a->bufs;
   a->bufs = b;
-  pthread_mutex_unlock(&a->bufs_mutex);
 }
 
 static void list_remove(tide_buf *b) {
   tide_allocator *a = b->alloc;
-  pthread_mutex_lock(&a->bufs_mutex);
   for (tide_buf **p = &a->bufs; *p; p = &(*p)->next)
     if (*p == b) {
       *p = b->next;
       break;
     }
-  pthread_mutex_unlock(&a->bufs_mutex);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -360,20 +363,23 @@ tide_status tide_buf_create(tide_allocator *a, const tide_buf_options *o, tide_b
     destroy_parts(b);
     return (tide_status)rc;
   }
+  if (b->async && pthread_create(&b->worker, NULL, worker_main, b) != 0) {
+    b->async = false; /* maps ahead on the caller's thread instead */
+  }
+  pthread_mutex_lock(&a->bufs_mutex);
   if (b->ring) {
     size_t pages = b->capacity / b->page;
     if ((rc = map_pages(b, 0, pages))) {
+      pthread_mutex_unlock(&a->bufs_mutex);
       destroy_parts(b);
       return (tide_status)rc;
     }
     b->mapped = b->keep = pages;
     b->length = b->capacity;
   }
-  if (b->async && pthread_create(&b->worker, NULL, worker_main, b) != 0) {
-    b->async = false; /* maps ahead on the caller's thread instead */
-  }
   count_length(b, (int64_t)b->length, 1);
   list_add(b);
+  pthread_mutex_unlock(&a->bufs_mutex);
   *out = b;
   return TIDE_OK;
 }
@@ -388,13 +394,21 @@ static void stop_worker(tide_buf *b) {
   b->async = false;
 }
 
-/* Everything back; the allocator's list no longer holds it. */
-static int teardown(tide_buf *b) {
+/* Everything back, and off the allocator's list if `listed`. */
+static int teardown(tide_buf *b, bool listed) {
+  tide_allocator *a = b->alloc;
   stop_worker(b);
+  if (listed) pthread_mutex_lock(&a->bufs_mutex);
+  pthread_mutex_lock(&b->mutex);
   int rc = settle_release(b, true);
   b->keep = 0;
   while (b->mapped) drop_page(b, --b->mapped);
   count_length(b, -(int64_t)b->length, -1);
+  pthread_mutex_unlock(&b->mutex);
+  if (listed) {
+    list_remove(b);
+    pthread_mutex_unlock(&a->bufs_mutex);
+  }
   destroy_parts(b);
   return rc;
 }
@@ -410,8 +424,7 @@ tide_status tide_buf_destroy(tide_buf *b) {
     _tide_error_prefix("tide_buf_destroy: the buffer is kept, its pages may still be in use");
     return (tide_status)rc;
   }
-  list_remove(b);
-  return (tide_status)teardown(b);
+  return (tide_status)teardown(b, true);
 }
 
 size_t _tide_bufs_destroy_all(tide_allocator *a) {
@@ -419,7 +432,7 @@ size_t _tide_bufs_destroy_all(tide_allocator *a) {
   while (a->bufs) {
     tide_buf *b = a->bufs;
     a->bufs = b->next;
-    teardown(b);
+    teardown(b, false);
     n++;
   }
   return n;
@@ -442,8 +455,11 @@ void _tide_bufs_figures(tide_allocator *a, _tide_arena *const *arenas, size_t n,
       out[i].page = b->page;
       out[i].count++;
     }
-    pthread_mutex_unlock(&b->mutex);
   }
+}
+
+void _tide_bufs_figures_end(tide_allocator *a) {
+  for (tide_buf *b = a->bufs; b; b = b->next) pthread_mutex_unlock(&b->mutex);
   pthread_mutex_unlock(&a->bufs_mutex);
 }
 
@@ -466,6 +482,7 @@ static int worker_failure(tide_buf *b) {
   if (b->worker_failed.status == TIDE_OK) return TIDE_OK;
   int rc = _tide_error_restore(&b->worker_failed);
   b->worker_failed.status = TIDE_OK;
+  pthread_cond_broadcast(&b->changed); /* it waits while a failure is unreported */
   _tide_error_prefix("growable buffer: mapping ahead failed");
   return rc;
 }
@@ -489,6 +506,7 @@ tide_status tide_buf_resize(tide_buf *b, size_t length, tide_stream stream) {
   } else if (!rc && length < b->length) {
     rc = settle_release(b, false);
     size_t keep = pages + b->ahead_pages;
+    if (b->want > keep) b->want = keep; /* the worker maps ahead of this length, no more */
     if (!rc && keep < b->keep) {
       const _tide_backend *be = backend(b);
       if (!b->release_pending) {

@@ -300,6 +300,9 @@ typedef struct _tide_block_chunk {
  * request merges them into the bins first. */
 #define _TIDE_QUICK_SLOTS 8
 
+/* Idle marks an arena keeps in flight (see idle_marks). */
+#define _TIDE_IDLE_MARKS 4
+
 typedef struct _tide_arena {
   _tide_lock lock;
   unsigned nquick;
@@ -327,6 +330,30 @@ typedef struct _tide_arena {
   bool keep_spare_pages; /* release_pages keeps handles instead of releasing */
   size_t norphans, orphans_cap;
   uint64_t clock; /* allocations so far: the gc clock */
+  /* Events recorded on the arena's stream when pages had to be unmapped to
+   * make room, each with the clock then (oldest first). Once one completes,
+   * a free block stamped before its clock is touched by no queued work, so
+   * its pages can be unmapped without waiting for the stream. */
+  struct _tide_idle_mark {
+    _tide_event event;
+    uint64_t clock;
+  } idle_marks[_TIDE_IDLE_MARKS];
+  unsigned nidle_marks;
+  uint64_t idle_before; /* free blocks stamped before this clock are idle */
+  /* Pages unmapped from their segment without waiting for the stream (see
+   * release_for): still mapped at their old address until work queued
+   * before their free is done (stamp < idle_before), their handles mapped
+   * again by growth meanwhile, or, once `owned`, released after the unmap
+   * (counted as reserved until then). */
+  struct _tide_stale_page {
+    uintptr_t addr;
+    _tide_handle handle;
+    uint64_t stamp;
+    int pool;
+    bool owned;
+  } * stale;
+  size_t nstale, stale_cap;
+  bool defer_unmap; /* release_expandable leaves the pages mapped as stale ones */
   _tide_arena_stats stats;
   int64_t unpublished; /* allocated bytes not yet added to the allocator's */
   /* Capture pools (pool.c): the blocks a stream allocated in one pool have
@@ -418,9 +445,12 @@ int _tide_pool_grow(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_blo
 typedef struct _tide_growth {
   _tide_block *unmapped;
   size_t first, count; /* page index in the segment, pages to map */
+  bool blocked;        /* stale pages lie there: mapping waits for the stream */
 } _tide_growth;
-/* TIDE_ERR_OOM (no message) when no unmapped block of the pool can hold it. */
-int _tide_pool_plan_growth(_tide_pool *pool, size_t size, size_t page, _tide_growth *out);
+/* TIDE_ERR_OOM (no message) when no unmapped block of the pool can hold it.
+ * Places without stale pages (of `arena`) win over places with them. */
+int _tide_pool_plan_growth(const _tide_arena *arena, _tide_pool *pool, size_t size, size_t page,
+                           _tide_growth *out);
 /* Unmap the whole pages inside a free block of an expandable segment (at
  * most `limit` bytes of them), or release the fixed segment it fills. */
 int _tide_release_block(_tide_arena *arena, _tide_block *b, size_t limit);
@@ -432,6 +462,16 @@ int _tide_pool_release_cached(_tide_arena *arena, _tide_pool *pool);
 int _tide_pool_release_empty_segments(_tide_arena *arena, _tide_pool *pool);
 /* Give back the spare pages growth did not use. */
 void _tide_arena_release_spare_pages(_tide_arena *arena);
+/* Unmap the stale pages in [lo, hi) stamped before `idle_before` (a
+ * refused unmap becomes an orphan); returns how many in the range are left
+ * (segment.c). */
+size_t _tide_stale_unmap(_tide_arena *arena, uintptr_t lo, uintptr_t hi, uint64_t idle_before);
+/* Unmap every stale page at once and give back the owned handles
+ * (teardown, or once the stream is known idle). */
+void _tide_stale_drop_all(_tide_arena *arena);
+/* Unmap the stale pages in [lo, hi) that are idle; with `wait`, wait for
+ * the stream first if some are not, so that none is left (arena.c). */
+int _tide_arena_settle_stale(_tide_arena *arena, uintptr_t lo, uintptr_t hi, bool wait);
 /* Try again to give back what the backend refused earlier. */
 int _tide_arena_retry_orphans(_tide_arena *arena);
 /* The address-ordered list of unmapped blocks of a pool. */
@@ -569,10 +609,12 @@ struct tide_allocator {
   _Atomic uint64_t num_ooms;
   _Atomic uint64_t num_sync_all_streams;
   _tide_trace_ring trace;
-  struct _tide_pinned *pinned; /* the pinned host memory pool (pinned.c) */
-  pthread_mutex_t bufs_mutex;  /* guards the list of growable buffers */
-  struct tide_buf *bufs;       /* live growable buffers (buffer.c) */
-  _tide_captures captures;     /* capture pools (pool.c) */
+  struct _tide_pinned *pinned;   /* the pinned host memory pool (pinned.c) */
+  pthread_mutex_t bufs_mutex;    /* guards the list of growable buffers */
+  struct tide_buf *bufs;         /* live growable buffers (buffer.c) */
+  _tide_captures captures;       /* capture pools (pool.c) */
+  pthread_mutex_t imports_mutex; /* guards the list of imported memory */
+  struct _tide_import *imports;  /* memory of other processes mapped here (share.c) */
 };
 
 /* A live allocator: not NULL, aligned as allocators are (a stray pointer
@@ -584,6 +626,9 @@ static inline bool _tide_allocator_valid(const struct tide_allocator *a) {
 /* Turn the fast paths of tide_malloc and tide_free on or off (off while
  * captures are watched). */
 void _tide_fast_paths_update(struct tide_allocator *a, bool captures_watched);
+/* Unmap every import left (allocator teardown, share.c). */
+void _tide_imports_close_all(struct tide_allocator *a);
+
 /* The arena of `stream`, created on first use; NULL with a message for a
  * stream the device does not know. */
 _tide_arena *_tide_arena_get(struct tide_allocator *a, tide_stream stream);
@@ -594,7 +639,9 @@ void _tide_arena_make_room(_tide_arena *arena, size_t bytes);
 /* What the growable buffers of each of n arenas add to its figures, for
  * tide_check: their lengths (allocated and requested bytes), mapped pages
  * (reserved bytes, pages and handles) and count (allocations). Waits for
- * their workers to be idle; takes no arena lock. */
+ * their workers to be idle; takes no arena lock. Returns holding the list's
+ * mutex and every buffer's, so that no buffer changes its figures while the
+ * caller takes the arena locks and compares; _tide_bufs_figures_end lets go. */
 typedef struct _tide_buf_figures {
   int64_t length, count;
   uint64_t pages;
@@ -602,6 +649,7 @@ typedef struct _tide_buf_figures {
 } _tide_buf_figures;
 void _tide_bufs_figures(struct tide_allocator *a, _tide_arena *const *arenas, size_t n,
                         _tide_buf_figures *out);
+void _tide_bufs_figures_end(struct tide_allocator *a);
 /* The growable buffers now, for the snapshot: up to `cap` into `out`;
  * returns how many there are. */
 typedef struct _tide_buf_info {

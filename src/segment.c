@@ -355,19 +355,86 @@ static bool keep_spare(_tide_arena *arena, _tide_handle h, int pool) {
 
 /* Release pages [first, first+count) of a segment, already unmapped, or keep
  * their handles as spares while room is being made for a growth. */
+/* A handle still mapped at a stale address is released only after that
+ * unmap: the stale page takes it over (its bytes stay reserved until then). */
+static bool stale_adopt(_tide_arena *arena, _tide_handle h, int pool) {
+  for (size_t i = 0; i < arena->nstale; i++) {
+    struct _tide_stale_page *sp = &arena->stale[i];
+    if (sp->handle != h || sp->owned) continue;
+    if (sp->pool != pool) { /* its bytes move from one pool's figures to the other's */
+      int64_t bytes = (int64_t)arena->alloc->page_size;
+      _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, -bytes);
+      _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, sp->pool, bytes);
+    }
+    sp->owned = true;
+    return true;
+  }
+  return false;
+}
+
+static void give_back_handle(_tide_arena *arena, int pool, _tide_handle h) {
+  if (!(arena->nstale && stale_adopt(arena, h, pool)))
+    release_handle(arena, pool, h, arena->alloc->page_size);
+}
+
 static void release_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count) {
   for (size_t i = first; i < first + count; i++) {
     if (!(arena->keep_spare_pages && keep_spare(arena, seg->pages[i], seg->pool)))
-      release_handle(arena, seg->pool, seg->pages[i], arena->alloc->page_size);
+      give_back_handle(arena, seg->pool, seg->pages[i]);
     seg->pages[i] = 0;
   }
 }
 
 void _tide_arena_release_spare_pages(_tide_arena *arena) {
-  size_t page = arena->alloc->page_size;
   for (size_t i = 0; i < arena->nspare_pages; i++)
-    release_handle(arena, arena->spare_pages[i].pool, arena->spare_pages[i].handle, page);
+    give_back_handle(arena, arena->spare_pages[i].pool, arena->spare_pages[i].handle);
   arena->nspare_pages = 0;
+}
+
+/* Unmap stale page i and forget it; its handle goes back if it is owned. */
+static void unmap_stale_page(_tide_arena *arena, size_t i) {
+  const _tide_backend *be = &arena->alloc->backend;
+  size_t page = arena->alloc->page_size;
+  struct _tide_stale_page sp = arena->stale[i];
+  arena->stale[i] = arena->stale[--arena->nstale];
+  if (be->ops->unmap(be->ctx, sp.addr, page)) {
+    _tide_orphan(arena, sp.pool, sp.addr, page, sp.owned ? sp.handle : 0, sp.owned ? page : 0, 0,
+                 0);
+    return;
+  }
+  /* Still mapped at another stale address: that one releases it. */
+  if (sp.owned && !stale_adopt(arena, sp.handle, sp.pool))
+    release_handle(arena, sp.pool, sp.handle, page);
+}
+
+size_t _tide_stale_unmap(_tide_arena *arena, uintptr_t lo, uintptr_t hi, uint64_t idle_before) {
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
+  size_t left = 0;
+  for (size_t i = arena->nstale; i-- > 0;) {
+    const struct _tide_stale_page *sp = &arena->stale[i];
+    if (sp->addr < lo || sp->addr >= hi) continue;
+    if (sp->stamp < idle_before)
+      unmap_stale_page(arena, i);
+    else
+      left++;
+  }
+  _tide_error_restore(&saved);
+  return left;
+}
+
+void _tide_stale_drop_all(_tide_arena *arena) {
+  while (arena->nstale) unmap_stale_page(arena, arena->nstale - 1);
+}
+
+/* Note pages [addr, addr + count pages) as stale, of a block freed at
+ * `stamp`; room was made for them. */
+static void note_stale(_tide_arena *arena, const _tide_segment *seg, size_t first, size_t count,
+                       uint64_t stamp) {
+  size_t page = arena->alloc->page_size;
+  for (size_t i = first; i < first + count; i++)
+    arena->stale[arena->nstale++] = (struct _tide_stale_page){
+        .addr = seg->base + i * page, .handle = seg->pages[i], .stamp = stamp, .pool = seg->pool};
 }
 
 /* A handle for one page of `pool`: a spare one if there is, else a new one
@@ -434,13 +501,21 @@ static int map_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_
   size_t page = a->page_size;
   uintptr_t start = seg->base + first * page;
   size_t adopted = 0;
+  int rc;
+  /* Pages left mapped here by an earlier release go first; if the stream
+   * cannot be waited for (held), the memory is not to be had now. */
+  if (arena->nstale && _tide_arena_settle_stale(arena, start, start + count * page, true))
+    return _tide_error_set(TIDE_ERR_OOM,
+                           "no free pages: those at %p are still mapped for work "
+                           "queued on stream %p: %s",
+                           (void *)start, (void *)arena->stream, tide_last_error());
   for (size_t i = 0; arena->norphans && i < count; i++)
     adopted += orphan_page_at(arena, start + i * page, page) != SIZE_MAX;
   /* Spare and orphan pages hold their bytes already; only new ones take budget. */
   size_t spares = arena->nspare_pages < count - adopted ? arena->nspare_pages : count - adopted;
   size_t budgeted = count - adopted - spares, created = 0, done = 0;
   _tide_saved_error saved;
-  int rc = hold_bytes(arena, seg->pool, budgeted * page, request);
+  rc = hold_bytes(arena, seg->pool, budgeted * page, request);
   if (rc) return rc;
   for (; done < count; done++) {
     _tide_handle h = 0;
@@ -454,7 +529,7 @@ static int map_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_
     created += !spare;
     if ((rc = be->ops->map(be->ctx, start + done * page, page, h))) {
       _tide_error_save(&saved);
-      release_handle(arena, seg->pool, h, page); /* gives its bytes back */
+      give_back_handle(arena, seg->pool, h); /* gives its bytes back */
       _tide_error_restore(&saved);
       break;
     }
@@ -587,11 +662,24 @@ static size_t plan_at(_tide_block *u, size_t size, size_t page, _tide_growth *g)
   return count;
 }
 
-int _tide_pool_plan_growth(_tide_pool *pool, size_t size, size_t page, _tide_growth *out) {
+/* Whether stale pages lie in the pages growth `g` would map. */
+static bool stale_in_the_way(const _tide_arena *arena, const _tide_growth *g, size_t page) {
+  uintptr_t lo = g->unmapped->segment->base + g->first * page, hi = lo + g->count * page;
+  for (size_t i = 0; i < arena->nstale; i++)
+    if (arena->stale[i].addr >= lo && arena->stale[i].addr < hi) return true;
+  return false;
+}
+
+int _tide_pool_plan_growth(const _tide_arena *arena, _tide_pool *pool, size_t size, size_t page,
+                           _tide_growth *out) {
   *out = (_tide_growth){0};
   for (_tide_block *u = pool->unmapped; u; u = u->link_next) {
     _tide_growth g;
-    if (plan_at(u, size, page, &g) && (!out->count || g.count < out->count)) *out = g;
+    if (!plan_at(u, size, page, &g)) continue;
+    g.blocked = arena->nstale && stale_in_the_way(arena, &g, page);
+    bool better = !out->count || (out->blocked && !g.blocked) ||
+                  (out->blocked == g.blocked && g.count < out->count);
+    if (better) *out = g;
   }
   return out->count ? TIDE_OK : TIDE_ERR_OOM;
 }
@@ -599,10 +687,11 @@ int _tide_pool_plan_growth(_tide_pool *pool, size_t size, size_t page, _tide_gro
 static int grow_expandable(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_block **out) {
   size_t page = arena->alloc->page_size;
   _tide_growth g;
-  if (_tide_pool_plan_growth(pool, size, page, &g)) {
+  if (arena->nstale) _tide_arena_settle_stale(arena, 0, UINTPTR_MAX, false); /* the idle ones */
+  if (_tide_pool_plan_growth(arena, pool, size, page, &g)) {
     int rc = new_expandable(arena, pool, size);
     if (rc) return rc;
-    if (_tide_pool_plan_growth(pool, size, page, &g))
+    if (_tide_pool_plan_growth(arena, pool, size, page, &g))
       return _tide_error_set(TIDE_ERR_OOM, "no virtual range can hold %zu bytes", size);
   }
   return map_planned(arena, pool, &g, size, out);
@@ -658,8 +747,19 @@ static int release_expandable(_tide_arena *arena, _tide_block *b, size_t limit,
   }
   size_t first = (lo - seg->base) / page, unmapped = 0;
   int rc = TIDE_OK;
-  for (; lo + unmapped * page < hi; unmapped++)
-    if ((rc = be->ops->unmap(be->ctx, lo + unmapped * page, page))) break;
+  if (arena->defer_unmap) { /* left mapped until the stream is past them */
+    size_t n = (hi - lo) / page;
+    if (_tide_grow_array((void **)&arena->stale, &arena->stale_cap, arena->nstale + n,
+                         sizeof *arena->stale)) {
+      note_stale(arena, seg, first, n, b->stamp);
+      unmapped = n;
+    } else {
+      rc = _tide_error_set(TIDE_ERR_OOM, "out of host memory for stale page records");
+    }
+  } else {
+    for (; lo + unmapped * page < hi; unmapped++)
+      if ((rc = be->ops->unmap(be->ctx, lo + unmapped * page, page))) break;
+  }
   if (unmapped == 0) {
     _tide_block_delete(arena, head);
     _tide_block_delete(arena, tail);
@@ -755,6 +855,13 @@ static bool orphan_inside(const _tide_arena *arena, const _tide_segment *seg) {
   return false;
 }
 
+static bool stale_inside(const _tide_arena *arena, const _tide_segment *seg) {
+  for (size_t i = 0; i < arena->nstale; i++)
+    if (arena->stale[i].addr >= seg->base && arena->stale[i].addr < seg->base + seg->size)
+      return true;
+  return false;
+}
+
 static void release_empty_segment(_tide_arena *arena, _tide_pool *pool, _tide_segment *seg) {
   const _tide_backend *be = &arena->alloc->backend;
   _tide_block *b = seg->first;
@@ -773,7 +880,7 @@ int _tide_pool_release_empty_segments(_tide_arena *arena, _tide_pool *pool) {
   for (_tide_segment *seg = pool->segments; seg; seg = next) {
     next = seg->next;
     if (seg->expandable && seg->mapped == 0 && seg->first->state == _TIDE_UNMAPPED &&
-        !seg->first->next && !orphan_inside(arena, seg))
+        !seg->first->next && !orphan_inside(arena, seg) && !stale_inside(arena, seg))
       release_empty_segment(arena, pool, seg);
   }
   return TIDE_OK;

@@ -482,6 +482,18 @@ static bool check_orphans(checker *c, sums *s) {
       s->handles++;
     }
   }
+  /* Stale pages: mapped at an address their segment no longer maps. The
+   * owned ones hold their handle's bytes. */
+  size_t page = arena->alloc->page_size;
+  for (size_t i = 0; i < arena->nstale; i++) {
+    const struct _tide_stale_page *sp = &arena->stale[i];
+    CHECK(c, sp->addr % page == 0 && sp->handle, "stale page %zu at %#lx with handle %#llx", i,
+          (unsigned long)sp->addr, (unsigned long long)sp->handle);
+    if (sp->owned) {
+      add(s, _TIDE_ST_RESERVED, sp->pool, (int64_t)page);
+      s->handles++;
+    }
+  }
   return true;
 }
 
@@ -642,7 +654,8 @@ int _tide_validate(struct tide_allocator *a, char *why, size_t len) {
   if (len) why[0] = '\0';
   pthread_mutex_lock(&a->arenas_mutex);
   size_t n = atomic_load(&a->narenas);
-  /* Growable buffers first: their lock comes before the arenas'. */
+  /* Growable buffers first: their locks come before the arenas', and are
+   * held until the end, so that no buffer changes the figures meanwhile. */
   _tide_buf_figures *bufs = calloc(n ? n : 1, sizeof *bufs);
   if (!bufs) {
     pthread_mutex_unlock(&a->arenas_mutex);
@@ -654,6 +667,7 @@ int _tide_validate(struct tide_allocator *a, char *why, size_t len) {
   for (size_t i = 0; i < n; i++) _tide_lock_acquire(&a->arenas[i]->lock);
   bool ok = check_allocator(&c, a->arenas, n);
   for (size_t i = n; i-- > 0;) _tide_lock_release(&a->arenas[i]->lock);
+  _tide_bufs_figures_end(a);
   pthread_mutex_unlock(&a->arenas_mutex);
   free(bufs);
   free(c.blocks);

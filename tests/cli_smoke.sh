@@ -1,8 +1,8 @@
 #!/bin/sh
 # cli_smoke.sh: runs the built tidalloc command end to end: info, micro's CSV
-# shape, replay of small traces whose peaks are computed by hand, and the
-# failures that must exit non-zero (corrupt, malformed or inconsistent traces,
-# bad options).
+# shape, replay of small traces whose peaks are computed by hand, soak's
+# options and CSV row, and the failures that must exit non-zero (corrupt,
+# malformed or inconsistent traces, bad options).
 # usage: cli_smoke.sh path/to/tidalloc
 set -u
 
@@ -151,6 +151,21 @@ grep -q 'allocating 1099511627776 bytes failed' "$dir/err" ||
   fail "replay of an impossible allocation does not report it: $(cat "$dir/err")"
 expect_status nonzero "replay with a bad --conf" -- "$bin" replay "$dir/simple.csv.gz" --conf bogus
 expect_status 2 "replay without a file" -- "$bin" replay
+
+# --- soak: options and the CSV row (the workload itself is the soak test) ----
+expect_status 0 "soak --help" -- "$bin" soak --help
+grep -q 'usage: tidalloc soak' "$dir/out" || fail "soak --help printed no usage"
+expect_status 2 "soak with an unknown option" -- "$bin" soak --bogus
+expect_status 2 "soak with 0 threads" -- "$bin" soak --threads 0
+expect_status 2 "soak with a bad --max-gib" -- "$bin" soak --max-gib lots
+expect_status 2 "soak --seconds without a value" -- "$bin" soak --seconds
+expect_status 0 "soak for 1 s" -- env TIDALLOC_CONF=backend:host \
+  "$bin" soak --seconds 1 --seed 7 --threads 2 --max-gib 0.25 --quiet --csv "$dir/soak.csv"
+grep -q '^soak: PASS$' "$dir/out" || fail "soak for 1 s did not print PASS: $(tail -3 "$dir/out")"
+[ "$(wc -l <"$dir/soak.csv")" -eq 2 ] || fail "soak's CSV does not hold a header and one row"
+head -n 1 "$dir/soak.csv" | grep -q '^backend,device,seed,threads,' || fail "soak's CSV header"
+tail -n 1 "$dir/soak.csv" | grep -Eq '^host,"[^"]*",7,2,4,0\.250,.*,pass$' ||
+  fail "soak's CSV row is '$(tail -n 1 "$dir/soak.csv")'"
 
 if [ "$failures" -ne 0 ]; then
   echo "cli_smoke: $failures failures" >&2

@@ -27,6 +27,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -196,10 +199,12 @@ enum {
   F_CAPTURE_UNSUPPORTED = 900,
   F_CAPTURE_IMPLICIT = 906,
   F_CAPTURED_EVENT = 907,
+  F_NOT_SUPPORTED = 801,
 };
 enum { F_LEGACY_STREAM_FLAG = 1, F_NON_BLOCKING = 1, F_DISABLE_TIMING = 2 };
 enum { F_MODE_GLOBAL = 0, F_MODE_THREAD_LOCAL = 1, F_MODE_RELAXED = 2 };
 enum { F_VMM_ATTRIBUTE = 102, F_PINNED = 1, F_LOCATION_DEVICE = 1, F_READ_WRITE = 3 };
+enum { F_FD_ATTRIBUTE = 103, F_HANDLE_FD = 1 };
 
 typedef struct f_location {
   int type;
@@ -249,6 +254,8 @@ typedef struct fake_config {
   size_t capacity;     /* device memory */
   size_t taken;        /* of it, held by someone else */
   size_t granularity;
+  int fd_sharing;       /* CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED */
+  bool refuse_sharable; /* cuMemCreate refuses exportable memory (a container, say) */
 } fake_config;
 
 #define FAKE_RANGES 4096
@@ -261,6 +268,7 @@ typedef struct f_range {
 typedef struct f_handle {
   uint64_t size;
   bool live, released;
+  bool shareable; /* created with the file-descriptor handle type */
   int maps;
 } f_handle;
 
@@ -382,7 +390,9 @@ static fres f_device_get_name(char *buf, int len, int dev) {
 
 static fres f_device_get_attribute(int *value, int attribute, int dev) {
   if (dev < 0 || dev >= fake.cfg.devices) return F_INVALID_DEVICE;
-  *value = attribute == F_VMM_ATTRIBUTE ? fake.cfg.vmm : 0;
+  *value = attribute == F_VMM_ATTRIBUTE  ? fake.cfg.vmm
+           : attribute == F_FD_ATTRIBUTE ? fake.cfg.fd_sharing
+                                         : 0;
   return F_SUCCESS;
 }
 
@@ -443,7 +453,9 @@ static fres f_mem_get_info(size_t *free_bytes, size_t *total) {
 
 static bool good_prop(const f_prop *p) {
   return p->type == F_PINNED && p->location.type == F_LOCATION_DEVICE && p->location.id == 0 &&
-         p->requested_handle_types == 0 && p->win32_metadata == NULL;
+         (p->requested_handle_types == 0 ||
+          (p->requested_handle_types == F_HANDLE_FD && fake.cfg.fd_sharing)) &&
+         p->win32_metadata == NULL;
 }
 
 static fres f_mem_get_granularity(size_t *g, const f_prop *prop, int option) {
@@ -522,6 +534,10 @@ static fres f_mem_create(uint64_t *handle, size_t size, const f_prop *prop,
     r = bad("%s: bad arguments", "cuMemCreate");
     goto out;
   }
+  if (prop->requested_handle_types && fake.cfg.refuse_sharable) {
+    r = F_NOT_SUPPORTED;
+    goto out;
+  }
   if (fake.cfg.taken + fake.used + size > fake.cfg.capacity) {
     r = F_OUT_OF_MEMORY;
     goto out;
@@ -534,7 +550,8 @@ static fres f_mem_create(uint64_t *handle, size_t size, const f_prop *prop,
     r = F_OUT_OF_MEMORY;
     goto out;
   }
-  fake.handles[slot] = (f_handle){.size = size, .live = true};
+  fake.handles[slot] =
+      (f_handle){.size = size, .live = true, .shareable = prop->requested_handle_types != 0};
   fake.used += size;
   *handle = (uint64_t)slot + 0x1000; /* never 0 */
   r = F_SUCCESS;
@@ -554,6 +571,62 @@ static void handle_maybe_free(f_handle *p) {
     fake.used -= p->size;
     p->live = false;
   }
+}
+
+/* An exported handle is a memory file of the handle's size, so that an
+ * import can tell the size and a leaked descriptor shows up. */
+static fres f_mem_export(void *out, uint64_t handle, int type, unsigned long long flags) {
+  fres r = F_INVALID_CONTEXT;
+  fake_lock();
+  if (!device_call("cuMemExportToShareableHandle", true)) goto out;
+  f_handle *p = handle_of(handle);
+  if (!p || type != F_HANDLE_FD || flags) {
+    r = bad("%s: bad arguments", "cuMemExportToShareableHandle");
+    goto out;
+  }
+  if (!p->shareable) {
+    r = F_NOT_SUPPORTED;
+    goto out;
+  }
+  int fd = memfd_create("fake-cuda-export", MFD_CLOEXEC);
+  if (fd < 0 || ftruncate(fd, (off_t)p->size) != 0) {
+    if (fd >= 0) close(fd);
+    r = F_OUT_OF_MEMORY;
+    goto out;
+  }
+  *(int *)out = fd;
+  r = F_SUCCESS;
+out:
+  fake_unlock();
+  return r;
+}
+
+static fres f_mem_import(uint64_t *handle, void *os_handle, int type) {
+  fres r = F_INVALID_CONTEXT;
+  fake_lock();
+  if (!device_call("cuMemImportFromShareableHandle", true)) goto out;
+  struct stat st;
+  int fd = (int)(intptr_t)os_handle;
+  if (type != F_HANDLE_FD || fstat(fd, &st) != 0 || st.st_size <= 0) {
+    r = bad("%s: bad arguments", "cuMemImportFromShareableHandle");
+    goto out;
+  }
+  int slot = -1;
+  for (int i = 0; i < fake.nhandles && slot < 0; i++)
+    if (!fake.handles[i].live) slot = i;
+  if (slot < 0 && fake.nhandles < FAKE_RANGES) slot = fake.nhandles++;
+  if (slot < 0) {
+    r = F_OUT_OF_MEMORY;
+    goto out;
+  }
+  /* Counted as used, as the driver counts the imported memory's handle. */
+  fake.handles[slot] = (f_handle){.size = (uint64_t)st.st_size, .live = true};
+  fake.used += (size_t)st.st_size;
+  *handle = (uint64_t)slot + 0x1000;
+  r = F_SUCCESS;
+out:
+  fake_unlock();
+  return r;
 }
 
 static fres f_mem_release(uint64_t handle) {
@@ -840,6 +913,8 @@ static const struct {
     FN("cuStreamIsCapturing", f_stream_is_capturing),
     FN("cuStreamGetCaptureInfo", f_stream_get_capture_info),
     FN("cuStreamGetCtx", f_stream_get_ctx),
+    FN("cuMemExportToShareableHandle", f_mem_export),
+    FN("cuMemImportFromShareableHandle", f_mem_import),
     FN("cuEventCreate", f_event_create),
     FN("cuEventDestroy", f_event_destroy),
     FN("cuEventRecord", f_event_record),
@@ -1165,6 +1240,52 @@ static void test_fake_context_and_mode_restored(void **state) {
       capture_mode = F_MODE_GLOBAL;
     }
   }
+  b.ops->destroy(b.ctx);
+  assert_fake_clean();
+  assert_fake_empty();
+}
+
+/* With a device that can export memory, pages are made exportable, export
+ * gives a descriptor and import a handle that maps like any other. Where
+ * exportable memory is refused, memory is still made, and export says why
+ * it cannot share. */
+static void test_fake_sharing(void **state) {
+  (void)state;
+  fake_config cfg = healthy();
+  cfg.fd_sharing = 1;
+  use_fake(cfg);
+  _tide_backend b;
+  open_fake(&b);
+  const _tide_backend_ops *ops = b.ops;
+  _tide_handle h = 0, imported = 0;
+  uintptr_t va = 0;
+  int fd = -1;
+  uint64_t offset = 99;
+  assert_int_equal(ops->create(b.ctx, 2 * MiB, &h), TIDE_OK);
+  assert_int_equal(ops->export_fd(b.ctx, h, &fd, &offset), TIDE_OK);
+  assert_true(fd >= 0);
+  assert_int_equal(offset, 0);
+  assert_int_equal(ops->import_fd(b.ctx, fd, 0, 2 * MiB, &imported), TIDE_OK);
+  close(fd);
+  assert_int_equal(ops->reserve(b.ctx, 2 * MiB, 0, &va), TIDE_OK);
+  assert_int_equal(ops->map(b.ctx, va, 2 * MiB, imported), TIDE_OK);
+  assert_int_equal(ops->set_access(b.ctx, va, 2 * MiB), TIDE_OK);
+  assert_int_equal(ops->unmap(b.ctx, va, 2 * MiB), TIDE_OK);
+  assert_int_equal(ops->unreserve(b.ctx, va, 2 * MiB), TIDE_OK);
+  assert_int_equal(ops->release(b.ctx, imported), TIDE_OK);
+  assert_int_equal(ops->release(b.ctx, h), TIDE_OK);
+  b.ops->destroy(b.ctx);
+  assert_fake_clean();
+  assert_fake_empty();
+
+  cfg.refuse_sharable = true;
+  use_fake(cfg);
+  open_fake(&b);
+  ops = b.ops;
+  assert_int_equal(ops->create(b.ctx, 2 * MiB, &h), TIDE_OK);
+  assert_int_equal(ops->export_fd(b.ctx, h, &fd, &offset), TIDE_ERR_UNAVAILABLE);
+  assert_non_null(strstr(tide_last_error(), "cannot be shared"));
+  assert_int_equal(ops->release(b.ctx, h), TIDE_OK);
   b.ops->destroy(b.ctx);
   assert_fake_clean();
   assert_fake_empty();
@@ -1540,6 +1661,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_fake_out_of_memory, teardown_fake),
       cmocka_unit_test_teardown(test_fake_stream_ordered_free, teardown_fake),
       cmocka_unit_test_teardown(test_fake_foreign_stream, teardown_fake),
+      cmocka_unit_test_teardown(test_fake_sharing, teardown_fake),
       cmocka_unit_test_teardown(test_fake_allocator_from_threads, teardown_fake),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -699,6 +699,27 @@ static int call_op_once(op_fixture *x, tide_backend_op op) {
     if (rc != TIDE_OK) assert_int_equal(o->unmap(c, x->slot, GRAN), TIDE_OK);
     assert_int_equal(o->release(c, h), TIDE_OK);
     break;
+  case TIDE_OP_EXPORT: {
+    int fd = -1;
+    uint64_t off = 0;
+    assert_int_equal(o->create(c, GRAN, &h), TIDE_OK);
+    rc = o->export_fd(c, h, &fd, &off);
+    if (rc == TIDE_OK) close(fd);
+    assert_int_equal(o->release(c, h), TIDE_OK);
+    break;
+  }
+  case TIDE_OP_IMPORT: {
+    int fd = -1;
+    uint64_t off = 0;
+    _tide_handle imported = 0;
+    assert_int_equal(o->create(c, GRAN, &h), TIDE_OK);
+    assert_int_equal(o->export_fd(c, h, &fd, &off), TIDE_OK);
+    rc = o->import_fd(c, fd, off, GRAN, &imported);
+    if (rc == TIDE_OK) assert_int_equal(o->release(c, imported), TIDE_OK);
+    close(fd);
+    assert_int_equal(o->release(c, h), TIDE_OK);
+    break;
+  }
   case TIDE_OP_STREAM_CREATE:
     rc = o->stream_create(c, &s);
     if (rc == TIDE_OK) assert_int_equal(o->stream_destroy(c, s), TIDE_OK);

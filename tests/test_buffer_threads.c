@@ -1,9 +1,13 @@
 /* test_buffer_threads.c: growable and ring buffers on the host backend — growth in
  * place, stream-ordered shrinking, mapping ahead (also on the worker), the
  * memory limit, figures, backend faults at every call and bad input. */
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <stddef.h>
+#include <time.h>
 
 #include <cmocka.h>
 
@@ -168,6 +172,119 @@ static void test_worker_maps_ahead(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* Until the buffer has `bytes` mapped; false after 5 s. */
+static bool mapped_within(tide_buf *b, size_t bytes) {
+  for (int i = 0; i < 5000 && tide_buf_mapped(b) != bytes; i++) {
+    struct timespec ms = {0, 1000000};
+    nanosleep(&ms, NULL);
+  }
+  return tide_buf_mapped(b) == bytes;
+}
+
+/* The worker never maps while a shrink's pages wait for their stream. A
+ * growth meanwhile asks it for more; once a later call lets those pages go,
+ * it must wake up and map (tide_check waits for it: it would wait forever).
+ * And a shrink takes back what it was asked for: it never maps ahead of a
+ * length the buffer no longer has. */
+static void test_worker_after_pending_release(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create(NULL);
+  tide_stream s;
+  tu_assert_ok(tide_stream_create(a, &s));
+  tide_buf *b = make(a, 64 * TU_MiB, 4 * PAGE, 1, 0);
+  tu_assert_ok(tide_buf_resize(b, 8 * PAGE, s));
+  assert_true(mapped_within(b, 12 * PAGE));
+  tu_assert_ok(tide_host_stream_hold(a, s));
+  tu_assert_ok(tide_buf_resize(b, 2 * PAGE, s));  /* pages 6.. wait for s */
+  tu_assert_ok(tide_buf_resize(b, 10 * PAGE, s)); /* the worker is asked for 14 */
+  tu_assert_ok(tide_host_stream_release(a, s));
+  tu_assert_ok(tide_buf_resize(b, 10 * PAGE - 1, s)); /* pages 10, 11 go */
+  if (!mapped_within(b, 14 * PAGE))
+    fail_msg("the worker did not map ahead once the release was settled: %zu bytes mapped",
+             tide_buf_mapped(b));
+  tu_assert_ok(tide_check(a));
+  tu_assert_ok(tide_host_stream_hold(a, s));
+  tu_assert_ok(tide_buf_resize(b, PAGE, s)); /* 5 pages wanted now, 14 mapped */
+  tu_assert_ok(tide_host_stream_release(a, s));
+  tu_assert_ok(tide_buf_resize(b, PAGE - 1, s)); /* pages 5.. go */
+  tu_assert_ok(tide_check(a));
+  assert_int_equal(tide_buf_mapped(b), 5 * PAGE);
+  assert_int_equal(reserved(a), 5 * PAGE);
+  tu_assert_ok(tide_buf_destroy(b));
+  tu_assert_ok(tide_stream_destroy(a, s));
+  tu_assert_ok(tide_destroy(a));
+}
+
+/* A thread that grows and shrinks a buffer with a worker, and creates and
+ * destroys rings, until told to stop. cmocka's assertions belong to the
+ * test's thread: it keeps its first failure for the test to report. */
+typedef struct churn {
+  tide_allocator *a;
+  atomic_bool stop;
+  uint64_t rng;
+  tide_status failed;
+  char why[256];
+} churn;
+
+static bool churn_ok(churn *c, tide_status st) {
+  if (st != TIDE_OK && c->failed == TIDE_OK) {
+    c->failed = st;
+    snprintf(c->why, sizeof c->why, "%s", tide_last_error());
+  }
+  return st == TIDE_OK;
+}
+
+static tide_status churn_create(churn *c, size_t capacity, size_t ahead, int ring, tide_buf **b) {
+  tide_buf_options o;
+  tide_buf_options_init(&o);
+  o.capacity = capacity;
+  o.map_ahead = ahead;
+  o.async_map_ahead = ahead != 0;
+  o.ring = ring;
+  return tide_buf_create(c->a, &o, b);
+}
+
+static void *churn_main(void *arg) {
+  churn *c = arg;
+  tide_buf *b = NULL, *ring = NULL;
+  if (!churn_ok(c, churn_create(c, 64 * TU_MiB, PAGE, 0, &b))) return NULL;
+  while (!atomic_load(&c->stop) && c->failed == TIDE_OK) {
+    churn_ok(c, tide_buf_resize(b, (size_t)(tu_splitmix(&c->rng) % (64 * TU_MiB)), NULL));
+    if (churn_ok(c, churn_create(c, 8 * PAGE, 0, 1, &ring))) churn_ok(c, tide_buf_destroy(ring));
+  }
+  churn_ok(c, tide_buf_destroy(b));
+  return NULL;
+}
+
+/* tide_check while other threads change buffers: it must see each buffer
+ * with its figures in the arenas, never one without the other. */
+static void test_check_while_buffers_change(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create(NULL);
+  churn c[2] = {{.a = a, .rng = 1}, {.a = a, .rng = 2}};
+  pthread_t t[2];
+  for (int i = 0; i < 2; i++) assert_int_equal(pthread_create(&t[i], NULL, churn_main, &c[i]), 0);
+  tide_status checked = TIDE_OK;
+  char why[512] = "";
+  int rounds = 0;
+  struct timespec start, now;
+  clock_gettime(CLOCK_MONOTONIC, &start);
+  do { /* a second, or 50000 checks */
+    for (int i = 0; i < 500 && checked == TIDE_OK; i++)
+      if ((checked = tide_check(a)) != TIDE_OK) snprintf(why, sizeof why, "%s", tide_last_error());
+    clock_gettime(CLOCK_MONOTONIC, &now);
+  } while (checked == TIDE_OK && now.tv_sec - start.tv_sec < 1 && ++rounds < 100);
+  for (int i = 0; i < 2; i++) {
+    atomic_store(&c[i].stop, true);
+    assert_int_equal(pthread_join(t[i], NULL), 0);
+  }
+  if (checked != TIDE_OK) fail_msg("%s", why);
+  for (int i = 0; i < 2; i++)
+    if (c[i].failed != TIDE_OK) fail_msg("a buffer call failed: %s", c[i].why);
+  assert_int_equal(reserved(a), 0);
+  tu_assert_ok(tide_destroy(a));
+}
+
 static void test_ring_maps_pages_twice(void **state) {
   (void)state;
   tide_allocator *a = tu_create(NULL);
@@ -305,6 +422,8 @@ int main(void) {
       cmocka_unit_test(test_regrowth_cancels_pending_release),
       cmocka_unit_test(test_map_ahead_avoids_backend_calls),
       cmocka_unit_test(test_worker_maps_ahead),
+      cmocka_unit_test(test_worker_after_pending_release),
+      cmocka_unit_test(test_check_while_buffers_change),
       cmocka_unit_test(test_ring_maps_pages_twice),
       cmocka_unit_test(test_limit_and_capacity),
       cmocka_unit_test(test_bad_input),

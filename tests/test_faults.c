@@ -397,10 +397,28 @@ static void oom_run(harness *h) {
   h_empty_cache(h);
 }
 
+/* Concatenation, as a growing cache: each step allocates a block two pages
+ * larger than the last and frees the last, with a small block after each
+ * so the holes stay apart. With no slack, growth must unmap the free pages
+ * of the holes first: the first time after a stream synchronization, later
+ * without one, through the idle marks (events the host backend completes
+ * at once). On the side stream too, whose free pages are another arena's. */
+static void recycle_run(harness *h) {
+  for (int i = 0; i < 6; i++) {
+    int k = 2 + i % 2;
+    h_malloc(h, k, (size_t)(4 + 4 * i) * TU_MiB, i < 3 ? NULL : h->side, SUCCEED);
+    if (i > 0) h_free(h, 2 + (i - 1) % 2, i - 1 < 3 ? NULL : h->side);
+    h_malloc(h, 10 + i, 600 * TU_KiB + 2 * TU_MiB, i < 3 ? NULL : h->side, SUCCEED);
+  }
+  h_free_all(h);
+  h_empty_cache(h);
+}
+
 static const scenario scenarios[] = {
     {"grow", "host_capacity:1GiB", no_setup, grow_run},
     {"shrink", "host_capacity:1GiB", shrink_setup, shrink_run},
     {"oom", "host_capacity:64MiB", no_setup, oom_run},
+    {"recycle", "host_capacity:1GiB,release_slack:0", no_setup, recycle_run},
 };
 
 /* ------------------------------------------------------------------------ */
@@ -678,6 +696,10 @@ static void faults_shrink_expandable(void **state) {
 static void faults_shrink_fixed(void **state) {
   (void)state;
   sweep(&scenarios[1], false);
+}
+static void faults_recycle_expandable(void **state) {
+  (void)state;
+  sweep(&scenarios[3], true);
 }
 static void faults_oom_expandable(void **state) {
   (void)state;
@@ -1029,6 +1051,7 @@ int main(void) {
       cmocka_unit_test(faults_grow_fixed),
       cmocka_unit_test(faults_shrink_expandable),
       cmocka_unit_test(faults_shrink_fixed),
+      cmocka_unit_test(faults_recycle_expandable),
       cmocka_unit_test(faults_oom_expandable),
       cmocka_unit_test(faults_oom_fixed),
       cmocka_unit_test(faults_undo_expandable),

@@ -24,9 +24,10 @@ int tide_cli_micro(int argc, char **argv);  /* micro.c */
 int tide_cli_replay(int argc, char **argv); /* replay.c */
 int tide_cli_info(int argc, char **argv);   /* info.c */
 int tide_cli_stream(int argc, char **argv); /* stream.c */
+int tide_cli_soak(int argc, char **argv);   /* soak.c */
 
 /* ------------------------------------------------------------------------ */
-/* Configuration (main.c): one rule for every subcommand.                    */
+/* Configuration (cli.c): one rule for every subcommand.                     */
 /* ------------------------------------------------------------------------ */
 
 /* Build a config: the defaults, then `first` (NULL: nothing; micro and replay
@@ -45,7 +46,7 @@ tide_allocator *cli_allocator_create(const char *what, const char *first, const 
                                      int device);
 
 /* ------------------------------------------------------------------------ */
-/* Arguments and messages (main.c)                                           */
+/* Arguments and messages (cli.c)                                            */
 /* ------------------------------------------------------------------------ */
 
 /* If argv[*i] is `name` ("--conf") followed by a value, or "name=value",
@@ -67,7 +68,7 @@ void cli_report_tide_error(const char *what);
 const char *cli_format_bytes(uint64_t bytes, char *buf, size_t len);
 
 /* ------------------------------------------------------------------------ */
-/* Measuring (main.c)                                                        */
+/* Measuring (cli.c)                                                         */
 /* ------------------------------------------------------------------------ */
 
 /* Nanoseconds of the monotonic clock. */

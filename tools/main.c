@@ -1,14 +1,8 @@
 /* main.c: the tidalloc command's entry point: dispatch to a subcommand, the
- * top-level help and version, and the helpers the subcommands share (see
- * cli.h): configuration building, argument parsing, messages, the clock, the
- * median and the progress bar. */
-#include <errno.h>
-#include <stdarg.h>
+ * top-level help and version. The helpers the subcommands share are in
+ * cli.c. */
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "cli.h"
 
@@ -23,6 +17,7 @@ static const subcommand subcommands[] = {
     {"micro", tide_cli_micro, "measure alloc+free latency against glibc and mimalloc"},
     {"replay", tide_cli_replay, "replay a recorded allocation trace and report peak memory"},
     {"stream", tide_cli_stream, "run a streaming-inference memory workload"},
+    {"soak", tide_cli_soak, "run a mixed workload for a while, verifying every byte"},
 };
 static const size_t subcommand_count = sizeof(subcommands) / sizeof(subcommands[0]);
 
@@ -88,156 +83,4 @@ int main(int argc, char **argv) {
     return CLI_EXIT_USAGE;
   }
   return cmd->run(argc - 1, argv + 1);
-}
-
-/* ------------------------------------------------------------------------ */
-/* Configuration                                                            */
-/* ------------------------------------------------------------------------ */
-
-tide_status cli_config_build(const char *first, const char *conf, tide_config **out) {
-  *out = NULL;
-  tide_status st = tide_config_new(out);
-  if (st != TIDE_OK) return st;
-  if (first != NULL) {
-    st = tide_config_parse(*out, first);
-    if (st != TIDE_OK) return st;
-  }
-  st = tide_config_load_env(*out);
-  if (st != TIDE_OK) return st;
-  if (conf != NULL) st = tide_config_parse(*out, conf);
-  return st;
-}
-
-tide_allocator *cli_allocator_create(const char *what, const char *first, const char *conf,
-                                     int device) {
-  tide_config *config = NULL;
-  tide_allocator *alloc = NULL;
-  tide_status st = cli_config_build(first, conf, &config);
-  if (st == TIDE_OK) st = tide_create(device, config, &alloc);
-  if (st != TIDE_OK) {
-    cli_report_tide_error(what);
-    alloc = NULL;
-  }
-  tide_config_free(config);
-  return alloc;
-}
-
-/* ------------------------------------------------------------------------ */
-/* Arguments and messages                                                    */
-/* ------------------------------------------------------------------------ */
-
-bool cli_option_value(int argc, char **argv, int *i, const char *name, const char **value,
-                      bool *bad) {
-  const char *arg = argv[*i];
-  size_t len = strlen(name);
-  if (strncmp(arg, name, len) != 0) return false;
-  if (arg[len] == '=') {
-    *value = arg + len + 1;
-    return true;
-  }
-  if (arg[len] != '\0') return false;
-  if (*i + 1 >= argc) {
-    cli_error("%s needs a value", name);
-    *bad = true;
-    return true;
-  }
-  *i += 1;
-  *value = argv[*i];
-  return true;
-}
-
-bool cli_parse_u64(const char *text, uint64_t *out) {
-  if (text == NULL || *text < '0' || *text > '9') return false;
-  errno = 0;
-  char *end = NULL;
-  unsigned long long v = strtoull(text, &end, 10);
-  if (errno != 0 || *end != '\0') return false;
-  *out = (uint64_t)v;
-  return true;
-}
-
-bool cli_is_help(const char *arg) { return strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0; }
-
-void cli_error(const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  fflush(stdout); /* what was printed before the message comes before it */
-  fputs("tidalloc: ", stderr);
-  vfprintf(stderr, fmt, ap);
-  fputc('\n', stderr);
-  va_end(ap);
-}
-
-void cli_report_tide_error(const char *what) {
-  const char *message = tide_last_error();
-  fflush(stdout);
-  fprintf(stderr, "tidalloc %s: %s (%s)\n", what, message[0] ? message : "unknown error",
-          tide_status_name(tide_last_status()));
-}
-
-const char *cli_format_bytes(uint64_t bytes, char *buf, size_t len) {
-  static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  if (bytes < 1024) {
-    snprintf(buf, len, "%llu B", (unsigned long long)bytes);
-    return buf;
-  }
-  double value = (double)bytes;
-  size_t unit = 0;
-  while (value >= 1024.0 && unit + 1 < sizeof(units) / sizeof(units[0])) {
-    value /= 1024.0;
-    unit++;
-  }
-  snprintf(buf, len, "%.2f %s", value, units[unit]);
-  return buf;
-}
-
-/* ------------------------------------------------------------------------ */
-/* Measuring                                                                 */
-/* ------------------------------------------------------------------------ */
-
-uint64_t cli_now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-static int compare_doubles(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
-
-double cli_median(double *values, size_t n) {
-  qsort(values, n, sizeof(values[0]), compare_doubles);
-  if (n % 2 == 1) return values[n / 2];
-  return (values[n / 2 - 1] + values[n / 2]) / 2.0;
-}
-
-void cli_progress(const char *label, double fraction) {
-  /* The last drawn state, so that frequent calls redraw rarely. */
-  static int last_percent = -1;
-  static const char *last_label = NULL;
-  static int is_tty = -1;
-  if (is_tty < 0) is_tty = isatty(STDERR_FILENO) ? 1 : 0;
-  if (!is_tty) return;
-  if (fraction < 0.0) fraction = 0.0;
-  if (fraction > 1.0) fraction = 1.0;
-  int percent = (int)(fraction * 100.0);
-  if (percent == last_percent && label == last_label) return;
-  last_percent = percent;
-  last_label = label;
-
-  enum { WIDTH = 30 };
-  char bar[WIDTH + 1];
-  int filled = (int)(fraction * WIDTH);
-  for (int i = 0; i < WIDTH; i++) {
-    bar[i] = i < filled ? '=' : (i == filled ? '>' : ' ');
-  }
-  bar[WIDTH] = '\0';
-  fprintf(stderr, "\r%s [%s] %3d%%", label, bar, percent);
-  if (fraction >= 1.0) {
-    fputc('\n', stderr);
-    last_percent = -1;
-    last_label = NULL;
-  }
-  fflush(stderr);
 }

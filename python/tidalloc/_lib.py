@@ -33,6 +33,24 @@ class BufOptions(ctypes.Structure):
                 ("stream", ctypes.c_void_p)]
 
 
+class Info(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_char_p), ("backend", ctypes.c_char_p),
+                ("device_name", ctypes.c_char_p), ("device", ctypes.c_int),
+                ("device_count", ctypes.c_int), ("total_memory", ctypes.c_uint64),
+                ("free_memory", ctypes.c_uint64), ("granularity", ctypes.c_uint64),
+                ("page_size", ctypes.c_uint64)]
+
+
+class OptionInfo(ctypes.Structure):
+    _fields_ = [("key", ctypes.c_char_p), ("value", ctypes.c_char_p),
+                ("default_value", ctypes.c_char_p), ("meaning", ctypes.c_char_p),
+                ("source", ctypes.c_int)]
+
+
+# tide_conf_source: where an option's value came from.
+CONF_SOURCES = ("default", "environment", "code")
+
+
 def _candidates():
     env = os.environ.get("TIDALLOC_LIB")
     if env:
@@ -68,6 +86,18 @@ def lib():
         l.tide_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(Stats)]
         l.tide_reset_peak_stats.argtypes = [ctypes.c_void_p]
         l.tide_conf_set.argtypes = [ctypes.c_char_p]
+        l.tide_conf_get.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        l.tide_config_free.argtypes = [ctypes.c_void_p]
+        l.tide_config_free.restype = None
+        l.tide_config_option_count.restype = ctypes.c_size_t
+        l.tide_config_option_count.argtypes = []
+        l.tide_config_option.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
+                                         ctypes.POINTER(OptionInfo)]
+        l.tide_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(Info)]
+        # As share.py binds it: the stream output may be NULL.
+        l.tide_block_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.POINTER(ctypes.c_void_p),
+                                      ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p]
         l.tide_torch_alloc.restype = ctypes.c_void_p
         l.tide_torch_alloc.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
         l.tide_torch_free.restype = None
@@ -79,6 +109,7 @@ def lib():
                                       ctypes.POINTER(ctypes.c_void_p)]
         l.tide_buf_destroy.argtypes = [ctypes.c_void_p]
         l.tide_buf_resize.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        l.tide_buf_reserve_ahead.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         l.tide_buf_data.restype = ctypes.c_void_p
         l.tide_buf_data.argtypes = [ctypes.c_void_p]
         for name in ("tide_buf_length", "tide_buf_capacity", "tide_buf_mapped"):
@@ -142,3 +173,36 @@ def reset_peak(index=0):
 def configure(conf):
     """Set the process-wide configuration before first use ("key:value,...")."""
     check(lib().tide_conf_set(conf.encode()), "tide_conf_set(%r)" % conf)
+
+
+def conf_option(key):
+    """(value, source) of one option of the process-wide configuration as it
+    stands now: defaults, TIDALLOC_CONF, then configure() calls. `source` is
+    "default", "environment" or "code"."""
+    l = lib()
+    config = ctypes.c_void_p()
+    check(l.tide_conf_get(ctypes.byref(config)), "tide_conf_get")
+    try:
+        info = OptionInfo()
+        for i in range(l.tide_config_option_count()):
+            check(l.tide_config_option(config, i, ctypes.byref(info)), "tide_config_option")
+            if info.key.decode() == key:
+                return info.value.decode(), CONF_SOURCES[info.source]
+    finally:
+        l.tide_config_free(config)
+    raise KeyError("tidalloc has no option %r" % key)
+
+
+def backend(index=0):
+    """"host" (an emulated device in host memory) or "cuda"."""
+    out = Info()
+    check(lib().tide_get_info(device(index), ctypes.byref(out)), "tide_get_info")
+    return out.backend.decode()
+
+
+def owns(ptr, index=0):
+    """Whether `ptr` lies in a block tidalloc allocated on device `index`
+    (such as a torch tensor's data_ptr() under tidalloc.torch.install())."""
+    base, size = ctypes.c_void_p(), ctypes.c_size_t()
+    return lib().tide_block_info(device(index), ptr, ctypes.byref(base), ctypes.byref(size),
+                                 None) == 0

@@ -29,6 +29,9 @@ def test_torch_entry_points_allocate_and_count():
     assert st["allocation.all.current"] == before["allocation.all.current"] + 1
     assert st["reserved_bytes.all.current"] >= st["allocated_bytes.all.current"]
     ctypes.memset(p, 0x5A, 3 * MiB)  # host backend: the CPU may write it
+    assert _lib.owns(p, 0) and _lib.owns(p + 12345, 0)
+    local = ctypes.create_string_buffer(64)
+    assert not _lib.owns(ctypes.addressof(local), 0)
     lib.tide_torch_free(p, 3 * MiB, 0, None)
     st = tidalloc.memory_stats(0)
     assert st["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
@@ -120,6 +123,82 @@ def test_memory_viz_snapshot_has_pytorchs_shape(tmp_path):
     assert len(seg) == 1 and seg[0]["allocated_size"] == 5 * MiB and seg[0]["total_size"] == 6 * MiB
     buf.close()
     actions = [e["action"] for e in snap["device_traces"][0]]
-    assert "alloc" in actions and "free_requested" in actions  # ctest turns the trace on
+    if _lib.conf_option("trace")[0] != "0":  # ctest turns the trace on; a plain run may not
+        assert "alloc" in actions and "free_requested" in actions
+    else:
+        assert actions == []
     for p in ps[:1] + ps[2:]:
         lib.tide_torch_free(p, 0, 0, None)
+
+
+def test_growable_tensor_appends_in_place_on_the_host_backend():
+    # On the host backend a GrowableTensor is a CPU tensor over the buffer's
+    # host pages: the narrowing, dtypes and figures are checked without a GPU.
+    torch = pytest.importorskip("torch")
+    import gc
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        before = tidalloc.memory_stats(0)["allocated_bytes.all.current"]
+        g = tidalloc.GrowableTensor((8, 64), dtype, capacity_rows=4096, map_ahead_rows=64)
+        ptr = g.data_ptr
+        assert g.tensor().shape == (0, 8, 64) and g.tensor().dtype == dtype
+        ref = torch.empty(0, 8, 64, dtype=dtype)
+        for step in range(1, 40):  # 780 rows: past the first 2 MiB page for 4- and 8-byte types
+            rows = (torch.arange(step * 512).reshape(step, 8, 64) % 251 - 125).to(dtype)
+            out = g.append(rows)
+            ref = torch.cat([ref, rows])
+            assert out.data_ptr() == ptr and out.dtype == dtype and out.shape == ref.shape
+            assert torch.equal(out, ref)
+        assert (tidalloc.memory_stats(0)["allocated_bytes.all.current"] ==
+                before + ref.shape[0] * g.row_bytes)
+        assert torch.equal(g.tensor(), ref) and g.tensor().data_ptr() == ptr
+        with pytest.raises(ValueError, match="capacity"):
+            g.append(torch.zeros(4000, 8, 64, dtype=dtype))
+        with pytest.raises(ValueError, match="shape"):
+            g.append(torch.zeros(1, 64, 8, dtype=dtype))
+        assert g.rows == ref.shape[0]  # a refused append changes nothing
+        g.truncate(10)
+        assert torch.equal(g.tensor(), ref[:10])
+        assert torch.equal(g.append(ref[10:20]), ref[:20])
+        # A view outlives the GrowableTensor: the buffer goes with the last tensor over it.
+        view = g.tensor()
+        del g, out
+        gc.collect()
+        assert torch.equal(view, ref[:20])
+        del view
+        gc.collect()
+        assert tidalloc.memory_stats(0)["allocated_bytes.all.current"] == before
+    g = tidalloc.GrowableTensor((4,), torch.float32, capacity_rows=16)
+    g.append(torch.ones(3, 4))
+    g.close()
+    with pytest.raises(tidalloc.TidallocError, match="NULL buffer"):
+        g.append(torch.ones(1, 4))
+
+
+@pytest.mark.parametrize("env_conf, conf, expected", [
+    ("", None, "True code"),
+    ("", "release_slack:0.02", "True code"),
+    ("capture_detection:False", None, "False environment"),
+    ("capture_detection:True", None, "True environment"),
+    ("", "capture_detection:False", "False code"),
+])
+def test_install_turns_capture_detection_on_unless_the_user_set_it(env_conf, conf, expected):
+    # install()'s configuration step alone (the rest needs CUDA), in a fresh
+    # process: the process-wide configuration is fixed after first use.
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "..", "python"),
+               TIDALLOC_CONF=",".join(c for c in ("backend:host", env_conf) if c))
+    code = ("from tidalloc import torch as t, _lib; t._configure(%r); "
+            "print(*_lib.conf_option('capture_detection'))" % (conf,))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == expected
+
+
+def test_install_default_after_first_use_warns(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "..", "python"),
+               TIDALLOC_CONF="backend:host")
+    code = ("import tidalloc; from tidalloc import torch as t, _lib; tidalloc.stats(0); "
+            "t._configure(); print(*_lib.conf_option('capture_detection'))")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False default"
+    assert "capture_detection:True not applied" in r.stderr

@@ -1,6 +1,16 @@
 """validate.py: one validation program under one allocator, for
-run_validation.sh. Prints one CSV row:
-program,allocator,output_sha256,peak_allocated_mib,peak_reserved_mib,reserved_over_allocated,seconds
+run_validation.sh: a first run (the warm-up) and then REPEATS timed runs of
+the same workload in the same process, every run's output checked identical
+to the first. Prints one CSV row:
+
+program,allocator,output_sha256,peak_allocated_mib,peak_reserved_mib,reserved_over_allocated,
+seconds,repeats,median_seconds,min_seconds,max_seconds,peak_reserved_all_mib
+
+  output_sha256, peak_*, reserved_over_allocated, seconds: the first run in
+      the fresh process, as measured before repeats existed (seconds include
+      first-use costs: kernels loaded, memory mapped for the first time);
+  repeats, median/min/max_seconds: the timed runs after it;
+  peak_reserved_all_mib: peak reserved over the whole process (all runs).
 
   gpt2: transformers GPT-2 (124M, random weights from its config, seed 0),
         greedy generation of 512 new tokens from a fixed 32-token prompt;
@@ -10,54 +20,94 @@ program,allocator,output_sha256,peak_allocated_mib,peak_reserved_mib,reserved_ov
 
 The allocator: native (PyTorch's default; PYTORCH_CUDA_ALLOC_CONF is the
 caller's, e.g. expandable_segments:True), or tidalloc (installed before CUDA
-starts). Peaks are torch.cuda.max_memory_allocated/reserved over the run,
-which under tidalloc report tidalloc's figures."""
+starts; TIDALLOC_CONF is the caller's). Peaks are
+torch.cuda.max_memory_allocated/reserved, which under tidalloc report
+tidalloc's figures. Exits 1 if a repeat's output differs from the first run's.
+
+    python tests/torch/validate.py gpt2|vit native|tidalloc [--repeats N]"""
+import argparse
 import hashlib
+import os
+import statistics
 import sys
 import time
 
 
-def main():
-    program, allocator = sys.argv[1], sys.argv[2]
-    if allocator == "tidalloc":
-        import tidalloc.torch
-        tidalloc.torch.install()
-    import torch
+def gpt2(torch, dev):
+    from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    dev = torch.device("cuda")
-    digest = hashlib.sha256()
-    if program == "gpt2":
-        from transformers import GPT2Config, GPT2LMHeadModel
-        model = GPT2LMHeadModel(GPT2Config()).to(dev).eval()
-        prompt = torch.randint(0, 50257, (1, 32), generator=torch.Generator().manual_seed(1)).to(dev)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+    model = GPT2LMHeadModel(GPT2Config()).to(dev).eval()
+    prompt = torch.randint(0, 50257, (1, 32), generator=torch.Generator().manual_seed(1)).to(dev)
+
+    def run(digest):
         with torch.no_grad():
             out = model.generate(prompt, max_new_tokens=512, min_new_tokens=512, do_sample=False,
                                  pad_token_id=0, attention_mask=torch.ones_like(prompt))
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        digest.update(out.cpu().numpy().tobytes())
-    elif program == "vit":
-        import timm
-        model = timm.create_model("vit_base_patch16_224", pretrained=False).to(dev).eval()
+        digest.update(out.cpu().numpy().tobytes())  # 544 token ids: a negligible copy
+    return run
+
+
+def vit(torch, dev):
+    import timm
+    torch.manual_seed(0)
+    model = timm.create_model("vit_base_patch16_224", pretrained=False).to(dev).eval()
+
+    def run(digest):
+        # The same inputs every run: a generator seeded afresh.
         gen = torch.Generator().manual_seed(2)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
         with torch.no_grad():
             for batch in (1, 8, 32, 64, 17, 3):
                 x = torch.randn(batch, 3, 224, 224, generator=gen).to(dev)
+                # Logits are copied out inside the timed part, as before repeats existed.
                 digest.update(model(x).float().cpu().numpy().tobytes())
+    return run
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("program", choices=("gpt2", "vit"))
+    parser.add_argument("allocator", choices=("native", "tidalloc"))
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs after the first "
+                        "(default 3)")
+    args = parser.parse_args()
+    if args.repeats < 1:
+        sys.exit("validate.py: --repeats must be at least 1")
+    if args.allocator == "tidalloc":
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                        "python"))
+        import tidalloc.torch
+        tidalloc.torch.install()
+    import torch
+    if not torch.cuda.is_available():
+        sys.exit("validate.py: no CUDA device (torch.cuda.is_available() is False)")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dev = torch.device("cuda")
+    run = {"gpt2": gpt2, "vit": vit}[args.program](torch, dev)
+
+    digests, seconds = [], []
+    for i in range(1 + args.repeats):
+        digest = hashlib.sha256()
         torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    else:
-        sys.exit("validate.py: program gpt2 or vit")
-    alloc = torch.cuda.max_memory_allocated()
-    res = torch.cuda.max_memory_reserved()
-    print("%s,%s,%s,%.1f,%.1f,%.4f,%.3f" % (program, allocator, digest.hexdigest()[:16],
-                                             alloc / 2**20, res / 2**20, res / alloc, seconds))
+        start = time.perf_counter()
+        run(digest)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        digests.append(digest.hexdigest()[:16])
+        if i == 0:  # the first run's peaks: the figures these columns always had
+            alloc = torch.cuda.max_memory_allocated()
+            res = torch.cuda.max_memory_reserved()
+    differ = [i for i, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        print("validate.py: %s under %s: runs %s give other outputs than the first (%s vs %s)"
+              % (args.program, args.allocator, differ, [digests[i] for i in differ], digests[0]),
+              file=sys.stderr)
+    timed = seconds[1:]
+    print("%s,%s,%s,%.1f,%.1f,%.4f,%.3f,%d,%.3f,%.3f,%.3f,%.1f"
+          % (args.program, args.allocator, digests[0], alloc / 2**20, res / 2**20, res / alloc,
+             seconds[0], len(timed), statistics.median(timed), min(timed), max(timed),
+             torch.cuda.max_memory_reserved() / 2**20))
+    sys.exit(1 if differ else 0)
 
 
 if __name__ == "__main__":
