@@ -612,7 +612,7 @@ void _tide_arena_free_block(_tide_arena *arena, _tide_block *b) {
     p->size += b->size;
     p->next = n;
     if (n) n->prev = p;
-    p->stamp = b->stamp;
+    _tide_block_newest_stamp(p, b);
     _tide_block_delete(arena, b);
     b = p;
   }
@@ -621,6 +621,7 @@ void _tide_arena_free_block(_tide_arena *arena, _tide_block *b) {
     b->size += n->size;
     b->next = n->next;
     if (n->next) n->next->prev = b;
+    _tide_block_newest_stamp(b, n);
     _tide_block_delete(arena, n);
   }
   _tide_pool_insert(arena, b);

@@ -48,6 +48,13 @@ typedef struct _tide_block {
   uint32_t more_cap;
 } _tide_block;
 
+/* A free block that absorbs another keeps the later of their stamps: queued
+ * work may touch any of its pages until the stream is past the newest free
+ * (stale pages are unmapped by that rule, see arena.c). */
+static inline void _tide_block_newest_stamp(_tide_block *into, const _tide_block *from) {
+  if (from->stamp > into->stamp) into->stamp = from->stamp;
+}
+
 static inline bool _tide_block_is_split(const _tide_block *b) {
   return b->prev != NULL || b->next != NULL;
 }

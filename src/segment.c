@@ -556,6 +556,7 @@ static _tide_block *merge_free_neighbours(_tide_arena *arena, _tide_block *m) {
     p->size += m->size;
     p->next = m->next;
     if (m->next) m->next->prev = p;
+    _tide_block_newest_stamp(p, m);
     _tide_block_delete(arena, m);
     m = p;
   }
@@ -565,6 +566,7 @@ static _tide_block *merge_free_neighbours(_tide_arena *arena, _tide_block *m) {
     m->size += n->size;
     m->next = n->next;
     if (n->next) n->next->prev = m;
+    _tide_block_newest_stamp(m, n);
     _tide_block_delete(arena, n);
   }
   return m;
