@@ -463,6 +463,7 @@ typedef struct _tide_captures {
   _tide_capture *active;
   struct tide_pool *pools;
   _tide_deferred *deferred;
+  int unlisted; /* deferrals and retries in progress: their frees may be off the list */
   uint64_t next_pool_id;
 } _tide_captures;
 
@@ -477,6 +478,8 @@ int _tide_capture_free(struct tide_allocator *a, uintptr_t addr, size_t size, bo
                        tide_stream stream);
 /* Retry deferred frees; let go of pools whose memory is all back. */
 void _tide_capture_settle(struct tide_allocator *a);
+/* Retry deferred frees: those whose captures ended become real frees. */
+void _tide_capture_retry_deferred(struct tide_allocator *a);
 /* A handle that looks like a pool (for its allocator to be reached). */
 bool _tide_capture_pool_valid(const struct tide_pool *pool);
 /* TIDE_OK if the pool has users, else TIDE_ERR_STATE naming `op`. Under

@@ -43,10 +43,18 @@
 #include "core.h"
 #include "pinned.h"
 
+/* A free deferred by a capture (pool.c), as the capture state lists it. */
+typedef struct deferred_ref {
+  const _tide_arena *arena;
+  const _tide_block *block;
+} deferred_ref;
+
 typedef struct checker {
   char *why;
   size_t len;
   const struct tide_allocator *a;
+  const deferred_ref *deferred; /* the capture state's deferred frees */
+  size_t ndeferred;
   size_t arena_index;
   const _tide_arena *arena;
   const _tide_block **blocks; /* every block record of the arena, sorted */
@@ -59,7 +67,7 @@ typedef struct checker {
 typedef struct sums {
   int64_t cur[_TIDE_ST_COUNT][TIDE_POOL_KINDS];
   size_t free_blocks[2], unmapped_blocks[2];
-  size_t live, quick, pending;
+  size_t live, quick, pending, deferred; /* deferred: pending blocks on no event yet */
   uint64_t mapped_pages, handles, oversize;
 } sums;
 
@@ -153,20 +161,21 @@ static bool check_pages(checker *c, const _tide_block *b, size_t page) {
   return true;
 }
 
+/* A block whose free a capture defers is pending on no event yet and keeps
+ * its recorded streams: the free records its events once the capture ends. */
 static bool check_streams_of(checker *c, const _tide_block *b) {
-  if (b->state == _TIDE_ALLOCATED) {
+  bool deferred = b->state == _TIDE_PENDING && b->events == 0;
+  if (b->state == _TIDE_ALLOCATED || deferred) {
     CHECK(c,
           b->nstreams <= _TIDE_INLINE_STREAMS ||
               (b->more_streams && b->more_cap + _TIDE_INLINE_STREAMS >= (uint32_t)b->nstreams),
-          "allocated block %#lx is recorded on %u streams without room for them",
+          "%s block %#lx is recorded on %u streams without room for them", state_name(b->state),
           (unsigned long)b->addr, b->nstreams);
   } else {
     CHECK(c, b->nstreams == 0, "%s block %#lx still has %u recorded streams", state_name(b->state),
           (unsigned long)b->addr, b->nstreams);
   }
-  if (b->state == _TIDE_PENDING)
-    CHECK(c, b->events > 0, "pending block %#lx waits for no event", (unsigned long)b->addr);
-  else
+  if (b->state != _TIDE_PENDING)
     CHECK(c, b->events == 0, "%s block %#lx waits for %u events", state_name(b->state),
           (unsigned long)b->addr, b->events);
   return true;
@@ -211,6 +220,7 @@ static bool check_block(checker *c, sums *s, const _tide_block *b) {
     CHECK(c, _tide_ptrmap_find(&arena->live, b->addr) == NULL,
           "pending block %#lx is still in the live map", (unsigned long)b->addr);
     s->pending++;
+    s->deferred += b->events == 0;
     add(s, _TIDE_ST_PENDING, pool, (int64_t)b->size);
     add(s, _TIDE_ST_PENDING_BLOCKS, pool, 1);
     break;
@@ -420,8 +430,26 @@ static bool check_pending(checker *c, const sums *s) {
   const _tide_arena *arena = c->arena;
   size_t n = arena->npending;
   CHECK(c, n <= arena->pending_cap, "%zu pending entries in room for %zu", n, arena->pending_cap);
+  /* Pending blocks on no event are frees a capture defers, each on the
+   * capture state's list (but while another thread retries the list, its
+   * frees are off it for a moment). */
+  size_t listed = 0;
+  for (size_t i = 0; i < c->ndeferred; i++) {
+    const _tide_block *b = c->deferred[i].block;
+    if (c->deferred[i].arena != arena) continue;
+    CHECK(c, known(c, b), "a deferred free names %p, no block of the arena", (void *)b);
+    CHECK(c, b->state == _TIDE_PENDING && b->events == 0,
+          "the free of block %#lx is deferred, but the block is %s waiting for %u events",
+          (unsigned long)b->addr, state_name(b->state), b->events);
+    listed++;
+  }
+  if (!c->a->captures.unlisted)
+    CHECK(c, listed == s->deferred,
+          "%zu pending blocks wait for no event, %zu of them are deferred frees", s->deferred,
+          listed);
   if (n == 0) {
-    CHECK(c, s->pending == 0, "%zu pending blocks and no event to wait for", s->pending);
+    CHECK(c, s->pending == s->deferred, "%zu pending blocks and no event to wait for",
+          s->pending - s->deferred);
     return true;
   }
   _tide_pending *sorted = malloc(n * sizeof *sorted);
@@ -446,8 +474,9 @@ static bool check_pending(checker *c, const sums *s) {
   }
   free(sorted);
   if (!ok) return false;
-  CHECK(c, blocks == s->pending, "pending entries name %zu blocks, the segments have %zu pending",
-        blocks, s->pending);
+  CHECK(c, blocks == s->pending - s->deferred,
+        "pending entries name %zu blocks, the segments have %zu pending on events", blocks,
+        s->pending - s->deferred);
   return true;
 }
 
@@ -555,6 +584,32 @@ static bool check_arena(checker *c, sums *s) {
          check_figures(c, s);
 }
 
+/* An arena of a capture pool belongs to a pool of the allocator that,
+ * while it has users, keeps its cache; one left by a pool that went holds
+ * nothing. Under the capture mutex. */
+static bool check_pool_arena(checker *c) {
+  const _tide_arena *arena = c->arena;
+  if (arena->pool_id == 0) return true;
+  if (arena->pool_id == _TIDE_UNUSED_ARENA) {
+    CHECK(c,
+          !arena->pool && !arena->pools[_TIDE_SMALL].segments &&
+              !arena->pools[_TIDE_LARGE].segments && arena->live.count == 0 &&
+              arena->npending == 0 && arena->norphans == 0 && arena->nspare_pages == 0,
+          "an arena left by a capture pool still holds memory or names pool %p",
+          (void *)arena->pool);
+    return true;
+  }
+  const struct tide_pool *p = c->a->captures.pools;
+  while (p && p != arena->pool) p = p->next;
+  CHECK(c, p && p->id == arena->pool_id,
+        "the arena of capture pool %llu names pool %p, not a pool of the allocator with that id",
+        (unsigned long long)arena->pool_id, (void *)arena->pool);
+  CHECK(c, p->uses <= 0 || arena->keep_cache,
+        "capture pool %llu has %d users, but its arena does not keep its cache",
+        (unsigned long long)p->id, p->uses);
+  return true;
+}
+
 typedef struct range {
   uintptr_t base;
   size_t size;
@@ -596,9 +651,13 @@ static bool check_allocator(checker *c, _tide_arena *const *arenas, size_t n) {
     memset(&s, 0, sizeof s);
     c->arena = arenas[i];
     c->arena_index = i;
-    if (!check_arena(c, &s)) return false;
+    if (!check_arena(c, &s) || !check_pool_arena(c)) return false;
     for (size_t j = 0; j < i; j++)
-      CHECK(c, arenas[j]->stream != arenas[i]->stream, "arena %zu serves the same stream", j);
+      CHECK(c,
+            arenas[i]->pool_id == _TIDE_UNUSED_ARENA || arenas[j]->stream != arenas[i]->stream ||
+                arenas[j]->pool_id != arenas[i]->pool_id,
+            "arena %zu serves the same stream%s", j,
+            arenas[i]->pool_id ? " in the same capture pool" : "");
     reserved += s.cur[_TIDE_ST_RESERVED][0];
     allocated += s.cur[_TIDE_ST_ALLOCATED][0];
     unpublished += arenas[i]->unpublished;
@@ -627,15 +686,39 @@ static bool check_allocator(checker *c, _tide_arena *const *arenas, size_t n) {
   return true;
 }
 
+/* The frees the capture state defers, under its mutex. */
+static bool collect_deferred(checker *c, struct tide_allocator *a, deferred_ref **out) {
+  size_t n = 0, cap = 0;
+  *out = NULL;
+  for (const _tide_deferred *d = a->captures.deferred; d; d = d->next) {
+    if (!_tide_grow_array((void **)out, &cap, n + 1, sizeof **out)) return false;
+    (*out)[n++] = (deferred_ref){d->arena, d->block};
+  }
+  c->deferred = *out;
+  c->ndeferred = n;
+  return true;
+}
+
 int _tide_validate(struct tide_allocator *a, char *why, size_t len) {
   checker c = {.why = why, .len = len, .a = a};
   if (len) why[0] = '\0';
+  /* The capture state first: its mutex comes before the arenas'. */
+  pthread_mutex_lock(&a->captures.mutex);
+  deferred_ref *deferred;
+  if (!collect_deferred(&c, a, &deferred)) {
+    pthread_mutex_unlock(&a->captures.mutex);
+    free(deferred);
+    snprintf(why, len, "out of host memory for the check");
+    return TIDE_ERR_OOM;
+  }
   pthread_mutex_lock(&a->arenas_mutex);
   size_t n = atomic_load(&a->narenas);
   /* Growable buffers first: their lock comes before the arenas'. */
   _tide_buf_figures *bufs = calloc(n ? n : 1, sizeof *bufs);
   if (!bufs) {
     pthread_mutex_unlock(&a->arenas_mutex);
+    pthread_mutex_unlock(&a->captures.mutex);
+    free(deferred);
     snprintf(why, len, "out of host memory for the check");
     return TIDE_ERR_OOM;
   }
@@ -645,6 +728,8 @@ int _tide_validate(struct tide_allocator *a, char *why, size_t len) {
   bool ok = check_allocator(&c, a->arenas, n);
   for (size_t i = n; i-- > 0;) _tide_lock_release(&a->arenas[i]->lock);
   pthread_mutex_unlock(&a->arenas_mutex);
+  pthread_mutex_unlock(&a->captures.mutex);
+  free(deferred);
   free(bufs);
   free(c.blocks);
   if (!ok) return c.out_of_memory ? TIDE_ERR_OOM : TIDE_ERR_STATE;
