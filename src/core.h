@@ -382,8 +382,9 @@ int _tide_arena_explain_pointer(_tide_arena *arena, uintptr_t addr);
 /* For capture pools (pool.c, checkpoint.c), under the arena lock. A free
  * deferred by a capture: counted as freed, out of the live map, pending
  * (but on no event) until _tide_arena_finish_deferred orders it after the
- * streams it was freed on and recorded on (it may then wait on events). */
-void _tide_arena_defer_free(_tide_arena *arena, _tide_block *b);
+ * streams it was freed on and recorded on (it may then wait on events).
+ * A free on a stream that does not exist is refused, the block unchanged. */
+int _tide_arena_defer_free(_tide_arena *arena, _tide_block *b, tide_stream stream);
 int _tide_arena_finish_deferred(_tide_arena *arena, _tide_block *b, tide_stream stream);
 /* Count block b, linked in its segment, as allocated (restored by a
  * checkpoint) or as freed (released by one); the live map is the caller's. */

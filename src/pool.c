@@ -568,10 +568,9 @@ int _tide_capture_free(tide_allocator *a, uintptr_t addr, size_t size, bool size
                              "the block is still allocated",
                              (void *)addr);
       } else if (defer) {
-        _tide_arena_defer_free(arena, b);
-        *node = (_tide_deferred){.arena = arena, .block = b, .stream = stream};
-        deferred = true;
-        rc = TIDE_OK;
+        rc = _tide_arena_defer_free(arena, b, stream);
+        if (!rc) *node = (_tide_deferred){.arena = arena, .block = b, .stream = stream};
+        deferred = rc == TIDE_OK;
       } else {
         rc = _tide_arena_free(arena, b, stream);
       }
