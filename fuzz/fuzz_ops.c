@@ -197,7 +197,7 @@ __attribute__((noreturn, format(printf, 1, 2))) static void fail(const char *fmt
 /* Data patterns                                                             */
 /* ------------------------------------------------------------------------ */
 
-static uint8_t pattern_byte(uintptr_t base, uint64_t seq, size_t off) {
+FZ_CHECK_ONLY static uint8_t pattern_byte(uintptr_t base, uint64_t seq, size_t off) {
   uint64_t x = (uint64_t)base ^ (seq * UINT64_C(0xD1B54A32D192ED03)) ^ ((uint64_t)(off / 8) << 17);
   x += UINT64_C(0x9E3779B97F4A7C15);
   x = (x ^ (x >> 30)) * UINT64_C(0xBF58476D1CE4E5B9);
@@ -209,7 +209,7 @@ static uint8_t pattern_byte(uintptr_t base, uint64_t seq, size_t off) {
 /* The bytes a pattern covers: all of a small block; of a larger one its
  * first and last 64 bytes and a few in between. Returns false at a byte that
  * lost its value (with `write`, writes them). */
-static bool pattern(const slot *s, bool write, bool edges_only, size_t *bad) {
+FZ_CHECK_ONLY static bool pattern(const slot *s, bool write, bool edges_only, size_t *bad) {
   uint8_t *p = s->ptr;
   size_t n = s->requested, edge = n < 64 ? n : 64;
   size_t offsets[4] = {n / 3, n / 2, (2 * n) / 3, n - n / 7 - 1};
@@ -234,12 +234,12 @@ static bool pattern(const slot *s, bool write, bool edges_only, size_t *bad) {
   return true;
 }
 
-static void fill(slot *s) {
+FZ_CHECK_ONLY static void fill(slot *s) {
   size_t bad;
   pattern(s, true, false, &bad);
 }
 
-static void expect_intact(const slot *s, bool edges_only) {
+FZ_CHECK_ONLY static void expect_intact(const slot *s, bool edges_only) {
   size_t bad = 0;
   CHECK(pattern(s, false, edges_only, &bad),
         "%s block %p (%zu bytes, seq %llu) lost its data at "
@@ -251,15 +251,15 @@ static void expect_intact(const slot *s, bool edges_only) {
 /* Steps and their outcomes                                                  */
 /* ------------------------------------------------------------------------ */
 
-static void begin(world *w, const char *what) {
+FZ_CHECK_ONLY static void begin(world *w, const char *what) {
   snprintf(w->what, sizeof w->what, "%s", what);
-  for (int op = 0; op < TIDE_OP_COUNT; op++)
-    w->calls_before[op] = tide_host_call_count(w->a, (tide_backend_op)op);
+  for (int op = 0; op < TIDE_OP_COUNT; op++) /* fault_fired looks at armed ones only */
+    if (w->fault_at[op]) w->calls_before[op] = tide_host_call_count(w->a, (tide_backend_op)op);
   tide_clear_error();
 }
 
 /* Whether an armed fault fired during the current call. */
-static bool fault_fired(const world *w) {
+FZ_CHECK_ONLY static bool fault_fired(const world *w) {
   for (int op = 0; op < TIDE_OP_COUNT; op++) {
     uint64_t at = w->fault_at[op];
     if (at && w->calls_before[op] < at && tide_host_call_count(w->a, (tide_backend_op)op) >= at)
@@ -273,7 +273,7 @@ static bool fault_fired(const world *w) {
 /* A call failed with `st`: it must be one of `allowed` (a mask of ST()),
  * or a backend failure, a wait on a held stream or a lack of memory caused
  * by an injected fault that fired in this call; and it has a message. */
-static void expect_failure(world *w, tide_status st, unsigned allowed) {
+FZ_CHECK_ONLY static void expect_failure(world *w, tide_status st, unsigned allowed) {
   const char *msg = tide_last_error();
   CHECK(st != TIDE_OK, "%s succeeded, expected a failure", w->what);
   CHECK(msg && *msg, "%s failed with %s and no message", w->what, tide_status_name(st));
@@ -288,7 +288,7 @@ static void expect_failure(world *w, tide_status st, unsigned allowed) {
           w->what, msg);
 }
 
-static void expect_ok(world *w, tide_status st, unsigned allowed) {
+FZ_CHECK_ONLY static void expect_ok(world *w, tide_status st, unsigned allowed) {
   if (st != TIDE_OK) expect_failure(w, st, allowed);
 }
 
@@ -445,7 +445,7 @@ static void remember_deferred(world *w, const slot *s, tide_stream stream) {
 
 /* Deferred frees whose streams are all out of captures are no longer
  * deferred (they may still wait on events). */
-static void settle_deferred(world *w) {
+FZ_CHECK_ONLY static void settle_deferred(world *w) {
   for (int i = 0; i < DEFERRED; i++) {
     deferred_rec *d = &w->deferred[i];
     bool still = false;
@@ -455,7 +455,7 @@ static void settle_deferred(world *w) {
   if (w->deferred_lost && !any_captured(w)) w->deferred_lost = false;
 }
 
-static bool pool_deferred(const world *w, uint64_t pool) {
+FZ_CHECK_ONLY static bool pool_deferred(const world *w, uint64_t pool) {
   for (int i = 0; i < DEFERRED; i++)
     if (w->deferred[i].used && w->deferred[i].pool == pool) return true;
   return w->deferred_lost;
@@ -512,18 +512,9 @@ static void remember_freed(world *w, void *p) { w->freed[w->nfreed++ % RING] = (
 /* Device memory                                                             */
 /* ------------------------------------------------------------------------ */
 
-/* A block handed out (by tide_malloc, or again by a restore): where it is,
- * that it overlaps no live block and no block whose free a capture defers,
- * and its pattern. */
-static void take_block(world *w, slot *s, void *p, size_t size, tide_stream stream, uint64_t pool) {
-  CHECK((uintptr_t)p % 512 == 0, "%s returned %p, not 512-byte aligned", w->what, p);
-  void *base = NULL;
-  size_t bsize = 0;
-  tide_stream bstream = (tide_stream)(uintptr_t)1;
-  tide_status rc = tide_block_info(w->a, p, &base, &bsize, &bstream);
-  CHECK(rc == TIDE_OK && base == p && bsize >= size && bsize % 512 == 0 && bstream == stream,
-        "%s: block %p: tide_block_info says %s, base %p, size %zu, stream %p: %s", w->what, p,
-        tide_status_name(rc), base, bsize, (void *)bstream, tide_last_error());
+/* A block handed out overlaps no live block and no block whose free a
+ * capture defers. */
+FZ_CHECK_ONLY static void expect_apart(const world *w, void *p, size_t bsize) {
   for (int i = 0; i < SLOTS; i++) {
     const slot *o = &w->slots[i];
     if (o->used && !o->pinned)
@@ -538,6 +529,21 @@ static void take_block(world *w, slot *s, void *p, size_t size, tide_stream stre
             "%s: block %p (+%zu) overlaps block %p (+%zu), whose free waits for a capture to end",
             w->what, p, bsize, (void *)d->addr, d->size);
   }
+}
+
+/* A block handed out (by tide_malloc, or again by a restore): where it is,
+ * that it overlaps no live block and no block whose free a capture defers,
+ * and its pattern. */
+static void take_block(world *w, slot *s, void *p, size_t size, tide_stream stream, uint64_t pool) {
+  CHECK((uintptr_t)p % 512 == 0, "%s returned %p, not 512-byte aligned", w->what, p);
+  void *base = NULL;
+  size_t bsize = 0;
+  tide_stream bstream = (tide_stream)(uintptr_t)1;
+  tide_status rc = tide_block_info(w->a, p, &base, &bsize, &bstream);
+  CHECK(rc == TIDE_OK && base == p && bsize >= size && bsize % 512 == 0 && bstream == stream,
+        "%s: block %p: tide_block_info says %s, base %p, size %zu, stream %p: %s", w->what, p,
+        tide_status_name(rc), base, bsize, (void *)bstream, tide_last_error());
+  expect_apart(w, p, bsize);
   *s = (slot){.used = true,
               .ptr = p,
               .requested = size,
@@ -1078,7 +1084,7 @@ static void buf_mark(buf_slot *s) {
   if (s->mark) p[s->mark] = (unsigned char)(s->seed + 1);
 }
 
-static void buf_expect(const world *w, const buf_slot *s) {
+FZ_CHECK_ONLY static void buf_expect(const world *w, const buf_slot *s) {
   const unsigned char *p = tide_buf_data(s->b);
   CHECK(tide_buf_length(s->b) == s->length && tide_buf_capacity(s->b) == s->capacity,
         "buffer %p: length %zu capacity %zu, the model says %zu and %zu", (void *)s->b,
@@ -1413,13 +1419,13 @@ static void op_checkpoint_free(world *w) {
   ckpt_drop(c);
 }
 
-static bool in_list(void *const *list, size_t n, uintptr_t addr) {
+FZ_CHECK_ONLY static bool in_list(void *const *list, size_t n, uintptr_t addr) {
   for (size_t i = 0; i < n; i++)
     if ((uintptr_t)list[i] == addr) return true;
   return false;
 }
 
-static bool ck_has(const ckpt_rec *c, const slot *s) {
+FZ_CHECK_ONLY static bool ck_has(const ckpt_rec *c, const slot *s) {
   for (unsigned i = 0; i < c->n; i++)
     if (c->blocks[i].addr == (uintptr_t)s->ptr && c->blocks[i].size == s->size) return true;
   return false;
@@ -1582,7 +1588,7 @@ static const op_row *pick_op(world *w) {
 
 /* TIDE_FUZZ_TRACE=1 prints each step's call and the outcome (to read what
  * an input does). */
-static void trace_step(const world *w) {
+FZ_CHECK_ONLY static void trace_step(const world *w) {
   static int on = -1;
   if (on < 0) on = getenv("TIDE_FUZZ_TRACE") != NULL;
   if (on)
@@ -1590,7 +1596,7 @@ static void trace_step(const world *w) {
             tide_last_status() ? tide_last_error() : "ok");
 }
 
-static void after_step(world *w) {
+FZ_CHECK_ONLY static void after_step(world *w) {
   trace_step(w);
   for (int op = 0; op < TIDE_OP_COUNT; op++) /* a fault fires once */
     if (w->fault_at[op] && tide_host_call_count(w->a, (tide_backend_op)op) >= w->fault_at[op])
