@@ -14,7 +14,8 @@
 #                     why, when it has no torch or torch sees no GPU
 #   make fuzz         the libFuzzer targets of fuzz/ (build-fuzz/, clang), each for
 #                     FUZZ_SECONDS (default 60); prints the executions reached.
-#                     FUZZ_CSV=file appends them, FUZZ_TARGETS="conf ops" picks
+#                     FUZZ_CSV=file appends them, FUZZ_TARGETS="conf ops" picks,
+#                     FUZZ_JOBS=N runs N workers per target (their total counts)
 #   make install      install into PREFIX (default /usr/local; DESTDIR is honoured)
 #   make format       clang-format every C file in place; format-check only checks
 #   make clean        remove the build directories
@@ -64,7 +65,7 @@ CTEST := ctest --output-on-failure --no-tests=error -j$(JOBS)
 all: build
 
 help:
-	@sed -n '3,23s/^# \{0,1\}//p' Makefile
+	@sed -n '3,24s/^# \{0,1\}//p' Makefile
 
 deps:
 	@scripts/deps.sh
@@ -113,6 +114,7 @@ test-tsan: deps
 FUZZ_SECONDS ?= 60
 FUZZ_CSV ?=
 FUZZ_TARGETS ?=
+FUZZ_JOBS ?= 1
 FUZZ_CFLAGS := -fsanitize=fuzzer-no-link,address,undefined $(SAN_CFLAGS_COMMON)
 
 fuzz: deps
@@ -121,7 +123,7 @@ fuzz: deps
 	  -DTIDE_BUILD_TESTS=OFF -DTIDE_BUILD_TOOLS=OFF -DTIDE_BUILD_EXAMPLES=OFF $(CMAKE_ARGS)
 	$(CMAKE_BUILD) build-fuzz -j$(JOBS)
 	FUZZ_SECONDS=$(FUZZ_SECONDS) NO_ASLR="$(NO_ASLR)" FUZZ_CSV="$(FUZZ_CSV)" \
-	  FUZZ_TARGETS="$(FUZZ_TARGETS)" scripts/fuzz.sh build-fuzz
+	  FUZZ_TARGETS="$(FUZZ_TARGETS)" FUZZ_JOBS="$(FUZZ_JOBS)" scripts/fuzz.sh build-fuzz
 
 # tests/gpu holds the GPU tests: a CMakeLists.txt that the root project adds
 # with -DTIDE_GPU_TESTS=ON (it enables CUDA, links tidalloc_static and labels

@@ -3,7 +3,7 @@
  *
  * The input is read as choices (fuzz.h): two bytes pick the configuration
  * (segment kind, device size, rounding, splitting, garbage collection, page
- * and mapping sizes, trace), then each step takes one byte that picks an
+ * and mapping sizes, trace, capture_detection), then each step takes one byte that picks an
  * operation from the table `ops` by weight, and the operation reads its own
  * arguments from the bytes after it. Sizes come from classes that matter to
  * the allocator (0, huge, sizes used before, small, large, page multiples,
@@ -25,7 +25,25 @@
  * every backend call happens inside the step that makes it and an injected
  * fault is seen by the call that hit it.
  *
- * Adding an operation (capture pools, checkpoints ...):
+ * Capture pools: the host backend's emulated captures (begin, join, end)
+ * run beside the allocator's begins and ends, pools are created, retained
+ * and released, and checkpoints are taken and restored. The model knows
+ * which capture each stream is in, and from that where every allocation
+ * must go (a begin's pool, a detected capture's pool, or the usual memory):
+ * after every step each pool's figures equal the sums over the blocks
+ * routed to it. A free that a capture must defer is remembered until its
+ * streams leave their captures: no block handed out meanwhile may overlap
+ * it. A restore must give exactly the delta the model expects (blocks of
+ * the pool not in the checkpoint released, the checkpoint's freed blocks
+ * restored, the others kept with their data); released blocks leave the
+ * model, restored ones join it with a new pattern. Refusals are checked
+ * against the pool's state (captures in progress, deferred frees, users
+ * left). Pinned memory and growable buffers order their frees with events,
+ * which a capture would take into its graph, so their calls stay off
+ * captured streams; so do frees in captures the allocator does not watch
+ * (no begin, no capture_detection), which only a caller's mistake makes.
+ *
+ * Adding an operation:
  * write `static void op_name(world *w)`, which reads its arguments with
  * fz_byte/fz_pick/pick_size, calls the API between begin() and the checks
  * of its outcome (expect_failure, or FZ_CHECK), and keeps the model (slots,
@@ -53,20 +71,72 @@
 
 typedef enum stream_kind { LIVE, DEAD, BOGUS } stream_kind;
 
+#define RECORDED 6  /* streams recorded on one block that the model follows */
+#define POOLS 4     /* capture pools known at once */
+#define BEGINS 4    /* tide_capture_begin in progress */
+#define CKPTS 3     /* checkpoints kept */
+#define DEFERRED 32 /* frees deferred by captures */
+#define NEW_POOL (-2)
+
 typedef struct slot {
   bool used, pinned;
   void *ptr;
   size_t requested, size;
   uint64_t seq;
-  tide_stream stream; /* allocated on */
+  tide_stream stream;        /* allocated on */
+  uint64_t pool;             /* tide_pool_id of its capture pool; 0: the usual memory */
+  tide_stream rec[RECORDED]; /* recorded with tide_record_stream (not `stream`) */
+  unsigned nrec;
 } slot;
+
+/* A capture pool: its users as the model counts them. A pool made by
+ * capture_detection serves one capture (`group`) and has one user, the graph. */
+typedef struct pool_slot {
+  tide_pool *p; /* NULL: none, or gone (its last user released it) */
+  uint64_t id;
+  int uses;
+  uint64_t group;     /* detected: the capture it was made for; 0: tide_pool_create */
+  tide_stream origin; /* detected: the stream whose allocation made it */
+} pool_slot;
+
+/* A tide_capture_begin in progress: on `stream`, in capture `group` (0: the
+ * stream was not being captured, so the stream itself is routed). */
+typedef struct begin_rec {
+  bool used;
+  tide_stream stream;
+  uint64_t group;
+  int pool; /* index in pools (a begin holds a user, so the pool lives) */
+} begin_rec;
+
+/* The allocated blocks of a pool at a checkpoint. */
+typedef struct ckpt_rec {
+  tide_checkpoint *k; /* NULL: free */
+  uint64_t pool;      /* the pool's id */
+  struct ck_block {
+    uintptr_t addr;
+    size_t size, requested;
+    tide_stream stream;
+  } blocks[SLOTS];
+  unsigned n;
+} ckpt_rec;
+
+/* A free that a capture defers: nobody may be given the block while one of
+ * the streams it waits for is captured. */
+typedef struct deferred_rec {
+  bool used;
+  uintptr_t addr;
+  size_t size;
+  uint64_t pool;
+  tide_stream on[RECORDED + 1];
+  unsigned n;
+} deferred_rec;
 
 typedef struct world {
   fz_reader in;
   tide_allocator *a;
   tide_allocator *other; /* device 1, for pointers of another device */
   void *other_block;
-  char conf[256];
+  char conf[384];
   size_t capacity;
   slot slots[SLOTS];
   tide_stream streams[STREAMS];
@@ -84,7 +154,16 @@ typedef struct world {
     uint8_t seed;
     size_t mark; /* a byte written with seed + 1 (SIZE_MAX: none) */
     bool first;  /* byte 0 holds seed */
+    tide_stream stream;
   } bufs[BUFS];
+  bool detection;          /* capture_detection is on */
+  uint64_t group[STREAMS]; /* the emulated capture each stream is in (0: none) */
+  uint64_t next_group;
+  pool_slot pools[POOLS];
+  begin_rec begins[BEGINS];
+  ckpt_rec ckpts[CKPTS];
+  deferred_rec deferred[DEFERRED];
+  bool deferred_lost;               /* a deferred free the model could not keep */
   uint64_t fault_at[TIDE_OP_COUNT]; /* the call of each op armed to fail; 0: none */
   uint64_t calls_before[TIDE_OP_COUNT];
   uint64_t next_seq;
@@ -118,7 +197,7 @@ __attribute__((noreturn, format(printf, 1, 2))) static void fail(const char *fmt
 /* Data patterns                                                             */
 /* ------------------------------------------------------------------------ */
 
-static uint8_t pattern_byte(uintptr_t base, uint64_t seq, size_t off) {
+FZ_CHECK_ONLY static uint8_t pattern_byte(uintptr_t base, uint64_t seq, size_t off) {
   uint64_t x = (uint64_t)base ^ (seq * UINT64_C(0xD1B54A32D192ED03)) ^ ((uint64_t)(off / 8) << 17);
   x += UINT64_C(0x9E3779B97F4A7C15);
   x = (x ^ (x >> 30)) * UINT64_C(0xBF58476D1CE4E5B9);
@@ -130,7 +209,7 @@ static uint8_t pattern_byte(uintptr_t base, uint64_t seq, size_t off) {
 /* The bytes a pattern covers: all of a small block; of a larger one its
  * first and last 64 bytes and a few in between. Returns false at a byte that
  * lost its value (with `write`, writes them). */
-static bool pattern(const slot *s, bool write, bool edges_only, size_t *bad) {
+FZ_CHECK_ONLY static bool pattern(const slot *s, bool write, bool edges_only, size_t *bad) {
   uint8_t *p = s->ptr;
   size_t n = s->requested, edge = n < 64 ? n : 64;
   size_t offsets[4] = {n / 3, n / 2, (2 * n) / 3, n - n / 7 - 1};
@@ -155,12 +234,12 @@ static bool pattern(const slot *s, bool write, bool edges_only, size_t *bad) {
   return true;
 }
 
-static void fill(slot *s) {
+FZ_CHECK_ONLY static void fill(slot *s) {
   size_t bad;
   pattern(s, true, false, &bad);
 }
 
-static void expect_intact(const slot *s, bool edges_only) {
+FZ_CHECK_ONLY static void expect_intact(const slot *s, bool edges_only) {
   size_t bad = 0;
   CHECK(pattern(s, false, edges_only, &bad),
         "%s block %p (%zu bytes, seq %llu) lost its data at "
@@ -172,15 +251,15 @@ static void expect_intact(const slot *s, bool edges_only) {
 /* Steps and their outcomes                                                  */
 /* ------------------------------------------------------------------------ */
 
-static void begin(world *w, const char *what) {
+FZ_CHECK_ONLY static void begin(world *w, const char *what) {
   snprintf(w->what, sizeof w->what, "%s", what);
-  for (int op = 0; op < TIDE_OP_COUNT; op++)
-    w->calls_before[op] = tide_host_call_count(w->a, (tide_backend_op)op);
+  for (int op = 0; op < TIDE_OP_COUNT; op++) /* fault_fired looks at armed ones only */
+    if (w->fault_at[op]) w->calls_before[op] = tide_host_call_count(w->a, (tide_backend_op)op);
   tide_clear_error();
 }
 
 /* Whether an armed fault fired during the current call. */
-static bool fault_fired(const world *w) {
+FZ_CHECK_ONLY static bool fault_fired(const world *w) {
   for (int op = 0; op < TIDE_OP_COUNT; op++) {
     uint64_t at = w->fault_at[op];
     if (at && w->calls_before[op] < at && tide_host_call_count(w->a, (tide_backend_op)op) >= at)
@@ -194,7 +273,7 @@ static bool fault_fired(const world *w) {
 /* A call failed with `st`: it must be one of `allowed` (a mask of ST()),
  * or a backend failure, a wait on a held stream or a lack of memory caused
  * by an injected fault that fired in this call; and it has a message. */
-static void expect_failure(world *w, tide_status st, unsigned allowed) {
+FZ_CHECK_ONLY static void expect_failure(world *w, tide_status st, unsigned allowed) {
   const char *msg = tide_last_error();
   CHECK(st != TIDE_OK, "%s succeeded, expected a failure", w->what);
   CHECK(msg && *msg, "%s failed with %s and no message", w->what, tide_status_name(st));
@@ -209,7 +288,7 @@ static void expect_failure(world *w, tide_status st, unsigned allowed) {
           w->what, msg);
 }
 
-static void expect_ok(world *w, tide_status st, unsigned allowed) {
+FZ_CHECK_ONLY static void expect_ok(world *w, tide_status st, unsigned allowed) {
   if (st != TIDE_OK) expect_failure(w, st, allowed);
 }
 
@@ -254,6 +333,132 @@ static bool is_held(const world *w, tide_stream s) {
   for (size_t i = 0; i < w->nheld; i++)
     if (w->held[i] == s) return true;
   return false;
+}
+
+/* Captures, as the model sees them (the emulated ones of the host backend,
+ * and the begins of the allocator). */
+
+static int stream_index(const world *w, tide_stream s) {
+  for (int i = 0; i < STREAMS; i++)
+    if (w->exists[i] && w->streams[i] == s) return i;
+  return -1;
+}
+
+/* The capture a stream is in; 0: none (also for destroyed or made-up ones). */
+static uint64_t group_of(const world *w, tide_stream s) {
+  int i = stream_index(w, s);
+  return i > 0 ? w->group[i] : 0;
+}
+
+static bool captured(const world *w, tide_stream s) { return group_of(w, s) != 0; }
+
+static bool any_captured(const world *w) {
+  for (int i = 1; i < STREAMS; i++)
+    if (w->exists[i] && w->group[i]) return true;
+  return false;
+}
+
+/* Whether the capture a detected pool was made for still allocates to it:
+ * the allocator follows it through the stream that made the pool, until
+ * that stream leaves the capture (the capture ends) or is destroyed. */
+static bool detected_live(const world *w, int i) {
+  return w->pools[i].p && w->pools[i].group && group_of(w, w->pools[i].origin) == w->pools[i].group;
+}
+
+/* The captures that allocate to pool i: its begins in progress, and the
+ * capture a detected pool was made for while it lasts. */
+static int pool_captures(const world *w, int i) {
+  int n = detected_live(w, i);
+  for (int b = 0; b < BEGINS; b++) n += w->begins[b].used && w->begins[b].pool == i;
+  return n;
+}
+
+static int free_pool(const world *w) {
+  for (int i = 0; i < POOLS; i++)
+    if (!w->pools[i].p) return i;
+  return -1;
+}
+
+static int pick_pool(world *w) {
+  unsigned k = fz_pick(&w->in, POOLS);
+  for (unsigned j = 0; j < POOLS; j++)
+    if (w->pools[(k + j) % POOLS].p) return (int)((k + j) % POOLS);
+  return -1;
+}
+
+/* Where an allocation on live stream s goes (pool.c documents it): the
+ * pool of a begin on s made outside a capture; else, when captures are
+ * routed, the pool of s's capture, or a new one made by capture_detection
+ * (NEW_POOL); else the usual memory (-1). */
+static int route(const world *w, tide_stream s) {
+  bool routes = w->detection;
+  for (int b = 0; b < BEGINS; b++) {
+    const begin_rec *r = &w->begins[b];
+    if (r->used && r->stream == s && !r->group) return r->pool;
+    routes |= r->used && r->group;
+  }
+  uint64_t g = group_of(w, s);
+  if (!routes || !g) return -1;
+  for (int b = 0; b < BEGINS; b++)
+    if (w->begins[b].used && w->begins[b].group == g) return w->begins[b].pool;
+  for (int i = 0; i < POOLS; i++)
+    if (detected_live(w, i) && w->pools[i].group == g) return i;
+  return w->detection ? NEW_POOL : -1;
+}
+
+/* Whether freeing s on `stream` is deferred by a capture: a stream it
+ * involves is captured (the freeing one, for the usual memory or when it
+ * is not the pool block's own stream; every recorded one). */
+static bool defers(const world *w, const slot *s, tide_stream stream) {
+  if ((!s->pool || stream != s->stream) && captured(w, stream)) return true;
+  for (unsigned i = 0; i < s->nrec; i++)
+    if (captured(w, s->rec[i])) return true;
+  return false;
+}
+
+/* Whether the allocator looks at captures in frees: only while a begin is
+ * in progress, capture_detection is on, or a free is deferred (the fast
+ * paths test one flag). A capture nobody declared is not seen otherwise:
+ * a free would record an event into its graph, which is the caller's
+ * mistake, so the fuzzer makes no such free. */
+static bool watched(const world *w) {
+  if (w->detection || w->deferred_lost) return true;
+  for (int i = 0; i < BEGINS; i++)
+    if (w->begins[i].used) return true;
+  for (int i = 0; i < DEFERRED; i++)
+    if (w->deferred[i].used) return true;
+  return false;
+}
+
+static void remember_deferred(world *w, const slot *s, tide_stream stream) {
+  deferred_rec *d = NULL;
+  for (int i = 0; i < DEFERRED && !d; i++)
+    if (!w->deferred[i].used) d = &w->deferred[i];
+  if (!d) {
+    w->deferred_lost = true;
+    return;
+  }
+  *d = (deferred_rec){.used = true, .addr = (uintptr_t)s->ptr, .size = s->size, .pool = s->pool};
+  d->on[d->n++] = stream;
+  for (unsigned i = 0; i < s->nrec; i++) d->on[d->n++] = s->rec[i];
+}
+
+/* Deferred frees whose streams are all out of captures are no longer
+ * deferred (they may still wait on events). */
+FZ_CHECK_ONLY static void settle_deferred(world *w) {
+  for (int i = 0; i < DEFERRED; i++) {
+    deferred_rec *d = &w->deferred[i];
+    bool still = false;
+    for (unsigned j = 0; d->used && j < d->n; j++) still |= captured(w, d->on[j]);
+    if (d->used && !still) d->used = false;
+  }
+  if (w->deferred_lost && !any_captured(w)) w->deferred_lost = false;
+}
+
+FZ_CHECK_ONLY static bool pool_deferred(const world *w, uint64_t pool) {
+  for (int i = 0; i < DEFERRED; i++)
+    if (w->deferred[i].used && w->deferred[i].pool == pool) return true;
+  return w->deferred_lost;
 }
 
 /* A stream to use: mostly a live one, sometimes a destroyed or made-up one. */
@@ -307,7 +512,29 @@ static void remember_freed(world *w, void *p) { w->freed[w->nfreed++ % RING] = (
 /* Device memory                                                             */
 /* ------------------------------------------------------------------------ */
 
-static void take_block(world *w, slot *s, void *p, size_t size, tide_stream stream) {
+/* A block handed out overlaps no live block and no block whose free a
+ * capture defers. */
+FZ_CHECK_ONLY static void expect_apart(const world *w, void *p, size_t bsize) {
+  for (int i = 0; i < SLOTS; i++) {
+    const slot *o = &w->slots[i];
+    if (o->used && !o->pinned)
+      CHECK(
+          (uintptr_t)p + bsize <= (uintptr_t)o->ptr || (uintptr_t)o->ptr + o->size <= (uintptr_t)p,
+          "%s: block %p (+%zu) overlaps live block %p (+%zu)", w->what, p, bsize, o->ptr, o->size);
+  }
+  for (int i = 0; i < DEFERRED; i++) {
+    const deferred_rec *d = &w->deferred[i];
+    if (d->used)
+      CHECK((uintptr_t)p + bsize <= d->addr || d->addr + d->size <= (uintptr_t)p,
+            "%s: block %p (+%zu) overlaps block %p (+%zu), whose free waits for a capture to end",
+            w->what, p, bsize, (void *)d->addr, d->size);
+  }
+}
+
+/* A block handed out (by tide_malloc, or again by a restore): where it is,
+ * that it overlaps no live block and no block whose free a capture defers,
+ * and its pattern. */
+static void take_block(world *w, slot *s, void *p, size_t size, tide_stream stream, uint64_t pool) {
   CHECK((uintptr_t)p % 512 == 0, "%s returned %p, not 512-byte aligned", w->what, p);
   void *base = NULL;
   size_t bsize = 0;
@@ -316,21 +543,18 @@ static void take_block(world *w, slot *s, void *p, size_t size, tide_stream stre
   CHECK(rc == TIDE_OK && base == p && bsize >= size && bsize % 512 == 0 && bstream == stream,
         "%s: block %p: tide_block_info says %s, base %p, size %zu, stream %p: %s", w->what, p,
         tide_status_name(rc), base, bsize, (void *)bstream, tide_last_error());
-  for (int i = 0; i < SLOTS; i++) {
-    const slot *o = &w->slots[i];
-    if (o->used && !o->pinned)
-      CHECK(
-          (uintptr_t)p + bsize <= (uintptr_t)o->ptr || (uintptr_t)o->ptr + o->size <= (uintptr_t)p,
-          "%s: block %p (+%zu) overlaps live block %p (+%zu)", w->what, p, bsize, o->ptr, o->size);
-  }
+  expect_apart(w, p, bsize);
   *s = (slot){.used = true,
               .ptr = p,
               .requested = size,
               .size = bsize,
               .seq = ++w->next_seq,
-              .stream = stream};
+              .stream = stream,
+              .pool = pool};
   fill(s);
 }
+
+static void learn_detected(world *w, tide_stream stream);
 
 static void op_malloc(world *w) {
   stream_kind kind;
@@ -338,6 +562,8 @@ static void op_malloc(world *w) {
   size_t size = pick_size(w);
   slot *s = free_slot(w);
   if (!s) return;
+  int to = kind == LIVE ? route(w, stream) : -1;
+  if (to == NEW_POOL && free_pool(w) < 0) return; /* no room for the pool it would make */
   char what[96];
   snprintf(what, sizeof what, "tide_malloc(%zu) on %s stream %p", size,
            kind == LIVE   ? "live"
@@ -357,15 +583,21 @@ static void op_malloc(world *w) {
                   strstr(tide_last_error(), "injected failure"),
               "%s: TIDE_ERR_OOM without \"out of memory\": %s", w->what, tide_last_error());
     }
-    return;
+  } else {
+    CHECK(size > 0 && size <= MAX_ALLOC && kind == LIVE, "%s returned %p", w->what, p);
   }
-  CHECK(size > 0 && size <= MAX_ALLOC && kind == LIVE, "%s returned %p", w->what, p);
-  take_block(w, s, p, size, stream);
+  if (to == NEW_POOL) { /* the capture's new pool, made by this call or made now */
+    learn_detected(w, stream);
+    to = route(w, stream);
+    CHECK(to >= 0, "%s: capture_detection made no pool", w->what);
+  }
+  if (p) take_block(w, s, p, size, stream, to >= 0 ? w->pools[to].id : 0);
 }
 
 /* Free the block of slot s on `stream`, checking its data first. */
 static void free_block(world *w, slot *s, tide_stream stream, stream_kind kind, bool sized,
                        size_t size) {
+  if (defers(w, s, stream) && !watched(w)) return; /* in a capture the allocator does not see */
   expect_intact(s, false);
   char what[128];
   snprintf(what, sizeof what, "tide_free%s(%p, %zu of %zu bytes) on %s stream %p (allocated on %p)",
@@ -381,6 +613,7 @@ static void free_block(world *w, slot *s, tide_stream stream, stream_kind kind, 
   bool bad_stream = kind != LIVE && stream != s->stream;
   if (rc == TIDE_OK) {
     CHECK(!wrong_size && !bad_stream, "%s succeeded", w->what);
+    if (defers(w, s, stream)) remember_deferred(w, s, stream);
     remember_freed(w, s->ptr);
     s->used = false;
     return;
@@ -533,9 +766,14 @@ static void op_record(world *w) {
   if (!s) return;
   stream_kind kind;
   tide_stream stream = pick_stream(w, &kind);
+  bool known = stream == s->stream;
+  for (unsigned i = 0; i < s->nrec; i++) known |= s->rec[i] == stream;
+  if (!known && s->nrec == RECORDED) return; /* more than the model follows */
   begin(w, "tide_record_stream");
   /* Any stream may be recorded: one gone by the free is waited for instead. */
-  expect_ok(w, tide_record_stream(w->a, s->ptr, stream), 0);
+  tide_status rc = tide_record_stream(w->a, s->ptr, stream);
+  expect_ok(w, rc, 0);
+  if (rc == TIDE_OK && !known) s->rec[s->nrec++] = stream;
 }
 
 static void op_block_info(world *w) {
@@ -589,6 +827,7 @@ static void op_stream_destroy(world *w) {
   expect_ok(w, rc, 0);
   if (rc == TIDE_OK) {
     w->exists[i] = false;
+    w->group[i] = 0;
     w->dead[w->ndead++ % RING] = w->streams[i];
   }
 }
@@ -617,6 +856,8 @@ static void op_synchronize(world *w) {
   tide_status rc = tide_stream_synchronize(w->a, s);
   if (kind != LIVE)
     expect_failure(w, rc, ST(TIDE_ERR_INVALID) | (is_held(w, s) ? ST(TIDE_ERR_NOT_READY) : 0));
+  else if (captured(w, s))
+    expect_failure(w, rc, ST(TIDE_ERR_NOT_READY));
   else
     expect_ok(w, rc, is_held(w, s) ? ST(TIDE_ERR_NOT_READY) : 0);
 }
@@ -628,9 +869,12 @@ static void op_synchronize(world *w) {
 static void op_empty_cache(world *w) {
   begin(w, "tide_empty_cache");
   tide_status rc = tide_empty_cache(w->a);
-  expect_ok(w, rc, w->nheld ? ST(TIDE_ERR_NOT_READY) : 0);
+  /* Returning a stream's cached pages waits for it: not while it is held or
+   * captured. */
+  expect_ok(w, rc, w->nheld || any_captured(w) ? ST(TIDE_ERR_NOT_READY) : 0);
   if (rc == TIDE_ERR_NOT_READY && !fault_fired(w))
-    CHECK(strstr(tide_last_error(), "held"), "%s: %s", w->what, tide_last_error());
+    CHECK(strstr(tide_last_error(), "held") || strstr(tide_last_error(), "captured"), "%s: %s",
+          w->what, tide_last_error());
 }
 
 static void op_limit(world *w) {
@@ -682,6 +926,8 @@ static void op_fault(world *w) {
       TIDE_OP_HOST_ALLOC,
       TIDE_OP_HOST_FREE,
       TIDE_OP_COPY,
+      TIDE_OP_CAPTURE_STATUS,
+      TIDE_OP_EVENT_DESTROY,
   };
   tide_backend_op op = faultable[fz_pick(&w->in, sizeof faultable / sizeof faultable[0])];
   uint64_t n = fz_pick(&w->in, 17); /* 0 disarms */
@@ -727,6 +973,11 @@ static void op_pinned_free(world *w) {
   stream_kind kind = LIVE;
   tide_stream stream = fz_pick(&w->in, 4) ? s->stream : pick_stream(w, &kind);
   if (stream == s->stream) kind = LIVE;
+  /* The pinned pool orders frees with events, which a capture would take
+   * into its graph: its calls stay off captured streams. */
+  bool in_capture = captured(w, stream) || captured(w, s->stream);
+  for (unsigned i = 0; i < s->nrec; i++) in_capture |= captured(w, s->rec[i]);
+  if (in_capture) return;
   expect_intact(s, false);
   begin(w, "tide_pinned_free");
   tide_status rc = tide_pinned_free(w->a, s->ptr, stream);
@@ -752,9 +1003,13 @@ static void op_pinned_record(world *w) {
   if (!s) return;
   stream_kind kind;
   tide_stream stream = pick_stream(w, &kind);
+  bool known = stream == s->stream;
+  for (unsigned i = 0; i < s->nrec; i++) known |= s->rec[i] == stream;
+  if (!known && s->nrec == RECORDED) return; /* more than the model follows */
   begin(w, "tide_pinned_record_stream");
-  expect_ok(w, tide_pinned_record_stream(w->a, s->ptr, stream),
-            kind != LIVE ? ST(TIDE_ERR_INVALID) : 0);
+  tide_status rc = tide_pinned_record_stream(w->a, s->ptr, stream);
+  expect_ok(w, rc, kind != LIVE ? ST(TIDE_ERR_INVALID) : 0);
+  if (rc == TIDE_OK && !known) s->rec[s->nrec++] = stream;
 }
 
 static void op_pinned_empty(world *w) {
@@ -829,7 +1084,7 @@ static void buf_mark(buf_slot *s) {
   if (s->mark) p[s->mark] = (unsigned char)(s->seed + 1);
 }
 
-static void buf_expect(const world *w, const buf_slot *s) {
+FZ_CHECK_ONLY static void buf_expect(const world *w, const buf_slot *s) {
   const unsigned char *p = tide_buf_data(s->b);
   CHECK(tide_buf_length(s->b) == s->length && tide_buf_capacity(s->b) == s->capacity,
         "buffer %p: length %zu capacity %zu, the model says %zu and %zu", (void *)s->b,
@@ -859,6 +1114,7 @@ static void op_buf_create(world *w) {
   o.map_ahead = fz_pick(&w->in, 3) * 2 * MiB;
   stream_kind kind;
   o.stream = pick_stream(w, &kind);
+  if (captured(w, o.stream)) return; /* buffers are grown and shrunk outside captures */
   char what[96];
   snprintf(what, sizeof what, "tide_buf_create(%zu%s) on a %s stream", o.capacity,
            o.ring ? ", ring" : "", kind == LIVE ? "live" : "bad");
@@ -878,7 +1134,8 @@ static void op_buf_create(world *w) {
                          .capacity = tide_buf_capacity(b),
                          .length = o.ring ? tide_buf_capacity(b) : 0,
                          .ring = o.ring,
-                         .seed = (uint8_t)(w->next_seq++ * 37 + 1)};
+                         .seed = (uint8_t)(w->next_seq++ * 37 + 1),
+                         .stream = o.stream};
   CHECK(s->capacity >= o.capacity, "capacity %zu below the %zu asked", s->capacity, o.capacity);
   buf_mark(s);
 }
@@ -905,6 +1162,7 @@ static void op_buf_resize(world *w) {
   stream_kind kind;
   tide_stream stream = pick_stream(w, &kind);
   if (kind != LIVE) stream = NULL;
+  if (captured(w, stream) || captured(w, s->stream)) return; /* outside captures */
   char what[96];
   snprintf(what, sizeof what, "tide_buf_resize(%zu -> %zu of %zu%s)", s->length, length,
            s->capacity, s->ring ? ", ring" : "");
@@ -926,12 +1184,346 @@ static void buf_gone(buf_slot *s) { *s = (struct buf_slot){0}; }
 
 static void op_buf_destroy(world *w) {
   buf_slot *s = pick_buf(w);
-  if (!s) return;
+  if (!s || captured(w, s->stream)) return;
   begin(w, "tide_buf_destroy");
   tide_status rc = tide_buf_destroy(s->b);
   /* Refused while a shrink waits on a held stream: the buffer stays. */
   expect_ok(w, rc, ST(TIDE_ERR_NOT_READY));
   if (rc == TIDE_OK) buf_gone(s);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Capture pools, captures, checkpoints                                     */
+/* ------------------------------------------------------------------------ */
+
+/* The pool capture_detection made (or makes now) for the capture `stream`
+ * is in: tide_capture_pool gives it, with its one user, the graph. */
+static void learn_detected(world *w, tide_stream stream) {
+  char what[sizeof w->what];
+  memcpy(what, w->what, sizeof what);
+  int i = free_pool(w);
+  CHECK(i >= 0, "%s: no room for the capture's pool", w->what);
+  tide_pool *p = NULL;
+  tide_status rc = TIDE_ERR_STATE;
+  for (int tries = 0; tries < 3 && rc != TIDE_OK; tries++) { /* an armed fault fires once */
+    begin(w, "tide_capture_pool(a capture without a begin)");
+    rc = tide_capture_pool(w->a, stream, &p);
+    expect_ok(w, rc, 0);
+  }
+  CHECK(rc == TIDE_OK && p, "%s: %s", w->what, tide_last_error());
+  for (int j = 0; j < POOLS; j++)
+    CHECK(w->pools[j].p != p, "%s: gave pool %d's handle for a capture without a pool", w->what, j);
+  w->pools[i] = (pool_slot){
+      .p = p, .id = tide_pool_id(p), .uses = 1, .group = group_of(w, stream), .origin = stream};
+  CHECK(w->pools[i].id != 0, "%s: pool id 0", w->what);
+  memcpy(w->what, what, sizeof what);
+}
+
+/* The model's user count reached 0: the handle is no longer the fuzzer's. */
+static void pool_gone(world *w, int i) { w->pools[i] = (pool_slot){0}; }
+
+static void op_pool(world *w) {
+  unsigned what = fz_pick(&w->in, 4);
+  if (what == 0) {
+    int i = free_pool(w);
+    if (i < 0) return;
+    begin(w, "tide_pool_create");
+    tide_pool *p = NULL;
+    tide_status rc = tide_pool_create(w->a, &p);
+    expect_ok(w, rc, 0);
+    if (rc != TIDE_OK) return;
+    CHECK(p && tide_pool_id(p), "%s gave pool %p, id %llu", w->what, (void *)p,
+          (unsigned long long)tide_pool_id(p));
+    w->pools[i] = (pool_slot){.p = p, .id = tide_pool_id(p), .uses = 1};
+    return;
+  }
+  int i = pick_pool(w);
+  if (i < 0) return;
+  pool_slot *ps = &w->pools[i];
+  if (what == 1) {
+    begin(w, "tide_pool_retain");
+    tide_status rc = tide_pool_retain(ps->p);
+    expect_ok(w, rc, 0);
+    if (rc == TIDE_OK) ps->uses++;
+    return;
+  }
+  int captures = pool_captures(w, i);
+  bool last = ps->uses == 1 && captures == 0;
+  char text[96];
+  snprintf(text, sizeof text, "tide_pool_release(%d users, %d captures)", ps->uses, captures);
+  begin(w, text);
+  tide_status rc = tide_pool_release(ps->p);
+  if (ps->uses <= captures) { /* only the captures' users are left: not the caller's */
+    expect_failure(w, rc, ST(TIDE_ERR_STATE));
+    return;
+  }
+  /* A detected capture that ended is forgotten by asking the backend; a
+   * fault in that question keeps it. */
+  unsigned allowed = ps->group && fault_fired(w) ? ST(TIDE_ERR_STATE) : 0;
+  /* The last user returns the pool's free memory: that waits for its
+   * streams, which a hold or a capture keeps busy (then the rest goes back
+   * at a later tide_empty_cache). */
+  if (last && (w->nheld || any_captured(w))) allowed |= ST(TIDE_ERR_NOT_READY);
+  expect_ok(w, rc, allowed);
+  if (rc == TIDE_ERR_STATE) return;
+  if (--ps->uses == 0) pool_gone(w, i);
+}
+
+/* The emulated capture of the host backend: begin, join (a fork into
+ * another stream), end (of every stream in the capture). */
+static void op_host_capture(world *w) {
+  unsigned what = fz_pick(&w->in, 4);
+  unsigned i = fz_pick(&w->in, STREAMS);
+  tide_stream s = w->exists[i] ? w->streams[i] : NULL;
+  if (i && !w->exists[i]) return;
+  if (what <= 1) {
+    begin(w, "tide_host_capture_begin");
+    tide_status rc = tide_host_capture_begin(w->a, s);
+    if (i == 0 || w->group[i]) { /* the default stream; one already captured */
+      expect_failure(w, rc, ST(TIDE_ERR_INVALID));
+      return;
+    }
+    CHECK(rc == TIDE_OK, "%s: %s", w->what, tide_last_error());
+    w->group[i] = ++w->next_group;
+  } else if (what == 2) {
+    unsigned j = fz_pick(&w->in, STREAMS);
+    tide_stream from = w->exists[j] ? w->streams[j] : NULL;
+    if (j && !w->exists[j]) return;
+    begin(w, "tide_host_capture_join");
+    tide_status rc = tide_host_capture_join(w->a, s, from);
+    if (i == 0 || j == 0 || w->group[i] || !w->group[j]) {
+      expect_failure(w, rc, ST(TIDE_ERR_INVALID));
+      return;
+    }
+    CHECK(rc == TIDE_OK, "%s: %s", w->what, tide_last_error());
+    w->group[i] = w->group[j];
+  } else {
+    begin(w, "tide_host_capture_end");
+    tide_status rc = tide_host_capture_end(w->a, s);
+    if (i == 0 || !w->group[i]) {
+      expect_failure(w, rc, ST(TIDE_ERR_INVALID));
+      return;
+    }
+    CHECK(rc == TIDE_OK, "%s: %s", w->what, tide_last_error());
+    uint64_t g = w->group[i];
+    for (int k = 1; k < STREAMS; k++)
+      if (w->group[k] == g) w->group[k] = 0;
+  }
+}
+
+static void op_capture_begin(world *w) {
+  int pi = pick_pool(w);
+  begin_rec *b = NULL;
+  for (int k = 0; k < BEGINS && !b; k++)
+    if (!w->begins[k].used) b = &w->begins[k];
+  if (pi < 0 || !b) return;
+  stream_kind kind;
+  tide_stream s = pick_stream(w, &kind);
+  uint64_t g = kind == LIVE ? group_of(w, s) : 0;
+  bool begun = false, taken = false; /* a begin on s; one for its capture */
+  for (int k = 0; k < BEGINS; k++) {
+    begun |= w->begins[k].used && w->begins[k].stream == s;
+    taken |= g && w->begins[k].used && w->begins[k].group == g;
+  }
+  for (int k = 0; k < POOLS; k++) taken |= g && detected_live(w, k) && w->pools[k].group == g;
+  char text[96];
+  snprintf(text, sizeof text, "tide_capture_begin(%s stream %p%s)", kind == LIVE ? "live" : "bad",
+           (void *)s, g ? ", captured" : "");
+  begin(w, text);
+  tide_status rc = tide_capture_begin(w->a, s, w->pools[pi].p);
+  if (kind != LIVE) {
+    expect_failure(w, rc, ST(TIDE_ERR_INVALID));
+  } else if (begun || taken) {
+    expect_failure(w, rc, ST(TIDE_ERR_STATE));
+  } else {
+    expect_ok(w, rc, fault_fired(w) ? ST(TIDE_ERR_STATE) : 0); /* an ended capture kept */
+    if (rc == TIDE_OK) {
+      *b = (begin_rec){.used = true, .stream = s, .group = g, .pool = pi};
+      w->pools[pi].uses++; /* the graph's */
+    }
+  }
+}
+
+static void op_capture_end(world *w) {
+  unsigned k = fz_pick(&w->in, BEGINS + 1);
+  tide_stream s;
+  if (k < BEGINS && w->begins[k].used) {
+    s = w->begins[k].stream;
+  } else { /* a stream with no begin */
+    stream_kind kind;
+    s = pick_stream(w, &kind);
+    for (int j = 0; j < BEGINS; j++)
+      if (w->begins[j].used && w->begins[j].stream == s) return;
+    begin(w, "tide_capture_end(no begin)");
+    expect_failure(w, tide_capture_end(w->a, s), ST(TIDE_ERR_STATE));
+    return;
+  }
+  begin(w, "tide_capture_end");
+  tide_status rc = tide_capture_end(w->a, s);
+  CHECK(rc == TIDE_OK, "%s: %s", w->what, tide_last_error());
+  w->begins[k].used = false; /* the graph keeps its user of the pool */
+}
+
+static void op_capture_pool(world *w) {
+  stream_kind kind;
+  tide_stream s = pick_stream(w, &kind);
+  if (kind != LIVE) return; /* a begin outlives its stream; the answer then is no matter */
+  int to = route(w, s);
+  if (to == NEW_POOL) {
+    if (free_pool(w) >= 0) learn_detected(w, s);
+    return;
+  }
+  begin(w, "tide_capture_pool");
+  tide_pool *p = (tide_pool *)(uintptr_t)1;
+  tide_status rc = tide_capture_pool(w->a, s, &p);
+  if (to < 0) {
+    expect_failure(w, rc, ST(TIDE_ERR_INVALID));
+    CHECK(p == NULL, "%s failed and gave %p", w->what, (void *)p);
+    return;
+  }
+  expect_ok(w, rc, 0);
+  if (rc == TIDE_OK)
+    CHECK(p == w->pools[to].p, "%s gave %p, allocations go to pool %d (%p)", w->what, (void *)p, to,
+          (void *)w->pools[to].p);
+}
+
+static void ckpt_drop(ckpt_rec *c) {
+  tide_checkpoint_free(c->k);
+  c->k = NULL;
+  c->n = 0;
+}
+
+static void op_checkpoint(world *w) {
+  int pi = pick_pool(w);
+  if (pi < 0) return;
+  ckpt_rec *c = &w->ckpts[fz_pick(&w->in, CKPTS)];
+  ckpt_drop(c);
+  begin(w, "tide_pool_checkpoint");
+  tide_status rc = tide_pool_checkpoint(w->pools[pi].p, &c->k);
+  expect_ok(w, rc, 0);
+  if (rc != TIDE_OK) {
+    CHECK(c->k == NULL, "%s failed and gave a checkpoint", w->what);
+    return;
+  }
+  c->pool = w->pools[pi].id;
+  for (int i = 0; i < SLOTS; i++) {
+    const slot *s = &w->slots[i];
+    if (s->used && !s->pinned && s->pool == c->pool)
+      c->blocks[c->n++] = (struct ck_block){(uintptr_t)s->ptr, s->size, s->requested, s->stream};
+  }
+}
+
+static void op_checkpoint_free(world *w) {
+  ckpt_rec *c = &w->ckpts[fz_pick(&w->in, CKPTS)];
+  begin(w, "tide_checkpoint_free");
+  ckpt_drop(c);
+}
+
+FZ_CHECK_ONLY static bool in_list(void *const *list, size_t n, uintptr_t addr) {
+  for (size_t i = 0; i < n; i++)
+    if ((uintptr_t)list[i] == addr) return true;
+  return false;
+}
+
+FZ_CHECK_ONLY static bool ck_has(const ckpt_rec *c, const slot *s) {
+  for (unsigned i = 0; i < c->n; i++)
+    if (c->blocks[i].addr == (uintptr_t)s->ptr && c->blocks[i].size == s->size) return true;
+  return false;
+}
+
+/* Restore a checkpoint: the pool's blocks that are not the checkpoint's go
+ * (released, no longer the fuzzer's), the checkpoint's that were freed come
+ * back (restored, the fuzzer's to free), those of both stay as they are,
+ * data included. The delta must say exactly that. */
+static void op_restore(world *w) {
+  ckpt_rec *c = &w->ckpts[fz_pick(&w->in, CKPTS)];
+  if (!c->k) return;
+  int pi = -1;
+  if (fz_pick(&w->in, 4) == 0) {
+    pi = pick_pool(w); /* perhaps another pool's */
+  } else {
+    for (int i = 0; i < POOLS; i++)
+      if (w->pools[i].p && w->pools[i].id == c->pool) pi = i;
+  }
+  if (pi < 0) return; /* its pool is gone */
+  bool with_delta = fz_pick(&w->in, 4) != 0;
+  pool_slot *ps = &w->pools[pi];
+  int captures = pool_captures(w, pi);
+  char text[96];
+  snprintf(text, sizeof text, "tide_pool_restore(%u blocks%s)", c->n,
+           ps->id != c->pool ? ", another pool's checkpoint" : "");
+  begin(w, text);
+  tide_restore_delta delta;
+  tide_status rc = tide_pool_restore(ps->p, c->k, with_delta ? &delta : NULL);
+  if (ps->id != c->pool) {
+    expect_failure(w, rc, ST(TIDE_ERR_INVALID));
+    return;
+  }
+  if (captures) {
+    expect_failure(w, rc, ST(TIDE_ERR_STATE));
+    return;
+  }
+  /* Refused while a free of its blocks waits for a capture; waiting for
+   * frees on held streams cannot end. */
+  unsigned allowed = pool_deferred(w, ps->id) ? ST(TIDE_ERR_STATE) : 0;
+  if (w->nheld) allowed |= ST(TIDE_ERR_NOT_READY);
+  /* A fault in asking about captures keeps an ended capture, or a free it
+   * deferred, for now. */
+  if (fault_fired(w)) allowed |= ST(TIDE_ERR_STATE);
+  expect_ok(w, rc, allowed);
+  if (rc != TIDE_OK) return;
+  /* What the model expects to change hands. */
+  size_t nreleased = 0, nrestored = 0;
+  for (int i = 0; i < SLOTS; i++) {
+    slot *s = &w->slots[i];
+    if (!s->used || s->pinned || s->pool != ps->id || ck_has(c, s)) continue;
+    nreleased++;
+    if (with_delta)
+      CHECK(in_list(delta.released, delta.nreleased, (uintptr_t)s->ptr),
+            "%s: block %p, allocated and not in the checkpoint, is not in the delta's released",
+            w->what, s->ptr);
+    remember_freed(w, s->ptr);
+    s->used = false;
+  }
+  for (unsigned k = 0; k < c->n; k++) {
+    const struct ck_block *b = &c->blocks[k];
+    bool live = false;
+    for (int i = 0; i < SLOTS; i++) {
+      const slot *s = &w->slots[i];
+      live |= s->used && !s->pinned && (uintptr_t)s->ptr == b->addr && s->size == b->size;
+    }
+    if (live) continue;
+    nrestored++;
+    if (with_delta)
+      CHECK(in_list(delta.restored, delta.nrestored, b->addr),
+            "%s: block %p of the checkpoint, freed since, is not in the delta's restored", w->what,
+            (void *)b->addr);
+    slot *s = free_slot(w);
+    if (s) {
+      take_block(w, s, (void *)b->addr, b->requested, b->stream, ps->id);
+      CHECK(s->size == b->size, "%s: block %p restored with %zu bytes, the checkpoint had %zu",
+            w->what, s->ptr, s->size, b->size);
+      continue;
+    }
+    /* No room in the model: the block is freed at once, as a caller may. */
+    slot tmp = {.used = true,
+                .ptr = (void *)b->addr,
+                .requested = b->requested,
+                .size = b->size,
+                .stream = b->stream,
+                .pool = ps->id};
+    begin(w, "tide_free(a restored block)");
+    CHECK(tide_free(w->a, tmp.ptr, tmp.stream) == TIDE_OK, "%s: %s", w->what, tide_last_error());
+    if (defers(w, &tmp, tmp.stream)) remember_deferred(w, &tmp, tmp.stream);
+  }
+  if (with_delta) {
+    CHECK(delta.nreleased == nreleased && delta.nrestored == nrestored,
+          "%s: the delta has %zu released and %zu restored blocks, the model %zu and %zu", w->what,
+          delta.nreleased, delta.nrestored, nreleased, nrestored);
+    tide_restore_delta_free(&delta);
+    CHECK(!delta.restored && !delta.released && !delta.nrestored && !delta.nreleased,
+          "tide_restore_delta_free left the delta filled");
+  }
 }
 
 /* The operations, by weight (the total stays below 256). */
@@ -967,6 +1559,14 @@ static const op_row ops[] = {
     {"buf_create", 3, op_buf_create},
     {"buf_resize", 6, op_buf_resize},
     {"buf_destroy", 2, op_buf_destroy},
+    {"pool", 4, op_pool},
+    {"host_capture", 5, op_host_capture},
+    {"capture_begin", 4, op_capture_begin},
+    {"capture_end", 3, op_capture_end},
+    {"capture_pool", 2, op_capture_pool},
+    {"checkpoint", 3, op_checkpoint},
+    {"checkpoint_free", 1, op_checkpoint_free},
+    {"restore", 4, op_restore},
 };
 
 #define NOPS (sizeof ops / sizeof ops[0])
@@ -988,7 +1588,7 @@ static const op_row *pick_op(world *w) {
 
 /* TIDE_FUZZ_TRACE=1 prints each step's call and the outcome (to read what
  * an input does). */
-static void trace_step(const world *w) {
+FZ_CHECK_ONLY static void trace_step(const world *w) {
   static int on = -1;
   if (on < 0) on = getenv("TIDE_FUZZ_TRACE") != NULL;
   if (on)
@@ -996,7 +1596,7 @@ static void trace_step(const world *w) {
             tide_last_status() ? tide_last_error() : "ok");
 }
 
-static void after_step(world *w) {
+FZ_CHECK_ONLY static void after_step(world *w) {
   trace_step(w);
   for (int op = 0; op < TIDE_OP_COUNT; op++) /* a fault fires once */
     if (w->fault_at[op] && tide_host_call_count(w->a, (tide_backend_op)op) >= w->fault_at[op])
@@ -1024,6 +1624,29 @@ static void after_step(world *w) {
     bytes += (int64_t)b->length; /* a buffer's length is allocated and requested */
     requested += (int64_t)b->length;
     count++;
+  }
+  settle_deferred(w);
+  for (int i = 0; i < POOLS; i++) { /* each pool holds the blocks routed to it */
+    const pool_slot *ps = &w->pools[i];
+    if (!ps->p) continue;
+    int64_t pbytes_ = 0, preq = 0, pn = 0;
+    for (int k = 0; k < SLOTS; k++) {
+      const slot *s = &w->slots[k];
+      if (!s->used || s->pinned || s->pool != ps->id) continue;
+      pbytes_ += (int64_t)s->size;
+      preq += (int64_t)s->requested;
+      pn++;
+    }
+    tide_stats ps_st;
+    CHECK(tide_pool_get_stats(ps->p, &ps_st) == TIDE_OK && tide_pool_id(ps->p) == ps->id,
+          "tide_pool_get_stats: %s", tide_last_error());
+    CHECK(ps_st.allocated_bytes[0].current == pbytes_ && ps_st.requested_bytes[0].current == preq &&
+              ps_st.allocations[0].current == pn,
+          "after %s: pool %llu has %lld bytes (%lld asked) in %lld blocks allocated; the live "
+          "blocks routed to it hold %lld (%lld) in %lld",
+          w->what, (unsigned long long)ps->id, (long long)ps_st.allocated_bytes[0].current,
+          (long long)ps_st.requested_bytes[0].current, (long long)ps_st.allocations[0].current,
+          (long long)pbytes_, (long long)preq, (long long)pn);
   }
   tide_stats st, pst;
   CHECK(tide_get_stats(w->a, &st) == TIDE_OK && tide_pinned_get_stats(w->a, &pst) == TIDE_OK,
@@ -1053,6 +1676,39 @@ static void finish(world *w) {
   for (size_t i = 0; i < w->nheld; i++)
     CHECK(tide_host_stream_release(w->a, w->held[i]) == TIDE_OK, "release: %s", tide_last_error());
   w->nheld = 0;
+  /* Captures end (begins first or the emulated ones first, as the input's
+   * last byte says), the graphs' and our users of the pools go, then the
+   * blocks: pool memory comes back once they are freed. */
+  bool host_first = w->in.size && (w->in.data[w->in.size - 1] & 1);
+  for (int pass = 0; pass < 2; pass++) {
+    if ((pass == 0) == host_first) {
+      for (int i = 1; i < STREAMS; i++) {
+        if (!w->exists[i] || !w->group[i]) continue;
+        CHECK(tide_host_capture_end(w->a, w->streams[i]) == TIDE_OK, "tide_host_capture_end: %s",
+              tide_last_error());
+        for (int k = 1; k < STREAMS; k++)
+          if (k != i && w->group[k] == w->group[i]) w->group[k] = 0;
+        w->group[i] = 0;
+      }
+    } else {
+      for (int k = 0; k < BEGINS; k++) {
+        if (!w->begins[k].used) continue;
+        CHECK(tide_capture_end(w->a, w->begins[k].stream) == TIDE_OK, "tide_capture_end: %s",
+              tide_last_error());
+        w->begins[k].used = false;
+      }
+    }
+  }
+  settle_deferred(w);
+  for (int i = 0; i < CKPTS; i++) ckpt_drop(&w->ckpts[i]);
+  for (int i = 0; i < POOLS; i++) {
+    while (w->pools[i].p) {
+      tide_status rc = tide_pool_release(w->pools[i].p);
+      CHECK(rc == TIDE_OK, "tide_pool_release at the end (%d users): %s", w->pools[i].uses,
+            tide_last_error());
+      if (--w->pools[i].uses == 0) pool_gone(w, i);
+    }
+  }
   for (int i = 0; i < BUFS; i++) {
     if (!w->bufs[i].b) continue;
     buf_expect(w, &w->bufs[i]);
@@ -1102,17 +1758,19 @@ static void configure(world *w) {
   static const char *const roundings[] = {"0", "4", "[1:2,4:4,>:8]", "1"};
   unsigned a = fz_byte(&w->in), b = fz_byte(&w->in);
   w->capacity = capacities[(a >> 2) & 3];
+  w->detection = b & 16;
   snprintf(w->conf, sizeof w->conf,
            "backend:host,host_devices:2,expandable_segments:%s,release_holes:%s,"
            "host_capacity:%zuMiB,roundup_power2_divisions:%s,max_split_size_mb:%s,"
-           "garbage_collection_threshold:%s,host_granularity:%s,page_size_mb:%s,trace:%s",
+           "garbage_collection_threshold:%s,host_granularity:%s,page_size_mb:%s,trace:%s,"
+           "capture_detection:%s",
            a & 1 ? "False" : "True", a & 2 ? "False" : "True", w->capacity / MiB,
            roundings[(a >> 4) & 3], a & 64 ? "20" : "unlimited", a & 128 ? "0.6" : "0",
            b & 1 ? "64KiB" : "2MiB",
            b & 2   ? "1"
            : b & 4 ? "4"
                    : "2",
-           b & 8 ? "32" : "0");
+           b & 8 ? "32" : "0", w->detection ? "True" : "False");
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

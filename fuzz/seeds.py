@@ -17,7 +17,10 @@ OPS = [("malloc", 24), ("free", 16), ("free_sized", 4), ("double_free", 3),
        ("stream_create", 3), ("stream_destroy", 2), ("hold", 3), ("release", 3),
        ("synchronize", 1), ("empty_cache", 3), ("limit", 2), ("fault", 3),
        ("pinned_malloc", 3), ("pinned_free", 3), ("pinned_record", 1),
-       ("pinned_empty", 1), ("memcpy", 2), ("figures", 1)]
+       ("pinned_empty", 1), ("memcpy", 2), ("figures", 1), ("buf_create", 3),
+       ("buf_resize", 6), ("buf_destroy", 2), ("pool", 4), ("host_capture", 5),
+       ("capture_begin", 4), ("capture_end", 3), ("capture_pool", 2), ("checkpoint", 3),
+       ("checkpoint_free", 1), ("restore", 4)]
 BASE = {}
 _total = 0
 for _name, _weight in OPS:
@@ -29,7 +32,7 @@ for _name, _weight in OPS:
 FAULTABLE = ["any", "reserve", "unreserve", "create", "release", "map", "set_access", "unmap",
              "stream_create", "stream_destroy", "stream_synchronize", "event_create",
              "event_record", "event_query", "event_synchronize", "mem_info", "host_alloc",
-             "host_free", "copy"]
+             "host_free", "copy", "capture_status", "event_destroy"]
 
 
 def op(name, *args):
@@ -37,11 +40,12 @@ def op(name, *args):
 
 
 def config(expandable=True, release_holes=True, capacity=2, rounding=0, max_split=False,
-           gc=False, small_granularity=False, page=2, trace=False):
+           gc=False, small_granularity=False, page=2, trace=False, detection=False):
     """The two configuration bytes (capacity: 0 64 MiB, 1 256 MiB, 2 1 GiB, 3 128 MiB)."""
     a = (0 if expandable else 1) | (0 if release_holes else 2) | capacity << 2 | rounding << 4
     a |= (64 if max_split else 0) | (128 if gc else 0)
     b = (1 if small_granularity else 0) | {1: 2, 4: 4, 2: 0}[page] | (8 if trace else 0)
+    b |= 16 if detection else 0
     return bytes([a, b])
 
 
@@ -71,6 +75,58 @@ def malloc(stream, size):
 
 def fault(name, n):
     return op("fault", FAULTABLE.index(name), n)
+
+
+# Capture pools (the ops after "buf_destroy"). Pools and checkpoints are
+# picked by a byte that names the first slot to look at; slot 0 is the first
+# pool made, CK* the checkpoint slots.
+POOL0, POOL1 = 0, 1
+CK0, CK1, CK2 = 0, 1, 2
+
+
+def pool_create():
+    return op("pool", 0)
+
+
+def pool_retain(pool=POOL0):
+    return op("pool", 1, pool)
+
+
+def pool_release(pool=POOL0):
+    return op("pool", 2, pool)
+
+
+def host_capture_begin(stream):
+    return op("host_capture", 0, stream)
+
+
+def host_capture_join(stream, capturing):
+    return op("host_capture", 2, stream, capturing)
+
+
+def host_capture_end(stream):
+    return op("host_capture", 3, stream)
+
+
+def capture_begin(stream, pool=POOL0):
+    return op("capture_begin", pool, stream)
+
+
+def capture_end(begin_slot=0):
+    return op("capture_end", begin_slot)
+
+
+def checkpoint(slot=CK0, pool=POOL0):
+    return op("checkpoint", pool, slot)
+
+
+def restore(slot=CK0, delta=True):
+    return op("restore", slot, 1, 1 if delta else 0)
+
+
+def free(index, mode=0, stream=DEFAULT):
+    """Free the index-th live device block (mode 0: on its stream; 6: on `stream`)."""
+    return op("free", index, mode) + (bytes([stream]) if mode in (6, 7) else b"")
 
 
 def seeds():
@@ -132,6 +188,54 @@ def seeds():
     s["no_release_holes"] = (config(release_holes=False, rounding=1, page=4)
                              + b"".join(malloc(DEFAULT, size_large(500 * i)) + op("free", 0, 0)
                                         for i in range(10)))
+    # A capture on two streams allocating to a pool: reuse inside the capture,
+    # a pool block freed on its own stream, a block of the usual memory freed
+    # by the capture (deferred until it ends), then a checkpoint, growth
+    # between replays and a restore.
+    s["capture"] = (config() + op("stream_create", 0) + op("stream_create", 1)
+                    + malloc(S1, size_favorite(3)) + pool_create()
+                    + host_capture_begin(S1) + capture_begin(S1)
+                    + malloc(S1, size_favorite(4)) + malloc(S1, size_small(100))
+                    + host_capture_join(S2, S1) + malloc(S2, size_large(2000))
+                    + free(1) + malloc(S1, size_small(100))
+                    + free(0) + malloc(S1, size_favorite(3)) + malloc(DEFAULT, size_favorite(3))
+                    + op("empty_cache") + op("capture_pool", S2)
+                    + host_capture_end(S1) + capture_end(0) + checkpoint(CK0)
+                    + capture_begin(S1) + malloc(S1, size_favorite(6))
+                    + malloc(S1, size_large(30000)) + capture_end(0)
+                    + restore(CK0) + free(0) + restore(CK0, delta=False)
+                    + pool_release() + op("empty_cache") + pool_release() + op("empty_cache"))
+    # Checkpoints and restores outside captures (a begin on a stream that is
+    # not captured routes it): after more allocations, after frees that merge
+    # across the checkpoint's blocks, after growth of the segment, and a
+    # checkpoint of another pool refused.
+    s["restore"] = (config(page=1) + op("stream_create", 0) + pool_create() + pool_create()
+                    + capture_begin(S1) + b"".join(malloc(S1, size_large(700 * i)) for i in range(4))
+                    + checkpoint(CK0) + malloc(S1, size_small(30)) + restore(CK0)
+                    + free(1) + free(1) + checkpoint(CK1) + malloc(S1, size_favorite(6))
+                    + malloc(S1, size_favorite(5)) + restore(CK0) + restore(CK1)
+                    + free(0) + free(0) + free(0) + restore(CK0)
+                    + op("restore", CK0, 0, POOL1, 1) + checkpoint(CK2, POOL1)
+                    + op("checkpoint_free", CK1) + restore(CK2) + capture_end(0)
+                    + pool_release(POOL1) + restore(CK0, delta=False) + pool_retain()
+                    + pool_release() + pool_release() + pool_release())
+    # capture_detection: a capture nobody began gets a pool of its own.
+    s["detection"] = (config(detection=True, expandable=False) + op("stream_create", 0)
+                      + op("stream_create", 1) + host_capture_begin(S1)
+                      + malloc(S1, size_favorite(4)) + op("capture_pool", S1)
+                      + host_capture_join(S2, S1) + malloc(S2, size_small(9))
+                      + op("record", 0, S2) + free(0, 6, DEFAULT) + pool_release()
+                      + checkpoint(CK0) + host_capture_end(S2) + restore(CK0)
+                      + op("capture_pool", S1) + pool_release() + op("empty_cache"))
+    # A free deferred by a capture: a block recorded on a captured stream,
+    # freed outside it, must not be handed out until the capture ends; a
+    # held stream keeps it waiting after that.
+    s["deferred"] = (config() + op("stream_create", 0) + malloc(DEFAULT, size_favorite(4))
+                     + op("record", 0, S1) + op("hold", S1) + host_capture_begin(S1)
+                     + pool_create() + capture_begin(S1) + free(0) + malloc(DEFAULT, size_favorite(4)) + op("synchronize", S1)
+                     + op("empty_cache") + host_capture_end(S1) + capture_end(0)
+                     + malloc(DEFAULT, size_favorite(4))
+                     + op("release", 0) + malloc(DEFAULT, size_favorite(4)) + op("empty_cache"))
     return s
 
 

@@ -5,10 +5,27 @@
 #
 #   FUZZ_SECONDS   seconds per target (default 60)
 #   FUZZ_TARGETS   the targets to run ("conf ops"; default: every fuzz_* program)
+#   FUZZ_JOBS      workers per target, run in parallel for the whole time
+#                  (default 1): libFuzzer's -jobs=N -workers=N, N processes
+#                  that share the corpus directory (each reloads what the
+#                  others add) and each print their final figures in
+#                  BUILD_DIR/jobs/<target>/fuzz-<i>.log; the executions
+#                  reported are their sum. (Fork mode, -fork=N, is not used:
+#                  when the time is up it stops without counting the jobs
+#                  still running, which may have run for minutes.)
 #   FUZZ_CSV       append one line per target to this CSV file (results with the
-#                  machine, commit and date; created with its header if missing)
+#                  machine, commit, date and jobs; created with its header if
+#                  missing, and given the jobs column if it predates it)
 #   NO_ASLR        a command prefix that turns address randomization off (the
-#                  Makefile passes setarch -R where the sanitizer runtime needs it)
+#                  Makefile passes setarch -R where the sanitizer runtime needs
+#                  it); when it is not set at all, this script finds out itself
+#
+# The programs need only the C library at run time (the library, the
+# sanitizer runtimes and libFuzzer's C++ runtime are linked in): BUILD_DIR
+# may be copied to another x86-64 Linux machine with a C library as recent
+# as the build machine's and run there with this script and the repository's
+# fuzz/ directory, no compiler installed (stack traces of crashes then show
+# addresses: llvm-symbolizer is what names them).
 #
 # New inputs go to BUILD_DIR/corpus/<target>/ (the committed seeds in
 # fuzz/corpus/<target>/ are read, never written), crashes to
@@ -16,9 +33,16 @@
 # copy the crash file into fuzz/corpus/<target>/ with the fix, so that the
 # replay test (ctest fuzz_<target>_replay) keeps it fixed.
 set -euo pipefail
-build=${1:-build-fuzz}
+build=$(cd "${1:-build-fuzz}" && pwd) # the workers run in a directory of their own
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 seconds=${FUZZ_SECONDS:-60}
+jobs=${FUZZ_JOBS:-1}
+[[ "$jobs" =~ ^[1-9][0-9]*$ ]] || { echo "fuzz: FUZZ_JOBS must be a positive number, not '$jobs'" >&2; exit 1; }
+# Sanitizer runtimes before LLVM 18 cannot start under the high address-space
+# randomization of recent kernels: without it where the system allows that.
+if [ -z "${NO_ASLR+set}" ] && setarch "$(uname -m)" -R true >/dev/null 2>&1; then
+  NO_ASLR="setarch $(uname -m) -R"
+fi
 read -r -a prefix <<< "${NO_ASLR:-}"
 
 if [ -n "${FUZZ_TARGETS:-}" ]; then
@@ -42,29 +66,53 @@ for t in $targets; do
   mkdir -p "$work" "$artifacts"
   args=(-max_total_time="$seconds" -print_final_stats=1 -timeout=60 -rss_limit_mb=4096
         -artifact_prefix="$artifacts/")
+  args+=(-jobs="$jobs" -workers="$jobs")
   [ -f "$root/fuzz/$t.dict" ] && args+=(-dict="$root/fuzz/$t.dict")
-  echo "fuzz: $t for $seconds s ..."
+  jobdir=$build/jobs/$t # the workers write fuzz-<i>.log where they run
+  rm -rf "$jobdir"
+  mkdir -p "$jobdir"
+  echo "fuzz: $t for $seconds s, $jobs job(s) ..."
   start=$(date +%s.%N)
   status=0
-  "${prefix[@]}" "$program" "${args[@]}" "$work" "$root/fuzz/corpus/$t" > "$log" 2>&1 || status=$?
+  (cd "$jobdir" && "${prefix[@]}" "$program" "${args[@]}" "$work" "$root/fuzz/corpus/$t") > "$log" 2>&1 ||
+    status=$?
   elapsed=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
-  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
-  execs=${execs:-0}
+  # Each worker's last figure (printed at its end, also after a crash).
+  execs=0
+  for wlog in "$jobdir"/fuzz-*.log; do
+    [ -f "$wlog" ] || continue
+    n=$(sed -n 's/^stat::number_of_executed_units: *//p' "$wlog" | tail -1)
+    execs=$((execs + ${n:-0}))
+    { echo "== $(basename "$wlog")"; cat "$wlog"; } >> "$log"
+  done
   rate=$(awk -v n="$execs" -v s="$elapsed" 'BEGIN { printf "%.0f", (s > 0 ? n / s : 0) }')
   files=$(ls "$work" | wc -l)
   ten_million=$(awk -v r="$rate" 'BEGIN { printf "%.0f", (r > 0 ? 10000000 / r : 0) }')
-  line=$(printf '%-6s %10s executions in %6.1f s: %8s exec/s, %5s corpus files; 10M would take %s s' \
-         "$t" "$execs" "$elapsed" "$rate" "$files" "$ten_million")
+  line=$(printf '%-6s %10s executions in %6.1f s, %2s job(s): %8s exec/s, %5s corpus files; 10M would take %s s' \
+         "$t" "$execs" "$elapsed" "$jobs" "$rate" "$files" "$ten_million")
   summary+="$line"$'\n'
   if [ "$status" -ne 0 ]; then
     failed+=" $t"
     echo "fuzz: $t FAILED (exit $status); the end of $log:" >&2
     tail -40 "$log" >&2
+    for wlog in "$jobdir"/fuzz-*.log; do # the workers that failed, if not the last
+      if [ "$wlog" != "$(ls "$jobdir"/fuzz-*.log | tail -1)" ] &&
+        grep -qE '^SUMMARY: |ERROR: libFuzzer' "$wlog"; then
+        echo "fuzz: the end of $wlog:" >&2
+        tail -40 "$wlog" >&2
+      fi
+    done
   fi
   if [ -n "${FUZZ_CSV:-}" ]; then
-    [ -s "$FUZZ_CSV" ] ||
-      echo "date,commit,machine,cores,target,seconds,executions,exec_per_s,seconds_for_10M,corpus_files,result" > "$FUZZ_CSV"
-    echo "$date,$commit,\"$machine\",$cores,$t,$elapsed,$execs,$rate,$ten_million,$files,$([ "$status" -eq 0 ] && echo ok || echo crash)" >> "$FUZZ_CSV"
+    header="date,commit,machine,cores,jobs,target,seconds,executions,exec_per_s,seconds_for_10M,corpus_files,result"
+    old_header="date,commit,machine,cores,target,seconds,executions,exec_per_s,seconds_for_10M,corpus_files,result"
+    if [ ! -s "$FUZZ_CSV" ]; then
+      echo "$header" > "$FUZZ_CSV"
+    elif [ "$(head -1 "$FUZZ_CSV")" = "$old_header" ]; then
+      # Lines from before the jobs column: one job each (after the quoted machine).
+      sed -i -e "1s/.*/$header/" -e '2,$s/^\([^,]*,[^,]*,"[^"]*",[^,]*\),/\1,1,/' "$FUZZ_CSV"
+    fi
+    echo "$date,$commit,\"$machine\",$cores,$jobs,$t,$elapsed,$execs,$rate,$ten_million,$files,$([ "$status" -eq 0 ] && echo ok || echo crash)" >> "$FUZZ_CSV"
   fi
 done
 echo "fuzz results ($machine, $cores cores, commit $commit):"

@@ -190,16 +190,22 @@ static void share_peak(tide_allocator *a, _tide_arena *first) {
   _tide_lock_release(&first->lock);
 }
 
-static int add_arena_locked(tide_allocator *a, tide_stream stream, _tide_arena **out) {
-  size_t n = atomic_load(&a->narenas);
-  /* An arena for a stream that does not exist could never give its cache
-   * back (nothing to synchronize): refuse it. */
+/* An arena for a stream that does not exist could never give its cache
+ * back (nothing to synchronize): none is made or given to one. */
+static int check_arena_stream(tide_allocator *a, tide_stream stream) {
   const _tide_backend *be = &a->backend;
   if (be->ops->stream_check && be->ops->stream_check(be->ctx, stream))
     return _tide_error_set(TIDE_ERR_INVALID,
                            "stream %p is not a stream of this device (unknown "
                            "or destroyed): nothing was allocated",
                            (void *)stream);
+  return TIDE_OK;
+}
+
+static int add_arena_locked(tide_allocator *a, tide_stream stream, _tide_arena **out) {
+  size_t n = atomic_load(&a->narenas);
+  int bad = check_arena_stream(a, stream);
+  if (bad) return bad;
   if (n == a->arenas_cap) {
     size_t cap = a->arenas_cap ? a->arenas_cap * 2 : 8;
     _tide_arena **grown = realloc(a->arenas, cap * sizeof *grown);
@@ -348,8 +354,12 @@ int _tide_arena_of_pool(tide_allocator *a, struct tide_pool *pool, tide_stream s
     if (!unused && a->arenas[i]->pool_id == _TIDE_UNUSED_ARENA) unused = a->arenas[i];
   }
   if (!*out && unused) {
-    give_to_pool(a, unused, pool, stream);
-    *out = unused;
+    /* As for a new arena: the stream must exist (a begin may outlive it). */
+    rc = check_arena_stream(a, stream);
+    if (!rc) {
+      give_to_pool(a, unused, pool, stream);
+      *out = unused;
+    }
   } else if (!*out && (rc = add_arena_locked(a, stream, out)) == TIDE_OK) {
     give_to_pool(a, *out, pool, stream);
   }

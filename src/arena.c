@@ -911,12 +911,17 @@ int _tide_arena_explain_pointer(_tide_arena *arena, uintptr_t addr) {
 /* Capture pools: deferred frees and restored blocks                         */
 /* ------------------------------------------------------------------------ */
 
-void _tide_arena_defer_free(_tide_arena *arena, _tide_block *b) {
+int _tide_arena_defer_free(_tide_arena *arena, _tide_block *b, tide_stream stream) {
+  /* Checked now, as an immediate free checks it: the free itself comes
+   * once the capture ends, when refusing it could no longer be said. */
+  int bad = check_free_stream(arena, stream);
+  if (bad) return bad;
   _tide_count_free(arena, b);
   _tide_trace(arena->alloc, TIDE_TRACE_FREE, b->segment->pool + 1, b->addr, b->size, arena->stream);
   _tide_ptrmap_remove(&arena->live, b->addr);
   b->state = _TIDE_PENDING;
   count_pending(arena, b, +1);
+  return TIDE_OK;
 }
 
 int _tide_arena_finish_deferred(_tide_arena *arena, _tide_block *b, tide_stream stream) {

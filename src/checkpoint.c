@@ -23,7 +23,9 @@
  * checkpoint's are made anew. Any layout restores this way, whatever
  * growth and merging happened since.
  *
- * Steps, under the capture mutex and every arena lock of the pool: check
+ * Steps: frees that captures deferred and that may go now are retried
+ * (their captures may have ended with no call since to retry them); then,
+ * under the capture mutex and every arena lock of the pool: check
  * (nothing changes); wait for the frees of the pool's blocks that wait on
  * other streams (a failure changes nothing but the frees that completed);
  * plan and prepare (block records, room in the live maps, the delta: a
@@ -479,6 +481,9 @@ tide_status tide_pool_restore(tide_pool *pool, const tide_checkpoint *checkpoint
     return (tide_status)_tide_error_set(TIDE_ERR_INVALID,
                                         "tide_pool_restore: %s is NULL or invalid",
                                         checkpoint ? "the pool" : "the checkpoint");
+  /* Frees deferred by captures that have ended since are frees now, not
+   * deferred ones that would refuse the restore. */
+  _tide_capture_retry_deferred(pool->alloc);
   _tide_arena **arenas;
   size_t n;
   int rc = enter_pool(pool, __func__, &arenas, &n);

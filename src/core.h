@@ -431,8 +431,9 @@ int _tide_arena_explain_pointer(_tide_arena *arena, uintptr_t addr);
 /* For capture pools (pool.c, checkpoint.c), under the arena lock. A free
  * deferred by a capture: counted as freed, out of the live map, pending
  * (but on no event) until _tide_arena_finish_deferred orders it after the
- * streams it was freed on and recorded on (it may then wait on events). */
-void _tide_arena_defer_free(_tide_arena *arena, _tide_block *b);
+ * streams it was freed on and recorded on (it may then wait on events).
+ * A free on a stream that does not exist is refused, the block unchanged. */
+int _tide_arena_defer_free(_tide_arena *arena, _tide_block *b, tide_stream stream);
 int _tide_arena_finish_deferred(_tide_arena *arena, _tide_block *b, tide_stream stream);
 /* Count block b, linked in its segment, as allocated (restored by a
  * checkpoint) or as freed (released by one); the live map is the caller's. */
@@ -525,6 +526,7 @@ typedef struct _tide_captures {
   _tide_capture *active;
   struct tide_pool *pools;
   _tide_deferred *deferred;
+  int unlisted; /* deferrals and retries in progress: their frees may be off the list */
   uint64_t next_pool_id;
 } _tide_captures;
 
@@ -539,6 +541,8 @@ int _tide_capture_free(struct tide_allocator *a, uintptr_t addr, size_t size, bo
                        tide_stream stream);
 /* Retry deferred frees; let go of pools whose memory is all back. */
 void _tide_capture_settle(struct tide_allocator *a);
+/* Retry deferred frees: those whose captures ended become real frees. */
+void _tide_capture_retry_deferred(struct tide_allocator *a);
 /* A handle that looks like a pool (for its allocator to be reached). */
 bool _tide_capture_pool_valid(const struct tide_pool *pool);
 /* TIDE_OK if the pool has users, else TIDE_ERR_STATE naming `op`. Under

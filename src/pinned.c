@@ -779,7 +779,7 @@ static bool check_pinned_figures(const _tide_pinned *pool, const pinned_sums *s,
   return true;
 }
 
-int _tide_pinned_validate(_tide_pinned *pool, char *why, size_t len) {
+TIDE_CHECK_ONLY int _tide_pinned_validate(_tide_pinned *pool, char *why, size_t len) {
   pinned_sums s;
   memset(&s, 0, sizeof s);
   pthread_mutex_lock(&pool->lock);

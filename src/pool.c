@@ -372,7 +372,12 @@ void _tide_capture_prune(tide_allocator *a) {
     bool capturing;
     uint64_t id;
     int rc = capture_status(a, seen[i].stream, &capturing, &id);
-    seen[i].detected = rc == TIDE_OK && (!capturing || id != seen[i].capture_id); /* now: ended */
+    /* Ended (stored in `detected` from here on): the stream is no longer in
+     * that capture, or no longer exists (destroyed while captured: nothing
+     * could end the capture record otherwise, and its pool would keep its
+     * memory for good). */
+    seen[i].detected =
+        rc == TIDE_ERR_INVALID || (rc == TIDE_OK && (!capturing || id != seen[i].capture_id));
   }
   pthread_mutex_lock(&a->captures.mutex);
   for (size_t i = 0; i < n; i++) {
@@ -400,6 +405,8 @@ tide_status tide_capture_begin(tide_allocator *a, tide_stream stream, tide_pool 
                                         "tide_capture_begin: pool %llu belongs to another "
                                         "allocator",
                                         (unsigned long long)pool->id);
+  /* A detected capture that ended does not hold its capture id any more. */
+  if (a->conf.capture_detection) _tide_capture_prune(a);
   bool capturing;
   uint64_t id;
   int rc = capture_status(a, stream, &capturing, &id);
@@ -500,6 +507,7 @@ static void retry_deferred(tide_allocator *a) {
   pthread_mutex_lock(&a->captures.mutex);
   _tide_deferred *list = a->captures.deferred;
   a->captures.deferred = NULL;
+  a->captures.unlisted += list != NULL; /* for tide_check: these are off the list */
   pthread_mutex_unlock(&a->captures.mutex);
   if (!list) return;
   _tide_saved_error saved;
@@ -526,6 +534,7 @@ static void retry_deferred(tide_allocator *a) {
     last->next = a->captures.deferred;
     a->captures.deferred = kept;
   }
+  a->captures.unlisted--;
   update_watch(a);
   pthread_mutex_unlock(&a->captures.mutex);
 }
@@ -534,6 +543,9 @@ int _tide_capture_free(tide_allocator *a, uintptr_t addr, size_t size, bool size
                        tide_stream stream) {
   retry_deferred(a);
   _tide_deferred *node = malloc(sizeof *node); /* before any lock; unused if not deferred */
+  pthread_mutex_lock(&a->captures.mutex);
+  a->captures.unlisted++; /* for tide_check: a deferral is on the list only at the end */
+  pthread_mutex_unlock(&a->captures.mutex);
   _tide_arena **arenas;
   size_t n = _tide_arenas_snapshot(a, &arenas);
   int rc = -1; /* not found (or the wrong size): the slow path explains */
@@ -557,10 +569,9 @@ int _tide_capture_free(tide_allocator *a, uintptr_t addr, size_t size, bool size
                              "the block is still allocated",
                              (void *)addr);
       } else if (defer) {
-        _tide_arena_defer_free(arena, b);
-        *node = (_tide_deferred){.arena = arena, .block = b, .stream = stream};
-        deferred = true;
-        rc = TIDE_OK;
+        rc = _tide_arena_defer_free(arena, b, stream);
+        if (!rc) *node = (_tide_deferred){.arena = arena, .block = b, .stream = stream};
+        deferred = rc == TIDE_OK;
       } else {
         rc = _tide_arena_free(arena, b, stream);
       }
@@ -568,18 +579,20 @@ int _tide_capture_free(tide_allocator *a, uintptr_t addr, size_t size, bool size
     _tide_lock_release(&arena->lock);
   }
   free(arenas);
+  pthread_mutex_lock(&a->captures.mutex);
   if (deferred) {
-    pthread_mutex_lock(&a->captures.mutex);
     node->next = a->captures.deferred;
     a->captures.deferred = node;
     update_watch(a);
-    pthread_mutex_unlock(&a->captures.mutex);
-  } else {
-    free(node);
   }
+  a->captures.unlisted--;
+  pthread_mutex_unlock(&a->captures.mutex);
+  if (!deferred) free(node);
   if (rc < 0) return _tide_free_slow(a, addr, size, sized, stream);
   return rc;
 }
+
+void _tide_capture_retry_deferred(tide_allocator *a) { retry_deferred(a); }
 
 void _tide_capture_settle(tide_allocator *a) {
   retry_deferred(a);
