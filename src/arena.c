@@ -432,13 +432,25 @@ static void add_idle_mark(_tide_arena *arena) {
 static void stream_settled(_tide_arena *arena) { arena->idle_before = ++arena->clock; }
 
 int _tide_arena_settle_stale(_tide_arena *arena, uintptr_t lo, uintptr_t hi, bool wait) {
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
   poll_idle_marks(arena);
-  if (!_tide_stale_unmap(arena, lo, hi, arena->idle_before) || !wait) return TIDE_OK;
-  int rc = settle_stream(arena);
-  if (rc) return rc;
-  stream_settled(arena);
-  _tide_stale_unmap(arena, lo, hi, arena->idle_before);
-  return TIDE_OK;
+  int failed;
+  size_t left = _tide_stale_unmap(arena, lo, hi, arena->idle_before, &failed);
+  if (!wait) {
+    _tide_error_restore(&saved);
+    return TIDE_OK;
+  }
+  if (left && !failed) {
+    int rc = settle_stream(arena);
+    if (rc) return rc == TIDE_ERR_BACKEND ? rc : TIDE_ERR_NOT_READY;
+    stream_settled(arena);
+    left = _tide_stale_unmap(arena, lo, hi, arena->idle_before, &failed);
+  }
+  if (!left) return TIDE_OK;
+  return failed ? failed
+                : _tide_error_set(TIDE_ERR_BACKEND, "%zu stale pages in [%p, %p) stay mapped", left,
+                                  (void *)lo, (void *)hi);
 }
 
 /* Unmap free pages of the candidates (oldest first) until `need` bytes are
@@ -813,7 +825,8 @@ int _tide_arena_release_cached(_tide_arena *arena) {
   int rc = settle_stream(arena);
   if (rc) return rc;
   stream_settled(arena);
-  _tide_stale_unmap(arena, 0, UINTPTR_MAX, arena->idle_before);
+  int refused;
+  _tide_stale_unmap(arena, 0, UINTPTR_MAX, arena->idle_before, &refused); /* kept to retry */
   /* Orphans first: a range may be unreserved only once nothing is mapped in it. */
   int orphans = arena->norphans ? _tide_arena_retry_orphans(arena) : TIDE_OK;
   _tide_first_error first = {0};
@@ -855,7 +868,8 @@ int _tide_arena_collect_garbage(_tide_arena *arena, size_t target) {
   int rc = n || arena->nstale ? settle_stream(arena) : TIDE_OK;
   if (!rc && arena->nstale) {
     stream_settled(arena);
-    _tide_stale_unmap(arena, 0, UINTPTR_MAX, arena->idle_before);
+    int refused;
+    _tide_stale_unmap(arena, 0, UINTPTR_MAX, arena->idle_before, &refused); /* kept to retry */
   }
   qsort(candidates, n, sizeof *candidates, by_stamp);
   for (size_t i = 0; i < n && !rc; i++) {

@@ -470,15 +470,20 @@ int _tide_pool_release_cached(_tide_arena *arena, _tide_pool *pool);
 int _tide_pool_release_empty_segments(_tide_arena *arena, _tide_pool *pool);
 /* Give back the spare pages growth did not use. */
 void _tide_arena_release_spare_pages(_tide_arena *arena);
-/* Unmap the stale pages in [lo, hi) stamped before `idle_before` (a
- * refused unmap becomes an orphan); returns how many in the range are left
- * (segment.c). */
-size_t _tide_stale_unmap(_tide_arena *arena, uintptr_t lo, uintptr_t hi, uint64_t idle_before);
+/* Unmap the stale pages in [lo, hi) stamped before `idle_before`; returns
+ * how many in the range are left. A refused unmap keeps its page, and the
+ * first such failure's status goes to *failed with its message (else the
+ * thread's error is left as it was) (segment.c). */
+size_t _tide_stale_unmap(_tide_arena *arena, uintptr_t lo, uintptr_t hi, uint64_t idle_before,
+                         int *failed);
 /* Unmap every stale page at once and give back the owned handles
  * (teardown, or once the stream is known idle). */
 void _tide_stale_drop_all(_tide_arena *arena);
 /* Unmap the stale pages in [lo, hi) that are idle; with `wait`, wait for
- * the stream first if some are not, so that none is left (arena.c). */
+ * the stream first if some are not, so that none is left, or fail with
+ * why (a refused unmap, or TIDE_ERR_NOT_READY when the stream cannot be
+ * waited for). Without `wait` it is best effort and keeps the thread's
+ * error (arena.c). */
 int _tide_arena_settle_stale(_tide_arena *arena, uintptr_t lo, uintptr_t hi, bool wait);
 /* Try again to give back what the backend refused earlier. */
 int _tide_arena_retry_orphans(_tide_arena *arena);

@@ -171,12 +171,19 @@ void _tide_orphan(_tide_arena *arena, int pool, uintptr_t map_addr, size_t map_s
 }
 
 /* One more try at an orphan: unmap, release, unreserve, in that order. */
+static bool stale_adopt(_tide_arena *arena, _tide_handle h, int pool);
+
 static bool retry_orphan(_tide_arena *arena, _tide_orphan_rec *o) {
   const _tide_backend *be = &arena->alloc->backend;
   if (o->map_addr) {
     if (be->ops->unmap(be->ctx, o->map_addr, o->map_size)) return false;
     o->map_addr = 0;
   }
+  /* A page's handle still mapped at a stale address is released after that
+   * unmap: the stale page takes it over, bytes and all. */
+  if (o->handle && o->handle_size == arena->alloc->page_size && arena->nstale &&
+      stale_adopt(arena, o->handle, o->pool))
+    o->handle = 0;
   if (o->handle) {
     if (be->ops->release(be->ctx, o->handle)) return false;
     drop_bytes(arena, o->pool, o->handle_size);
@@ -391,40 +398,50 @@ void _tide_arena_release_spare_pages(_tide_arena *arena) {
   arena->nspare_pages = 0;
 }
 
-/* Unmap stale page i and forget it; its handle goes back if it is owned. */
-static void unmap_stale_page(_tide_arena *arena, size_t i) {
+/* Unmap stale page i and forget it; its handle goes back if it is owned.
+ * A refused unmap keeps it (to try again), or at teardown makes it an
+ * orphan. Returns the backend's status. */
+static int unmap_stale_page(_tide_arena *arena, size_t i, bool orphan_on_failure) {
   const _tide_backend *be = &arena->alloc->backend;
   size_t page = arena->alloc->page_size;
   struct _tide_stale_page sp = arena->stale[i];
+  int rc = be->ops->unmap(be->ctx, sp.addr, page);
+  if (rc && !orphan_on_failure) return rc;
   arena->stale[i] = arena->stale[--arena->nstale];
-  if (be->ops->unmap(be->ctx, sp.addr, page)) {
+  if (rc) {
     _tide_orphan(arena, sp.pool, sp.addr, page, sp.owned ? sp.handle : 0, sp.owned ? page : 0, 0,
                  0);
-    return;
+    return rc;
   }
   /* Still mapped at another stale address: that one releases it. */
   if (sp.owned && !stale_adopt(arena, sp.handle, sp.pool))
     release_handle(arena, sp.pool, sp.handle, page);
+  return TIDE_OK;
 }
 
-size_t _tide_stale_unmap(_tide_arena *arena, uintptr_t lo, uintptr_t hi, uint64_t idle_before) {
+size_t _tide_stale_unmap(_tide_arena *arena, uintptr_t lo, uintptr_t hi, uint64_t idle_before,
+                         int *failed) {
   _tide_saved_error saved;
   _tide_error_save(&saved);
   size_t left = 0;
+  *failed = TIDE_OK;
   for (size_t i = arena->nstale; i-- > 0;) {
     const struct _tide_stale_page *sp = &arena->stale[i];
     if (sp->addr < lo || sp->addr >= hi) continue;
-    if (sp->stamp < idle_before)
-      unmap_stale_page(arena, i);
-    else
-      left++;
+    int rc = sp->stamp < idle_before ? unmap_stale_page(arena, i, false) : TIDE_ERR_NOT_READY;
+    if (rc == TIDE_OK) continue;
+    left++;
+    if (rc != TIDE_ERR_NOT_READY && !*failed) {
+      *failed = rc; /* its message stays the thread's */
+      continue;
+    }
   }
-  _tide_error_restore(&saved);
+  if (!*failed) _tide_error_restore(&saved);
   return left;
 }
 
 void _tide_stale_drop_all(_tide_arena *arena) {
-  while (arena->nstale) unmap_stale_page(arena, arena->nstale - 1);
+  while (arena->nstale) unmap_stale_page(arena, arena->nstale - 1, true);
 }
 
 /* Note pages [addr, addr + count pages) as stale, of a block freed at
