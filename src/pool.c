@@ -488,15 +488,19 @@ static int captured(tide_allocator *a, tide_stream stream, bool *yes) {
 }
 
 /* Whether freeing b (of `arena`) on `stream` must wait until no stream it
- * involves is being captured. Under the arena lock. */
+ * involves is being captured. Under the arena lock. `again`: the free was
+ * deferred already; then the freeing stream counts too, since a recorded
+ * stream destroyed during the capture leaves its work in the capture that
+ * the freeing stream is still in (the block may be reused only once that
+ * capture ends). */
 static int must_defer(tide_allocator *a, const _tide_arena *arena, const _tide_block *b,
-                      tide_stream stream, bool *defer) {
+                      tide_stream stream, bool again, bool *defer) {
   *defer = false;
   /* The freeing stream matters for a stream's own memory (freed in a
    * capture), and for a pool's when the free needs an event on it; every
    * recorded stream gets an event. */
   int rc = TIDE_OK;
-  if (arena->pool_id == 0 || stream != arena->stream) rc = captured(a, stream, defer);
+  if (again || arena->pool_id == 0 || stream != arena->stream) rc = captured(a, stream, defer);
   for (unsigned i = 0; i < b->nstreams && !rc && !*defer; i++)
     rc = captured(a, recorded(b, i), defer);
   return rc;
@@ -517,7 +521,7 @@ static void retry_deferred(tide_allocator *a) {
     next = d->next;
     bool defer = true;
     _tide_lock_acquire(&d->arena->lock);
-    bool done = must_defer(a, d->arena, d->block, d->stream, &defer) == TIDE_OK && !defer &&
+    bool done = must_defer(a, d->arena, d->block, d->stream, true, &defer) == TIDE_OK && !defer &&
                 _tide_arena_finish_deferred(d->arena, d->block, d->stream) == TIDE_OK;
     _tide_lock_release(&d->arena->lock);
     if (done) {
@@ -557,7 +561,7 @@ int _tide_capture_free(tide_allocator *a, uintptr_t addr, size_t size, bool size
     wrong_size = b && sized && b->requested != size;
     if (b && !wrong_size) {
       bool defer = false;
-      rc = must_defer(a, arena, b, stream, &defer);
+      rc = must_defer(a, arena, b, stream, false, &defer);
       if (rc) {
         rc = _tide_error_set(tide_last_status(),
                              "cannot free %p: asking whether the streams it involves are being "
