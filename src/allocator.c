@@ -809,7 +809,10 @@ tide_status tide_empty_cache(tide_allocator *a) {
   pthread_mutex_lock(&a->reclaim_mutex);
   int rc = release_all_cached(a);
   pthread_mutex_unlock(&a->reclaim_mutex);
+  _tide_saved_error saved; /* the status returned keeps its own message */
+  _tide_error_save(&saved);
   _tide_capture_settle(a); /* pools whose memory is all back go */
+  if (rc) _tide_error_restore(&saved);
   _tide_trace(a, TIDE_TRACE_EMPTY_CACHE, 0, 0, 0, NULL);
   return (tide_status)rc;
 }

@@ -173,6 +173,12 @@ void _tide_orphan(_tide_arena *arena, int pool, uintptr_t map_addr, size_t map_s
 /* One more try at an orphan: unmap, release, unreserve, in that order. */
 static bool stale_adopt(_tide_arena *arena, _tide_handle h, int pool);
 
+static bool mappings_orphaned(const _tide_arena *arena) {
+  for (size_t i = 0; i < arena->norphans; i++)
+    if (arena->orphans[i].map_addr) return true;
+  return false;
+}
+
 static bool retry_orphan(_tide_arena *arena, _tide_orphan_rec *o) {
   const _tide_backend *be = &arena->alloc->backend;
   if (o->map_addr) {
@@ -184,6 +190,11 @@ static bool retry_orphan(_tide_arena *arena, _tide_orphan_rec *o) {
   if (o->handle && o->handle_size == arena->alloc->page_size && arena->nstale &&
       stale_adopt(arena, o->handle, o->pool))
     o->handle = 0;
+  /* A handle whose mapping is another orphan (a growable buffer's undo
+   * keeps them apart) goes only once no orphaned mapping is left: released
+   * while mapped, it would hold its memory with its bytes no longer
+   * reserved. */
+  if (o->handle && mappings_orphaned(arena)) return false;
   if (o->handle) {
     if (be->ops->release(be->ctx, o->handle)) return false;
     drop_bytes(arena, o->pool, o->handle_size);
@@ -201,9 +212,13 @@ int _tide_arena_retry_orphans(_tide_arena *arena) {
   _tide_saved_error saved;
   _tide_error_save(&saved);
   size_t kept = 0;
-  for (size_t i = 0; i < arena->norphans; i++)
-    if (!retry_orphan(arena, &arena->orphans[i])) arena->orphans[kept++] = arena->orphans[i];
-  arena->norphans = kept;
+  /* Twice: handles wait for the orphaned mappings the first round unmaps. */
+  for (int round = 0; round < 2; round++) {
+    kept = 0;
+    for (size_t i = 0; i < arena->norphans; i++)
+      if (!retry_orphan(arena, &arena->orphans[i])) arena->orphans[kept++] = arena->orphans[i];
+    arena->norphans = kept;
+  }
   if (kept)
     return _tide_error_set(TIDE_ERR_BACKEND,
                            "the device backend still refuses to give "
