@@ -179,8 +179,9 @@ static bool mappings_orphaned(const _tide_arena *arena) {
   return false;
 }
 
-static bool retry_orphan(_tide_arena *arena, _tide_orphan_rec *o) {
+static bool retry_orphan(_tide_arena *arena, _tide_orphan_rec *o, bool unmapped_only) {
   const _tide_backend *be = &arena->alloc->backend;
+  if (o->map_addr && unmapped_only) return false;
   if (o->map_addr) {
     if (be->ops->unmap(be->ctx, o->map_addr, o->map_size)) return false;
     o->map_addr = 0;
@@ -212,11 +213,13 @@ int _tide_arena_retry_orphans(_tide_arena *arena) {
   _tide_saved_error saved;
   _tide_error_save(&saved);
   size_t kept = 0;
-  /* Twice: handles wait for the orphaned mappings the first round unmaps. */
+  /* A second round for the handles that waited for the orphaned mappings
+   * the first unmapped (each mapping is tried once per call). */
   for (int round = 0; round < 2; round++) {
     kept = 0;
     for (size_t i = 0; i < arena->norphans; i++)
-      if (!retry_orphan(arena, &arena->orphans[i])) arena->orphans[kept++] = arena->orphans[i];
+      if (!retry_orphan(arena, &arena->orphans[i], round == 1))
+        arena->orphans[kept++] = arena->orphans[i];
     arena->norphans = kept;
   }
   if (kept)
