@@ -138,6 +138,7 @@ typedef struct world {
   void *other_block;
   char conf[384];
   size_t capacity;
+  size_t granularity; /* host_granularity, the page of growable buffers */
   slot slots[SLOTS];
   tide_stream streams[STREAMS];
   bool exists[STREAMS];
@@ -1106,7 +1107,12 @@ static void op_buf_create(world *w) {
   for (int i = 0; i < BUFS && !s; i++)
     if (!w->bufs[i].b) s = &w->bufs[i];
   if (!s) return;
-  const size_t capacities[] = {2 * MiB, 6 * MiB, 64 * MiB, w->capacity, 0, MAX_ALLOC + 1, 1000};
+  /* The device's size, to fill it, but at most 1024 pages: a ring maps every
+   * page twice at creation, and 16384 pages of 64 KiB would make one step
+   * take a second (filling the device stays reachable with every device at
+   * 2 MiB pages, and with the smallest at 64 KiB). */
+  size_t whole = w->capacity < 1024 * w->granularity ? w->capacity : 1024 * w->granularity;
+  const size_t capacities[] = {2 * MiB, 6 * MiB, 64 * MiB, whole, 0, MAX_ALLOC + 1, 1000};
   tide_buf_options o;
   tide_buf_options_init(&o);
   o.capacity = capacities[fz_pick(&w->in, sizeof capacities / sizeof capacities[0])];
@@ -1759,6 +1765,7 @@ static void configure(world *w) {
   unsigned a = fz_byte(&w->in), b = fz_byte(&w->in);
   w->capacity = capacities[(a >> 2) & 3];
   w->detection = b & 16;
+  w->granularity = b & 1 ? 64 * KiB : 2 * MiB;
   snprintf(w->conf, sizeof w->conf,
            "backend:host,host_devices:2,expandable_segments:%s,release_holes:%s,"
            "host_capacity:%zuMiB,roundup_power2_divisions:%s,max_split_size_mb:%s,"
@@ -1766,7 +1773,7 @@ static void configure(world *w) {
            "capture_detection:%s",
            a & 1 ? "False" : "True", a & 2 ? "False" : "True", w->capacity / MiB,
            roundings[(a >> 4) & 3], a & 64 ? "20" : "unlimited", a & 128 ? "0.6" : "0",
-           b & 1 ? "64KiB" : "2MiB",
+           w->granularity == 64 * KiB ? "64KiB" : "2MiB",
            b & 2   ? "1"
            : b & 4 ? "4"
                    : "2",
