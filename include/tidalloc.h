@@ -679,6 +679,8 @@ TIDE_API tide_status tide_host_fail_call(tide_allocator *alloc, tide_backend_op 
 TIDE_API uint64_t tide_host_call_count(tide_allocator *alloc, tide_backend_op op);
 /* Bytes of emulated device memory created and not yet released. */
 TIDE_API uint64_t tide_host_bytes_in_use(tide_allocator *alloc);
+/* Mappings the emulated device holds now (one unmap call may end several). */
+TIDE_API uint64_t tide_host_mappings(tide_allocator *alloc);
 
 #ifdef __cplusplus
 }

@@ -995,6 +995,11 @@ uint64_t tide_host_call_count(tide_allocator *a, tide_backend_op op) {
   return a->backend.is_host ? _tide_host_call_count(&a->backend, op) : 0;
 }
 
+uint64_t tide_host_mappings(tide_allocator *a) {
+  CHECK_ALLOCATOR(a, 0);
+  return a->backend.is_host ? _tide_host_mappings(&a->backend) : 0;
+}
+
 uint64_t tide_host_bytes_in_use(tide_allocator *a) {
   CHECK_ALLOCATOR(a, 0);
   return a->backend.is_host ? _tide_host_bytes_in_use(&a->backend) : 0;

@@ -24,6 +24,9 @@
  *   peer_access, every peer device that can access this one's memory may
  *   too (the backend finds them when it opens).
  * - unmap: exactly one earlier mapping (its address and size).
+ * - unmap_run: `count` earlier mappings of `page` bytes each, one after the
+ *   other from addr; *done gets how many of them, from the first, are
+ *   unmapped (all on success; on failure the others are still mapped).
  * - export_fd: a new POSIX file descriptor (the caller's to close) through
  *   which another process can import the handle's memory, and where in what
  *   the descriptor refers to that memory starts (0 on CUDA; the host backend
@@ -74,6 +77,7 @@ typedef struct _tide_backend_ops {
   int (*map)(void *ctx, uintptr_t addr, size_t size, _tide_handle handle);
   int (*set_access)(void *ctx, uintptr_t addr, size_t size);
   int (*unmap)(void *ctx, uintptr_t addr, size_t size);
+  int (*unmap_run)(void *ctx, uintptr_t addr, size_t page, size_t count, size_t *done);
   int (*export_fd)(void *ctx, _tide_handle handle, int *fd, uint64_t *offset);
   int (*import_fd)(void *ctx, int fd, uint64_t offset, size_t size, _tide_handle *out);
 
@@ -124,6 +128,7 @@ int _tide_host_capture_end(_tide_backend *b, tide_stream stream);
 int _tide_host_fail_call(_tide_backend *b, tide_backend_op op, uint64_t n);
 uint64_t _tide_host_call_count(_tide_backend *b, tide_backend_op op);
 uint64_t _tide_host_bytes_in_use(_tide_backend *b);
+uint64_t _tide_host_mappings(_tide_backend *b);
 
 /* How many calls of `op` had been made when the last injected failure
  * fired (that call included): a test can then aim a second failure at the

@@ -466,6 +466,9 @@ typedef struct cuda_device {
   /* Physical memory is created exportable as a POSIX file descriptor: the
    * device supports it, and no creation has been refused for asking. */
   _Atomic bool shareable;
+  /* The driver refused one cuMemUnmap over several mappings: runs are
+   * unmapped a mapping at a time from then on. */
+  _Atomic bool unmap_spans_refused;
   /* Who may read and write our memory: this device, then its peers. */
   CUmemAccessDesc *access;
   size_t naccess;
@@ -860,6 +863,36 @@ static int cuda_unmap(void *ctx, uintptr_t addr, size_t size) {
   return TIDE_OK;
 }
 
+/* One cuMemUnmap over the whole run where the driver takes it (each call
+ * costs about the same whatever it covers), else one per mapping. A refused
+ * span changes nothing, so the mappings are then unmapped one by one. */
+static int cuda_unmap_run(void *ctx, uintptr_t addr, size_t page, size_t count, size_t *done) {
+  cuda_device *d = ctx;
+  char a[32];
+  *done = 0;
+  if (count == 0) return TIDE_OK;
+  scope s;
+  int rc = enter(d, &s, "unmapping memory");
+  if (rc) return rc;
+  CUresult r = CUDA_SUCCESS;
+  if (count > 1 && !atomic_load_explicit(&d->unmap_spans_refused, memory_order_relaxed)) {
+    r = d->drv.mem_unmap((CUdeviceptr)addr, count * page);
+    if (r == CUDA_SUCCESS) {
+      *done = count;
+      leave(d, &s);
+      return TIDE_OK;
+    }
+    atomic_store_explicit(&d->unmap_spans_refused, true, memory_order_relaxed);
+  }
+  for (; *done < count; ++*done)
+    if ((r = d->drv.mem_unmap((CUdeviceptr)(addr + *done * page), page)) != CUDA_SUCCESS) break;
+  leave(d, &s);
+  if (r != CUDA_SUCCESS)
+    return fail(d, r, "cuMemUnmap", "unmapping %s at %p", bytes_text(page, a),
+                (void *)(addr + *done * page));
+  return TIDE_OK;
+}
+
 static CUstream cu_stream(tide_stream stream) { return (CUstream)(void *)stream; }
 
 static const char *stream_text(tide_stream stream, char *buf, size_t len) {
@@ -1170,6 +1203,7 @@ static const _tide_backend_ops cuda_ops = {
     .map = cuda_map,
     .set_access = cuda_set_access,
     .unmap = cuda_unmap,
+    .unmap_run = cuda_unmap_run,
     .export_fd = cuda_export_fd,
     .import_fd = cuda_import_fd,
     .host_alloc = cuda_host_alloc,

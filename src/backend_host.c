@@ -413,10 +413,12 @@ static void range_insert(range_table *t, host_range r) {
   t->count++;
 }
 
-static void range_remove(range_table *t, size_t i) {
-  memmove(&t->items[i], &t->items[i + 1], (t->count - i - 1) * sizeof *t->items);
-  t->count--;
+static void range_remove_n(range_table *t, size_t i, size_t n) {
+  memmove(&t->items[i], &t->items[i + n], (t->count - i - n) * sizeof *t->items);
+  t->count -= n;
 }
+
+static void range_remove(range_table *t, size_t i) { range_remove_n(t, i, 1); }
 
 /* ------------------------------------------------------------------------ */
 /* Device queries                                                           */
@@ -798,6 +800,46 @@ static int host_unmap(void *ctx, uintptr_t addr, size_t size) {
   host_handle *h = &d->handles[slot];
   if (--h->maps == 0 && h->released) handle_free(d, slot);
   unlock(d);
+  return TIDE_OK;
+}
+
+/* `count` mappings of `page` bytes from addr, one after the other: checked
+ * whole before anything changes (a refused run unmaps nothing), then one
+ * mmap puts inaccessible reserved memory back over all of them, as one
+ * cuMemUnmap over several mappings does on CUDA. One call for the fault
+ * injection and the counts. */
+static int host_unmap_run(void *ctx, uintptr_t addr, size_t page, size_t count, size_t *done) {
+  host_device *d = ctx;
+  *done = 0;
+  if (count == 0) return TIDE_OK;
+  int rc = ENTER(d, TIDE_OP_UNMAP);
+  if (rc) return rc;
+  lock(d);
+  size_t first = range_find_le(&d->mapped, addr);
+  for (size_t k = 0; k < count; k++) {
+    size_t i = first == SIZE_MAX ? SIZE_MAX : first + k;
+    if (i >= d->mapped.count || d->mapped.items[i].addr != addr + k * page ||
+        d->mapped.items[i].size != page) {
+      unlock(d);
+      return _tide_error_set(TIDE_ERR_BACKEND,
+                             "unmap: [0x%llx, +%zu) is not %zu earlier mappings of %zu bytes",
+                             (unsigned long long)addr, count * page, count, page);
+    }
+  }
+  if (mmap((void *)addr, count * page, PROT_NONE,
+           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED) {
+    int err = errno;
+    unlock(d);
+    return _tide_error_set(TIDE_ERR_BACKEND, "unmap: mmap at 0x%llx failed: %s",
+                           (unsigned long long)addr, strerror(err));
+  }
+  for (size_t k = 0; k < count; k++) {
+    host_handle *h = &d->handles[d->mapped.items[first + k].handle];
+    if (--h->maps == 0 && h->released) handle_free(d, d->mapped.items[first + k].handle);
+  }
+  range_remove_n(&d->mapped, first, count);
+  unlock(d);
+  *done = count;
   return TIDE_OK;
 }
 
@@ -1227,6 +1269,7 @@ static const _tide_backend_ops host_ops = {
     .map = host_map,
     .set_access = host_set_access,
     .unmap = host_unmap,
+    .unmap_run = host_unmap_run,
     .export_fd = host_export_fd,
     .import_fd = host_import_fd,
     .host_alloc = host_host_alloc,
@@ -1468,6 +1511,15 @@ size_t _tide_host_sites(_tide_backend *b, _tide_host_site *out, size_t cap) {
                                  .failures = atomic_load(&d->sites[i].failures)};
     n++;
   }
+  return n;
+}
+
+uint64_t _tide_host_mappings(_tide_backend *b) {
+  host_device *d = host_of(b);
+  if (!d) return 0;
+  lock(d);
+  uint64_t n = d->mapped.count;
+  unlock(d);
   return n;
 }
 

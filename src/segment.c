@@ -437,21 +437,80 @@ static int unmap_stale_page(_tide_arena *arena, size_t i, bool orphan_on_failure
   return TIDE_OK;
 }
 
+/* A stale page that was unmapped: out of the list (a hole, handle 0, until
+ * compact_stale), its handle given back if it is owned. */
+static void stale_unmapped(_tide_arena *arena, size_t i) {
+  struct _tide_stale_page sp = arena->stale[i];
+  arena->stale[i].handle = 0;
+  /* Still mapped at another stale address: that one releases it. */
+  if (sp.owned && !stale_adopt(arena, sp.handle, sp.pool))
+    release_handle(arena, sp.pool, sp.handle, arena->alloc->page_size);
+}
+
+static void compact_stale(_tide_arena *arena) {
+  size_t kept = 0;
+  for (size_t i = 0; i < arena->nstale; i++)
+    if (arena->stale[i].handle) arena->stale[kept++] = arena->stale[i];
+  arena->nstale = kept;
+}
+
+typedef struct stale_ref {
+  uintptr_t addr;
+  size_t index;
+} stale_ref;
+
+static int by_addr(const void *a, const void *b) {
+  uintptr_t x = ((const stale_ref *)a)->addr, y = ((const stale_ref *)b)->addr;
+  return (x > y) - (x < y);
+}
+
+/* Unmap the idle stale pages of [lo, hi): those next to each other (pages
+ * of one released run, mostly) with one backend call, which costs on CUDA
+ * what one page does. Returns how many pages in the range are left. */
+static size_t unmap_idle_runs(_tide_arena *arena, uintptr_t lo, uintptr_t hi, uint64_t idle_before,
+                              stale_ref *refs, int *failed) {
+  const _tide_backend *be = &arena->alloc->backend;
+  size_t page = arena->alloc->page_size, n = 0, left = 0;
+  for (size_t i = 0; i < arena->nstale; i++) {
+    const struct _tide_stale_page *sp = &arena->stale[i];
+    if (sp->addr < lo || sp->addr >= hi) continue;
+    if (sp->stamp < idle_before)
+      refs[n++] = (stale_ref){sp->addr, i};
+    else
+      left++;
+  }
+  qsort(refs, n, sizeof *refs, by_addr);
+  for (size_t k = 0, end; k < n; k = end) {
+    for (end = k + 1; end < n && refs[end].addr == refs[end - 1].addr + page; end++) {
+    }
+    size_t done = 0;
+    int rc = be->ops->unmap_run(be->ctx, refs[k].addr, page, end - k, &done);
+    for (size_t j = k; j < k + done; j++) stale_unmapped(arena, refs[j].index);
+    left += end - k - done;
+    if (rc && !*failed) *failed = rc; /* its message stays the thread's */
+  }
+  compact_stale(arena);
+  return left;
+}
+
 size_t _tide_stale_unmap(_tide_arena *arena, uintptr_t lo, uintptr_t hi, uint64_t idle_before,
                          int *failed) {
   _tide_saved_error saved;
   _tide_error_save(&saved);
   size_t left = 0;
   *failed = TIDE_OK;
-  for (size_t i = arena->nstale; i-- > 0;) {
-    const struct _tide_stale_page *sp = &arena->stale[i];
-    if (sp->addr < lo || sp->addr >= hi) continue;
-    int rc = sp->stamp < idle_before ? unmap_stale_page(arena, i, false) : TIDE_ERR_NOT_READY;
-    if (rc == TIDE_OK) continue;
-    left++;
-    if (rc != TIDE_ERR_NOT_READY && !*failed) {
-      *failed = rc; /* its message stays the thread's */
-      continue;
+  stale_ref *refs = arena->nstale ? malloc(arena->nstale * sizeof *refs) : NULL;
+  if (refs) {
+    left = unmap_idle_runs(arena, lo, hi, idle_before, refs, failed);
+    free(refs);
+  } else { /* no room to sort them: a page at a time */
+    for (size_t i = arena->nstale; i-- > 0;) {
+      const struct _tide_stale_page *sp = &arena->stale[i];
+      if (sp->addr < lo || sp->addr >= hi) continue;
+      int rc = sp->stamp < idle_before ? unmap_stale_page(arena, i, false) : TIDE_ERR_NOT_READY;
+      if (rc == TIDE_OK) continue;
+      left++;
+      if (rc != TIDE_ERR_NOT_READY && !*failed) *failed = rc; /* its message stays the thread's */
     }
   }
   if (!*failed) _tide_error_restore(&saved);
@@ -794,8 +853,7 @@ static int release_expandable(_tide_arena *arena, _tide_block *b, size_t limit,
       rc = _tide_error_set(TIDE_ERR_OOM, "out of host memory for stale page records");
     }
   } else {
-    for (; lo + unmapped * page < hi; unmapped++)
-      if ((rc = be->ops->unmap(be->ctx, lo + unmapped * page, page))) break;
+    rc = be->ops->unmap_run(be->ctx, lo, page, (hi - lo) / page, &unmapped);
   }
   if (unmapped == 0) {
     _tide_block_delete(arena, head);

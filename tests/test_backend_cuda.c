@@ -254,8 +254,9 @@ typedef struct fake_config {
   size_t capacity;     /* device memory */
   size_t taken;        /* of it, held by someone else */
   size_t granularity;
-  int fd_sharing;       /* CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED */
-  bool refuse_sharable; /* cuMemCreate refuses exportable memory (a container, say) */
+  int fd_sharing;          /* CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED */
+  bool refuse_sharable;    /* cuMemCreate refuses exportable memory (a container, say) */
+  bool refuse_unmap_spans; /* cuMemUnmap takes one mapping a call */
 } fake_config;
 
 #define FAKE_RANGES 4096
@@ -294,6 +295,8 @@ static struct fake {
   int not_relaxed;     /* memory calls outside relaxed capture mode */
   int broken_captures; /* waits that would have invalidated a capture */
   int bad_arguments;   /* anything else the real driver would refuse */
+  int unmap_spans;     /* cuMemUnmap calls that ended several mappings */
+  int spans_refused;   /* ... that refuse_unmap_spans turned down */
   char first_problem[256];
 } fake = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
@@ -703,19 +706,33 @@ out:
   return r;
 }
 
+/* A range made of whole mappings, one or several (never part of one). */
 static fres f_mem_unmap(uint64_t ptr, size_t size) {
   fres r = F_INVALID_CONTEXT;
   fake_lock();
   if (!device_call("cuMemUnmap", true)) goto out;
-  int m = range_index(fake.maps, fake.nmaps, ptr);
-  if (m < 0 || fake.maps[m].size != size) {
-    r = bad("%s: not exactly one mapping", "cuMemUnmap");
+  int count = 0;
+  uint64_t at = ptr;
+  for (int m; at < ptr + size && (m = range_index(fake.maps, fake.nmaps, at)) >= 0; count++)
+    at += fake.maps[m].size;
+  if (count == 0 || at != ptr + size) {
+    r = bad("%s: not a run of whole mappings", "cuMemUnmap");
     goto out;
   }
-  f_handle *p = &fake.handles[fake.maps[m].handle - 0x1000];
-  p->maps--;
-  handle_maybe_free(p);
-  fake.maps[m] = fake.maps[--fake.nmaps];
+  if (count > 1 && fake.cfg.refuse_unmap_spans) {
+    fake.spans_refused++;
+    r = F_INVALID_VALUE;
+    goto out;
+  }
+  fake.unmap_spans += count > 1;
+  for (at = ptr; at < ptr + size;) {
+    int m = range_index(fake.maps, fake.nmaps, at);
+    at += fake.maps[m].size;
+    f_handle *p = &fake.handles[fake.maps[m].handle - 0x1000];
+    p->maps--;
+    handle_maybe_free(p);
+    fake.maps[m] = fake.maps[--fake.nmaps];
+  }
   r = F_SUCCESS;
 out:
   fake_unlock();
@@ -1000,6 +1017,7 @@ static void install_fake(fake_config cfg) {
   fake.legacy_implicit = false;
   fake.capture_queries = fake.captured_events = 0;
   fake.no_context = fake.not_relaxed = fake.broken_captures = fake.bad_arguments = 0;
+  fake.unmap_spans = fake.spans_refused = 0;
   fake.first_problem[0] = '\0';
   fake_unlock();
   legacy_stream = (f_stream){0};
@@ -1507,6 +1525,33 @@ static void test_fake_allocator(void **state) {
   }
 }
 
+/* Pages released together are unmapped with one cuMemUnmap; a driver that
+ * refuses such a span gets them one at a time from then on, with nothing
+ * left mapped either way. */
+static void test_fake_unmap_runs(void **state) {
+  (void)state;
+  for (int refuse = 0; refuse < 2; refuse++) {
+    fake_config cfg = healthy();
+    cfg.refuse_unmap_spans = refuse;
+    use_fake(cfg);
+    tide_allocator *a = create_ok("backend:cuda");
+    void *p = tide_malloc(a, 64 * MiB, NULL);
+    assert_non_null(p);
+    assert_int_equal(tide_free(a, p, NULL), TIDE_OK);
+    assert_int_equal(tide_empty_cache(a), TIDE_OK);
+    assert_int_equal(fake.nmaps, 0);
+    assert_int_equal(fake.unmap_spans, refuse ? 0 : 1);
+    assert_int_equal(fake.spans_refused, refuse ? 1 : 0);
+    churn(a, NULL, 5, 500);
+    assert_int_equal(tide_empty_cache(a), TIDE_OK);
+    assert_int_equal(fake.nmaps, 0);
+    assert_int_equal(fake.spans_refused, refuse ? 1 : 0); /* asked once */
+    assert_int_equal(tide_destroy(a), TIDE_OK);
+    assert_fake_clean();
+    assert_fake_empty();
+  }
+}
+
 /* A device whose memory runs out before the allocator's limit: the driver's
  * out-of-memory becomes the allocator's, with its full message. */
 static void test_fake_out_of_memory(void **state) {
@@ -1659,6 +1704,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_fake_capture_pool, teardown_fake),
       cmocka_unit_test_teardown(test_fake_allocator, teardown_fake),
       cmocka_unit_test_teardown(test_fake_out_of_memory, teardown_fake),
+      cmocka_unit_test_teardown(test_fake_unmap_runs, teardown_fake),
       cmocka_unit_test_teardown(test_fake_stream_ordered_free, teardown_fake),
       cmocka_unit_test_teardown(test_fake_foreign_stream, teardown_fake),
       cmocka_unit_test_teardown(test_fake_sharing, teardown_fake),

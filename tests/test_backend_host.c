@@ -180,6 +180,53 @@ static void test_controls_refuse_other_backends(void **state) {
   close_device(&f);
 }
 
+/* unmap_run ends several adjacent mappings with one call; a run with a gap,
+ * part of a mapping or mappings of another size is refused whole. */
+static void test_unmap_run(void **state) {
+  (void)state;
+  fixture f;
+  open_device(&f, 16 * GRAN);
+  uintptr_t base = reserve_pages(&f, 8);
+  _tide_handle h[4];
+  for (int i = 0; i < 4; i++) {
+    h[i] = create_pages(&f, 1);
+    map_rw(&f, base + (size_t)i * GRAN, 1, h[i]);
+  }
+  _tide_handle wide = create_pages(&f, 2);
+  map_rw(&f, base + 5 * GRAN, 2, wide);
+  size_t done = 99;
+  uint64_t calls = _tide_host_call_count(&f.b, TIDE_OP_UNMAP);
+  /* A gap (page 4 is not mapped), and a mapping of two pages. */
+  assert_int_equal(f.ops->unmap_run(f.ctx, base + 3 * GRAN, GRAN, 3, &done), TIDE_ERR_BACKEND);
+  assert_int_equal(done, 0);
+  assert_true(error_contains("is not 3 earlier mappings"));
+  assert_int_equal(f.ops->unmap_run(f.ctx, base + 5 * GRAN, GRAN, 2, &done), TIDE_ERR_BACKEND);
+  assert_int_equal(_tide_host_mappings(&f.b), 5);
+  fill(base, 4 * GRAN, 5); /* all still mapped */
+  /* Pages 1..3 in one call; page 0 stays. */
+  assert_int_equal(f.ops->unmap_run(f.ctx, base + GRAN, GRAN, 3, &done), TIDE_OK);
+  assert_int_equal(done, 3);
+  assert_int_equal(_tide_host_call_count(&f.b, TIDE_OP_UNMAP), calls + 3);
+  assert_int_equal(_tide_host_mappings(&f.b), 2);
+  assert_true(holds(base, GRAN, 5));
+  /* The range can be mapped again; an injected failure unmaps nothing. */
+  map_rw(&f, base + GRAN, 1, h[1]);
+  assert_int_equal(_tide_host_fail_call(&f.b, TIDE_OP_UNMAP, 1), TIDE_OK);
+  assert_int_equal(f.ops->unmap_run(f.ctx, base, GRAN, 2, &done), TIDE_ERR_BACKEND);
+  assert_int_equal(done, 0);
+  assert_int_equal(_tide_host_mappings(&f.b), 3);
+  assert_int_equal(f.ops->unmap_run(f.ctx, base, GRAN, 2, &done), TIDE_OK);
+  assert_int_equal(f.ops->unmap_run(f.ctx, base + 5 * GRAN, 2 * GRAN, 1, &done), TIDE_OK);
+  assert_int_equal(f.ops->unmap_run(f.ctx, base, GRAN, 0, &done), TIDE_OK);
+  assert_int_equal(done, 0);
+  assert_int_equal(_tide_host_mappings(&f.b), 0);
+  for (int i = 0; i < 4; i++) assert_int_equal(f.ops->release(f.ctx, h[i]), TIDE_OK);
+  assert_int_equal(f.ops->release(f.ctx, wide), TIDE_OK);
+  assert_int_equal(_tide_host_bytes_in_use(&f.b), 0);
+  assert_int_equal(f.ops->unreserve(f.ctx, base, 8 * GRAN), TIDE_OK);
+  close_device(&f);
+}
+
 static void test_map_write_read(void **state) {
   (void)state;
   fixture f;
@@ -1054,6 +1101,7 @@ int main(void) {
       cmocka_unit_test(test_open_validates_conf),
       cmocka_unit_test(test_controls_refuse_other_backends),
       cmocka_unit_test(test_map_write_read),
+      cmocka_unit_test(test_unmap_run),
       cmocka_unit_test(test_reserve_alignment),
       cmocka_unit_test(test_two_views_share_bytes),
       cmocka_unit_test(test_capacity_exhaustion),
