@@ -127,16 +127,33 @@ static void undo_page(tide_buf *b, uintptr_t mapped_at, _tide_handle h) {
  * them accessible. All or nothing: on failure every page taken is given back
  * and the message says why. Called without the buffer's mutex by the worker
  * (the pages are marked busy) and with it by the caller. */
+/* Whether a mapping the backend refused to undo still sits where pages
+ * [first, first+count) go. */
+static bool orphan_in_the_way(const tide_buf *b, size_t first, size_t count) {
+  uintptr_t at = b->base + first * b->page, bytes = count * b->page;
+  return _tide_orphan_mapped_in(b->arena, at, at + bytes) ||
+         (b->ring && _tide_orphan_mapped_in(b->arena, at + b->capacity, at + b->capacity + bytes));
+}
+
 static int map_pages(tide_buf *b, size_t first, size_t count) {
   const _tide_backend *be = backend(b);
   size_t done = 0;
-  _tide_lock_acquire(&b->arena->lock);
-  /* A mapping the backend refused to undo may sit where the pages go. */
-  if (b->arena->norphans) _tide_arena_retry_orphans(b->arena);
-  _tide_arena_make_room(b->arena, count * b->page);
-  _tide_lock_release(&b->arena->lock);
-  tide_clear_error();
   int rc = TIDE_OK;
+  _tide_lock_acquire(&b->arena->lock);
+  /* A mapping the backend refused to undo may sit where the pages go: tried
+   * again, and if it stays, the pages cannot go there (the retry's failure
+   * says why). */
+  if (b->arena->norphans && _tide_arena_retry_orphans(b->arena) &&
+      orphan_in_the_way(b, first, count))
+    rc = TIDE_ERR_BACKEND;
+  else
+    _tide_arena_make_room(b->arena, count * b->page);
+  _tide_lock_release(&b->arena->lock);
+  if (rc) {
+    _tide_error_prefix("growable buffer: mapping %zu page(s) of %zu bytes failed", count, b->page);
+    return rc;
+  }
+  tide_clear_error();
   for (; done < count; done++) {
     size_t i = first + done;
     uintptr_t at = b->base + i * b->page;

@@ -484,9 +484,14 @@ tide_status tide_pool_restore(tide_pool *pool, const tide_checkpoint *checkpoint
   /* Frees deferred by captures that have ended since are frees now, not
    * deferred ones that would refuse the restore. */
   _tide_capture_retry_deferred(pool->alloc);
+  int rc = _tide_capture_deferred_stuck(pool->alloc, pool);
+  if (rc) {
+    _tide_error_prefix("tide_pool_restore");
+    return (tide_status)rc;
+  }
   _tide_arena **arenas;
   size_t n;
-  int rc = enter_pool(pool, __func__, &arenas, &n);
+  rc = enter_pool(pool, __func__, &arenas, &n);
   if (rc) return (tide_status)rc;
   restore r = {.k = checkpoint};
   rc = restore_locked(&r, pool, arenas, n);

@@ -487,6 +487,8 @@ void _tide_stale_drop_all(_tide_arena *arena);
 int _tide_arena_settle_stale(_tide_arena *arena, uintptr_t lo, uintptr_t hi, bool wait);
 /* Try again to give back what the backend refused earlier. */
 int _tide_arena_retry_orphans(_tide_arena *arena);
+/* Whether an orphaned mapping overlaps [lo, hi) (segment.c). */
+bool _tide_orphan_mapped_in(const _tide_arena *arena, uintptr_t lo, uintptr_t hi);
 /* The address-ordered list of unmapped blocks of a pool. */
 void _tide_unmapped_insert(_tide_pool *pool, _tide_block *b);
 void _tide_unmapped_remove(_tide_pool *pool, _tide_block *b);
@@ -524,6 +526,13 @@ typedef struct _tide_deferred {
   _tide_arena *arena;
   _tide_block *block;
   tide_stream stream; /* the free's */
+  uintptr_t addr;     /* the block's, and its arena's pool, read without the arena's lock */
+  uint64_t pool_id;
+  /* Its captures ended, but the free could not be ordered after its
+   * streams (an event refused and the stream not waitable now): the status
+   * of that last try, else 0. */
+  int stuck;
+  char why[192]; /* that try's message */
 } _tide_deferred;
 
 typedef struct _tide_captures {
@@ -548,6 +557,11 @@ int _tide_capture_free(struct tide_allocator *a, uintptr_t addr, size_t size, bo
 void _tide_capture_settle(struct tide_allocator *a);
 /* Retry deferred frees: those whose captures ended become real frees. */
 void _tide_capture_retry_deferred(struct tide_allocator *a);
+/* After a retry: a free deferred in `pool` whose captures ended but that
+ * still cannot be completed, with why (TIDE_ERR_NOT_READY when its streams
+ * cannot be waited for now); TIDE_OK if none, or if a capture allocates to
+ * the pool (the restore's first refusal). */
+int _tide_capture_deferred_stuck(struct tide_allocator *a, const struct tide_pool *pool);
 /* A handle that looks like a pool (for its allocator to be reached). */
 bool _tide_capture_pool_valid(const struct tide_pool *pool);
 /* TIDE_OK if the pool has users, else TIDE_ERR_STATE naming `op`. Under

@@ -28,6 +28,7 @@
  *
  * Locks: the capture mutex comes before arenas_mutex and the arena locks;
  * no code takes it while holding one of those. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -521,8 +522,12 @@ static void retry_deferred(tide_allocator *a) {
     next = d->next;
     bool defer = true;
     _tide_lock_acquire(&d->arena->lock);
-    bool done = must_defer(a, d->arena, d->block, d->stream, true, &defer) == TIDE_OK && !defer &&
-                _tide_arena_finish_deferred(d->arena, d->block, d->stream) == TIDE_OK;
+    bool asked = must_defer(a, d->arena, d->block, d->stream, true, &defer) == TIDE_OK;
+    int finished = asked && !defer ? _tide_arena_finish_deferred(d->arena, d->block, d->stream)
+                                   : TIDE_ERR_STATE;
+    bool done = finished == TIDE_OK;
+    d->stuck = asked && !defer ? finished : 0;
+    if (d->stuck) snprintf(d->why, sizeof d->why, "%s", tide_last_error());
     _tide_lock_release(&d->arena->lock);
     if (done) {
       free(d);
@@ -574,7 +579,12 @@ int _tide_capture_free(tide_allocator *a, uintptr_t addr, size_t size, bool size
                              (void *)addr);
       } else if (defer) {
         rc = _tide_arena_defer_free(arena, b, stream);
-        if (!rc) *node = (_tide_deferred){.arena = arena, .block = b, .stream = stream};
+        if (!rc)
+          *node = (_tide_deferred){.arena = arena,
+                                   .block = b,
+                                   .stream = stream,
+                                   .addr = b->addr,
+                                   .pool_id = arena->pool_id};
         deferred = rc == TIDE_OK;
       } else {
         rc = _tide_arena_free(arena, b, stream);
@@ -597,6 +607,22 @@ int _tide_capture_free(tide_allocator *a, uintptr_t addr, size_t size, bool size
 }
 
 void _tide_capture_retry_deferred(tide_allocator *a) { retry_deferred(a); }
+
+int _tide_capture_deferred_stuck(tide_allocator *a, const tide_pool *pool) {
+  int rc = TIDE_OK;
+  pthread_mutex_lock(&a->captures.mutex);
+  /* A capture allocating to the pool is the first reason to refuse. */
+  for (const _tide_deferred *d = pool->captures ? NULL : a->captures.deferred; d && !rc;
+       d = d->next)
+    if (d->pool_id == pool->id && d->stuck)
+      rc = _tide_error_set(d->stuck == TIDE_ERR_NOT_READY ? TIDE_ERR_NOT_READY : d->stuck,
+                           "the free of %p no longer waits for a capture but for work on the "
+                           "streams that used it, which cannot be waited for now (%s); try "
+                           "again once it can",
+                           (void *)d->addr, d->why);
+  pthread_mutex_unlock(&a->captures.mutex);
+  return rc;
+}
 
 void _tide_capture_settle(tide_allocator *a) {
   retry_deferred(a);

@@ -173,6 +173,14 @@ void _tide_orphan(_tide_arena *arena, int pool, uintptr_t map_addr, size_t map_s
 /* One more try at an orphan: unmap, release, unreserve, in that order. */
 static bool stale_adopt(_tide_arena *arena, _tide_handle h, int pool);
 
+bool _tide_orphan_mapped_in(const _tide_arena *arena, uintptr_t lo, uintptr_t hi) {
+  for (size_t i = 0; i < arena->norphans; i++) {
+    const _tide_orphan_rec *o = &arena->orphans[i];
+    if (o->map_addr && o->map_addr < hi && o->map_addr + o->map_size > lo) return true;
+  }
+  return false;
+}
+
 static bool mappings_orphaned(const _tide_arena *arena) {
   for (size_t i = 0; i < arena->norphans; i++)
     if (arena->orphans[i].map_addr) return true;
