@@ -484,7 +484,10 @@ tide_status tide_pool_restore(tide_pool *pool, const tide_checkpoint *checkpoint
   /* Frees deferred by captures that have ended since are frees now, not
    * deferred ones that would refuse the restore. */
   _tide_capture_retry_deferred(pool->alloc);
-  int rc = _tide_capture_deferred_stuck(pool->alloc, pool);
+  /* (After the refusals that come first: another pool's checkpoint, a
+   * capture allocating to the pool.) */
+  int rc =
+      checkpoint->pool_id == pool->id ? _tide_capture_deferred_stuck(pool->alloc, pool) : TIDE_OK;
   if (rc) {
     _tide_error_prefix("tide_pool_restore");
     return (tide_status)rc;
