@@ -774,6 +774,22 @@ static bool stale_in_the_way(const _tide_arena *arena, const _tide_growth *g, si
   return false;
 }
 
+/* Growth `g` in unmapped block u is blocked by stale pages: the pages at
+ * the other end of u instead (joining the free block after it, if any),
+ * when they are not blocked too. A deferred release leaves its stale pages
+ * where growth meets the unmapped space, so the far end of a large hole is
+ * usually clear, and using it beats waiting for a stream that may be held
+ * (that wait would fail the allocation with memory to spare). */
+static void avoid_stale(const _tide_arena *arena, _tide_block *u, size_t size, size_t page,
+                        _tide_growth *g) {
+  size_t right = free_size(u->next), upages = u->size / page;
+  size_t count = right < size ? round_up(size - right, page) / page : 1;
+  if (count > upages) return;
+  _tide_growth back = {
+      .unmapped = u, .first = (u->addr - u->segment->base) / page + upages - count, .count = count};
+  if (back.first != g->first && !stale_in_the_way(arena, &back, page)) *g = back;
+}
+
 int _tide_pool_plan_growth(const _tide_arena *arena, _tide_pool *pool, size_t size, size_t page,
                            _tide_growth *out) {
   *out = (_tide_growth){0};
@@ -781,11 +797,29 @@ int _tide_pool_plan_growth(const _tide_arena *arena, _tide_pool *pool, size_t si
     _tide_growth g;
     if (!plan_at(u, size, page, &g)) continue;
     g.blocked = arena->nstale && stale_in_the_way(arena, &g, page);
+    if (g.blocked) avoid_stale(arena, u, size, page, &g);
     bool better = !out->count || (out->blocked && !g.blocked) ||
                   (out->blocked == g.blocked && g.count < out->count);
     if (better) *out = g;
   }
   return out->count ? TIDE_OK : TIDE_ERR_OOM;
+}
+
+/* Every place growth could use holds stale pages: wait for their stream.
+ * If it cannot be waited for now (held by a long kernel, say), a new
+ * virtual range has none, and the memory is there to be had. Otherwise the
+ * plan stays, and mapping fails with why. */
+static void settle_or_move(_tide_arena *arena, _tide_pool *pool, size_t size, size_t page,
+                           _tide_growth *g) {
+  uintptr_t lo = g->unmapped->segment->base + g->first * page;
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
+  _tide_growth moved;
+  if (_tide_arena_settle_stale(arena, lo, lo + g->count * page, true) != TIDE_OK &&
+      new_expandable(arena, pool, size) == TIDE_OK &&
+      _tide_pool_plan_growth(arena, pool, size, page, &moved) == TIDE_OK && !moved.blocked)
+    *g = moved;
+  _tide_error_restore(&saved);
 }
 
 static int grow_expandable(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_block **out) {
@@ -798,6 +832,7 @@ static int grow_expandable(_tide_arena *arena, _tide_pool *pool, size_t size, _t
     if (_tide_pool_plan_growth(arena, pool, size, page, &g))
       return _tide_error_set(TIDE_ERR_OOM, "no virtual range can hold %zu bytes", size);
   }
+  if (g.blocked) settle_or_move(arena, pool, size, page, &g);
   return map_planned(arena, pool, &g, size, out);
 }
 

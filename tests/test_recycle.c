@@ -123,11 +123,58 @@ static void test_destroy_with_stale_pages(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* Random frees and allocations on a stream held now and then (its queued
+ * work not done, so the pages it freed stay mapped as stale ones): no
+ * allocation may fail while the device has room. Growth that would have
+ * to wait for the held stream maps elsewhere instead: the far end of the
+ * hole, or a new virtual range. */
+static void held_stream_workload(uint64_t seed) {
+  tide_allocator *a = tu_create("backend:host,host_capacity:256MiB,release_slack:0");
+  tide_stream s;
+  tu_assert_ok(tide_stream_create(a, &s));
+  void *live[64] = {0};
+  bool held = false;
+  tu_rng r;
+  tu_rng_seed(&r, seed);
+  for (int step = 0; step < 3000; step++) {
+    int i = (int)tu_below(&r, 64);
+    if (tu_below(&r, 100) < 5) {
+      tu_assert_ok(held ? tide_host_stream_release(a, s) : tide_host_stream_hold(a, s));
+      held = !held;
+    } else if (live[i]) {
+      tu_assert_ok(tide_free(a, live[i], s));
+      live[i] = NULL;
+    } else {
+      size_t size = (size_t)(tu_below(&r, 24) + 1) << 19; /* 0.5 .. 12 MiB */
+      live[i] = tide_malloc(a, size, s);
+      int64_t reserved = tu_stats(a).reserved_bytes[TIDE_POOL_ALL].current;
+      if (!live[i] && reserved + (int64_t)size < 200 * (int64_t)TU_MiB)
+        fail_msg("seed %llu, step %d: %zu bytes refused with %lld MiB reserved of 256: %s",
+                 (unsigned long long)seed, step, size, (long long)(reserved / (int64_t)TU_MiB),
+                 tide_last_error());
+    }
+  }
+  tu_assert_ok(tide_check(a));
+  if (held) tu_assert_ok(tide_host_stream_release(a, s));
+  for (int i = 0; i < 64; i++)
+    if (live[i]) tu_assert_ok(tide_free(a, live[i], s));
+  tu_assert_ok(tide_empty_cache(a));
+  assert_int_equal(tide_host_bytes_in_use(a), 0);
+  tu_assert_ok(tide_stream_destroy(a, s));
+  tu_assert_ok(tide_destroy(a));
+}
+
+static void test_growth_does_not_wait_for_a_held_stream(void **state) {
+  (void)state;
+  for (uint64_t seed = 1; seed <= 40; seed++) held_stream_workload(seed);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_no_synchronization),
       cmocka_unit_test(test_old_addresses_stay_until_idle),
       cmocka_unit_test(test_destroy_with_stale_pages),
+      cmocka_unit_test(test_growth_does_not_wait_for_a_held_stream),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
