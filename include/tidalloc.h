@@ -460,7 +460,9 @@ TIDE_API tide_status tide_capture_pool(tide_allocator *alloc, tide_stream stream
  * restore first waits for frees of the pool's blocks that wait on other
  * streams; if that fails, or host memory runs out, nothing else changes.
  * Refused with TIDE_ERR_STATE while a capture allocates to the pool or a
- * free of its blocks is deferred by a capture, and TIDE_ERR_INVALID for a
+ * free of its blocks is deferred by a capture, TIDE_ERR_NOT_READY while such
+ * a free, its captures ended, still waits for work on its streams that
+ * cannot be waited for now (a held stream), and TIDE_ERR_INVALID for a
  * checkpoint of another pool. */
 typedef struct tide_checkpoint tide_checkpoint;
 
