@@ -164,6 +164,11 @@ typedef struct world {
   begin_rec begins[BEGINS];
   ckpt_rec ckpts[CKPTS];
   deferred_rec deferred[DEFERRED];
+  /* Deferred frees whose streams all left their captures: the allocator
+   * completes them at its next look (a capture's end, a free, a restore),
+   * and keeps them deferred if a stream is captured again by then. */
+  deferred_rec ended[DEFERRED];
+  unsigned nended;                  /* written so far (a ring) */
   bool deferred_lost;               /* a deferred free the model could not keep */
   uint64_t fault_at[TIDE_OP_COUNT]; /* the call of each op armed to fail; 0: none */
   uint64_t calls_before[TIDE_OP_COUNT];
@@ -451,7 +456,10 @@ FZ_CHECK_ONLY static void settle_deferred(world *w) {
     deferred_rec *d = &w->deferred[i];
     bool still = false;
     for (unsigned j = 0; d->used && j < d->n; j++) still |= captured(w, d->on[j]);
-    if (d->used && !still) d->used = false;
+    if (d->used && !still) {
+      w->ended[w->nended++ % DEFERRED] = *d;
+      d->used = false;
+    }
   }
   if (w->deferred_lost && !any_captured(w)) w->deferred_lost = false;
 }
@@ -459,6 +467,11 @@ FZ_CHECK_ONLY static void settle_deferred(world *w) {
 FZ_CHECK_ONLY static bool pool_deferred(const world *w, uint64_t pool) {
   for (int i = 0; i < DEFERRED; i++)
     if (w->deferred[i].used && w->deferred[i].pool == pool) return true;
+  for (int i = 0; i < DEFERRED; i++) {
+    const deferred_rec *d = &w->ended[i];
+    for (unsigned j = 0; d->used && d->pool == pool && j < d->n; j++)
+      if (captured(w, d->on[j])) return true;
+  }
   return w->deferred_lost;
 }
 
@@ -1478,6 +1491,8 @@ static void op_restore(world *w) {
   if (fault_fired(w)) allowed |= ST(TIDE_ERR_STATE);
   expect_ok(w, rc, allowed);
   if (rc != TIDE_OK) return;
+  for (int i = 0; i < DEFERRED; i++) /* none of them was still deferred */
+    if (w->ended[i].pool == ps->id) w->ended[i].used = false;
   /* What the model expects to change hands. */
   size_t nreleased = 0, nrestored = 0;
   for (int i = 0; i < SLOTS; i++) {
