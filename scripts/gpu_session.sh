@@ -9,7 +9,8 @@
 #   OUT=/some/dir scripts/gpu_session.sh
 # Files written (8 at most): summary.txt, system.txt, build.log (with the CPU
 # tests), gpu_tests.log, gpu_memcheck.log, bench.log, bench.csv, stream.csv.
-# GPU_TESTS=0 or GPU_BENCH=0 leave a part out; TRACE_DIR holds the traces.
+# GPU_TESTS=0 or GPU_BENCH=0 leave a part out, MICRO=0 the micro benchmarks
+# and the PyTorch anchor (about 200 s); TRACE_DIR holds the traces.
 # SOAK_SECONDS=N (default 0: none) runs `tidalloc soak` on the GPU for N
 # seconds at the end; its output and its CSV row go to bench.log, its result
 # to the summary (the budget below grows by N).
@@ -184,6 +185,7 @@ bench_csv=$out/bench.csv
 if [[ ${GPU_BENCH:-1} == 1 && -x build/tidalloc ]]; then
   # The host-side anchors and tidalloc's cached path on this machine's CPUs,
   # then tidalloc on the GPU, then PyTorch's allocator and cudaMallocAsync.
+  if [[ ${MICRO:-1} == 1 ]]; then
   step "micro (host backend)" "$bench_log" 150 \
     sh -c 'build/tidalloc micro --csv --conf backend:host >"$0"' "$bench_csv"
   step "micro (cuda backend)" "$bench_log" 120 \
@@ -191,6 +193,7 @@ if [[ ${GPU_BENCH:-1} == 1 && -x build/tidalloc ]]; then
   step "torch anchor build" "$bench_log" 150 bench/gpu/build.sh build/bench-gpu &&
     step "torch anchor" "$bench_log" 150 \
       sh -c 'build/bench-gpu/torch_anchor --repeat 7 | tail -n +2 >>"$0"' "$bench_csv"
+  fi
   # What the driver's map and unmap calls cost here, and whether one unmap may
   # cover several mappings (bench/gpu/vmm_costs.c).
   cuda_home=$(dirname "$(dirname "$(command -v nvcc)")")
