@@ -101,7 +101,7 @@ tide_status tide_create(int device, const tide_config *config, tide_allocator **
   atomic_init(&a->limit, limit_of(a, a->conf.memory_fraction, a->conf.memory_limit));
   atomic_init(&a->hit_extras, a->trace.cap != 0);
   _tide_captures_init(a);
-  _tide_fast_paths_update(a, atomic_load(&a->capture_watch) != 0);
+  _tide_fast_paths_update(a, atomic_load(&a->capture_watch) != 0 || a->conf.capture_detection);
   pthread_mutex_init(&a->arenas_mutex, NULL);
   pthread_mutex_init(&a->reclaim_mutex, NULL);
   pthread_mutex_init(&a->bufs_mutex, NULL);
@@ -518,6 +518,14 @@ static TIDE_NOINLINE _tide_arena *capture_arena(tide_allocator *a, tide_stream s
   return arena ? arena : arena_of(a, stream, true);
 }
 
+/* Whether a call on `stream` goes through the capture path (pool.c): while
+ * captures are watched, and with capture_detection when the stream is being
+ * captured. */
+static inline bool captures_involved(tide_allocator *a, tide_stream stream) {
+  if (atomic_load_explicit(&a->capture_watch, memory_order_relaxed)) return true;
+  return a->conf.capture_detection && _tide_capture_detected(a, stream);
+}
+
 /* The full path of tide_malloc under the arena lock, which it releases. */
 static TIDE_NOINLINE void *malloc_locked(tide_allocator *a, _tide_arena *arena, size_t size,
                                          size_t rounded, tide_stream stream) {
@@ -576,9 +584,8 @@ static TIDE_NOINLINE void *malloc_slow(tide_allocator *a, size_t size, tide_stre
   size_t rounded = TIDE_LIKELY(a->plain_rounding)
                        ? (size + TIDE_MIN_BLOCK - 1) & ~(TIDE_MIN_BLOCK - 1)
                        : _tide_round_size(&a->conf, size);
-  _tide_arena *arena = TIDE_LIKELY(!atomic_load_explicit(&a->capture_watch, memory_order_relaxed))
-                           ? arena_of(a, stream, true)
-                           : capture_arena(a, stream);
+  _tide_arena *arena = TIDE_LIKELY(!captures_involved(a, stream)) ? arena_of(a, stream, true)
+                                                                  : capture_arena(a, stream);
   if (TIDE_UNLIKELY(!arena)) return NULL;
   _tide_lock_acquire(&arena->lock);
   return malloc_in_arena(a, arena, size, rounded, stream);
@@ -640,14 +647,28 @@ static TIDE_NOINLINE tide_status free_any(tide_allocator *a, void *ptr, size_t s
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   if (!ptr) return TIDE_OK;
   uintptr_t addr = (uintptr_t)ptr;
-  if (TIDE_UNLIKELY(atomic_load_explicit(&a->capture_watch, memory_order_relaxed)))
+  if (TIDE_UNLIKELY(captures_involved(a, stream)))
     return (tide_status)_tide_capture_free(a, addr, size, sized, stream);
   _tide_arena *arena = arena_of(a, stream, false);
+  if (TIDE_UNLIKELY(!arena && a->conf.capture_detection))
+    return (tide_status)_tide_capture_free(a, addr, size, sized, stream);
   if (TIDE_LIKELY(arena != NULL)) {
     _tide_lock_acquire(&arena->lock);
     _tide_block *b = _tide_arena_live(arena, addr);
+    /* With capture_detection, a block recorded on other streams, or of
+     * another arena, goes the capture path: a stream it involves may be
+     * captured (pool.c, must_defer). */
+    if (TIDE_UNLIKELY(a->conf.capture_detection && (!b || b->nstreams))) {
+      _tide_lock_release(&arena->lock);
+      return (tide_status)_tide_capture_free(a, addr, size, sized, stream);
+    }
     if (TIDE_LIKELY(b && (!sized || b->requested == size))) {
-      int rc = _tide_arena_free(arena, b, stream);
+      int rc = TIDE_OK;
+      if (_tide_arena_free_quick(arena, b)) { /* the stream's own arena: as tide_free's hit */
+        if (TIDE_UNLIKELY(_tide_hit_has_extras(a))) _tide_hit_extras(arena, b, false, stream);
+      } else {
+        rc = _tide_arena_free(arena, b, stream);
+      }
       _tide_lock_release(&arena->lock);
       return (tide_status)rc;
     }

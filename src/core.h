@@ -550,6 +550,10 @@ void _tide_captures_destroy(struct tide_allocator *a);
 /* The arena of `stream` in the pool its allocations go to now; *out NULL
  * when they go to the stream's own arena. */
 int _tide_capture_route(struct tide_allocator *a, tide_stream stream, _tide_arena **out);
+/* With capture_detection and nothing watched: whether a call on `stream`
+ * must take the capture path (it is being captured, or asking failed, which
+ * that path reports). */
+bool _tide_capture_detected(struct tide_allocator *a, tide_stream stream);
 /* tide_free while captures are watched: defers what a capture must defer. */
 int _tide_capture_free(struct tide_allocator *a, uintptr_t addr, size_t size, bool sized,
                        tide_stream stream);

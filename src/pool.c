@@ -11,8 +11,12 @@
  *   a graph's replays write the blocks its capture freed.
  * - The fast paths of tide_malloc and tide_free test one flag,
  *   capture_watch, which is nonzero only while a capture is routed to a
- *   pool, capture_detection is on, or a free is deferred; then they come
- *   here, where locks and driver queries are affordable.
+ *   pool or a free is deferred; then they come here, where locks and
+ *   driver queries are affordable. With capture_detection on and nothing
+ *   watched, an allocation or free first asks whether its stream is being
+ *   captured (_tide_capture_detected) and comes here only if it is: one
+ *   driver query, not the capture path's locks and searches, is what the
+ *   option costs an ordinary call.
  * - Routing: a begin on a stream being captured routes that capture (all of
  *   its streams share its id: cuStreamGetCaptureInfo); a begin on a stream
  *   not being captured routes that stream. With capture_detection, a
@@ -42,11 +46,11 @@ static _Atomic uint64_t next_pool_id = 1; /* ids are never reused in the process
 
 /* Under the mutex: what makes the fast paths come here. */
 static void update_watch(tide_allocator *a) {
-  int watch = a->conf.capture_detection ? 1 : 0;
+  int watch = 0;
   for (const _tide_capture *c = a->captures.active; c; c = c->next) watch++;
   if (a->captures.deferred) watch++;
   atomic_store_explicit(&a->capture_watch, watch, memory_order_release);
-  _tide_fast_paths_update(a, watch != 0);
+  _tide_fast_paths_update(a, watch != 0 || a->conf.capture_detection);
 }
 
 void _tide_captures_init(tide_allocator *a) {
@@ -54,7 +58,7 @@ void _tide_captures_init(tide_allocator *a) {
   a->captures.active = NULL;
   a->captures.pools = NULL;
   a->captures.deferred = NULL;
-  atomic_init(&a->capture_watch, a->conf.capture_detection ? 1 : 0);
+  atomic_init(&a->capture_watch, 0);
 }
 
 void _tide_captures_destroy(tide_allocator *a) {
@@ -332,6 +336,12 @@ static int pool_of_stream(tide_allocator *a, tide_stream stream, tide_pool **out
 }
 
 static void retry_deferred(tide_allocator *a);
+
+bool _tide_capture_detected(tide_allocator *a, tide_stream stream) {
+  bool capturing;
+  uint64_t id;
+  return capture_status(a, stream, &capturing, &id) != TIDE_OK || capturing;
+}
 
 int _tide_capture_route(tide_allocator *a, tide_stream stream, _tide_arena **out) {
   *out = NULL;

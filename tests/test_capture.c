@@ -205,8 +205,8 @@ static void destroy_clean(tide_allocator *a) {
   assert_int_equal(allocated(&st), 0);
   assert_int_equal(reserved(&st), 0);
   assert_int_equal(tide_host_bytes_in_use(a), 0);
-  assert_null(a->captures.pools); /* every pool went */
-  assert_int_equal(atomic_load(&a->capture_watch), a->conf.capture_detection ? 1 : 0);
+  assert_null(a->captures.pools);                      /* every pool went */
+  assert_int_equal(atomic_load(&a->capture_watch), 0); /* nothing routed or deferred */
   tu_assert_ok(tide_destroy(a));
 }
 
@@ -979,6 +979,46 @@ static void test_capture_detection(void **state) {
   destroy_clean(a);
 }
 
+/* With capture_detection, a free of `ptr` (of `size` bytes) on `by` while s
+ * is being captured, unannounced, is the first call the capture makes: it
+ * must be deferred (no event recorded, the block not handed out) and become
+ * real after the capture. `other` is a stream never captured. */
+static void expect_deferred(tide_allocator *a, tide_stream s, void *ptr, size_t size,
+                            tide_stream by, tide_stream other) {
+  assert_int_equal(atomic_load(&a->capture_watch), 0);
+  uint64_t records = tide_host_call_count(a, TIDE_OP_EVENT_RECORD);
+  tu_assert_ok(tide_host_capture_begin(a, s));
+  tu_assert_ok(tide_free(a, ptr, by));
+  assert_true(atomic_load(&a->capture_watch) > 0);
+  assert_int_equal(tide_host_call_count(a, TIDE_OP_EVENT_RECORD), records);
+  void *meanwhile = must_malloc(a, size, other);
+  assert_true(meanwhile != ptr);
+  check_all(a);
+  tu_assert_ok(tide_host_capture_end(a, s));
+  tu_assert_ok(tide_free(a, meanwhile, other)); /* makes the deferred free real */
+  assert_int_equal(atomic_load(&a->capture_watch), 0);
+}
+
+/* capture_detection asks only the calling stream before its quick path:
+ * frees that reach a capture before any allocation of it must still be
+ * deferred — of the captured stream's own memory, of a block recorded on
+ * it, of a block of a third stream recorded on it. */
+static void test_detection_defers_first_frees(void **state) {
+  (void)state;
+  tide_allocator *a = make("capture_detection:True");
+  tide_stream s = new_stream(a), t = new_stream(a), u = new_stream(a), w = new_stream(a);
+  tu_assert_ok(tide_free(a, must_malloc(a, 4 * MiB, w), w)); /* ordinary: nothing watched */
+  expect_deferred(a, s, must_malloc(a, MiB, s), MiB, s, w);
+  void *h = must_malloc(a, 2 * MiB, t);
+  tu_assert_ok(tide_record_stream(a, h, s));
+  expect_deferred(a, s, h, 2 * MiB, t, w);
+  void *k = must_malloc(a, 3 * MiB, u);
+  tu_assert_ok(tide_record_stream(a, k, s));
+  expect_deferred(a, s, k, 3 * MiB, t, w); /* freed on t: not t's block */
+  check_all(a);
+  destroy_clean(a);
+}
+
 static void test_bad_input(void **state) {
   (void)state;
   tide_allocator *a = make(NULL), *b = make(NULL);
@@ -1051,6 +1091,7 @@ int main(void) {
       cmocka_unit_test(test_faults_during_growth),
       cmocka_unit_test(test_faults_during_restore),
       cmocka_unit_test(test_capture_detection),
+      cmocka_unit_test(test_detection_defers_first_frees),
       cmocka_unit_test(test_bad_input),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
