@@ -1079,13 +1079,23 @@ static int cuda_stream_capture_status(void *ctx, tide_stream stream, bool *captu
    * routes the one stream it names. */
   if (!stream || !d->drv.stream_get_capture_info) return TIDE_OK;
   char text[48];
-  scope s;
-  int rc = enter(d, &s, "asking whether a stream is being captured");
-  if (rc) return rc;
   CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
   cuuint64_t id = 0;
-  CUresult r = d->drv.stream_get_capture_info(cu_stream(stream), &status, &id, NULL, NULL, NULL);
-  leave(d, &s);
+  CUresult r;
+  CUcontext current = NULL;
+  /* capture_detection asks this on every allocation and free: with the
+   * device's context already current (as under PyTorch) the query goes
+   * straight to the driver, without the capture-mode switch of enter(),
+   * which a query legal during any capture does not need. */
+  if (d->drv.ctx_get_current(&current) == CUDA_SUCCESS && current == d->ctx) {
+    r = d->drv.stream_get_capture_info(cu_stream(stream), &status, &id, NULL, NULL, NULL);
+  } else {
+    scope s;
+    int rc = enter(d, &s, "asking whether a stream is being captured");
+    if (rc) return rc;
+    r = d->drv.stream_get_capture_info(cu_stream(stream), &status, &id, NULL, NULL, NULL);
+    leave(d, &s);
+  }
   if (r != CUDA_SUCCESS)
     return fail(d, r, "cuStreamGetCaptureInfo", "asking whether %s is being captured",
                 stream_text(stream, text, sizeof text));
