@@ -46,7 +46,8 @@ typedef struct stream_row {
   double seconds;
   double peak_allocated_gib;
   double peak_reserved_gib;
-  char error[ERROR_LEN]; /* why it ran out of memory; "" when ok */
+  uint64_t pages_mapped, pages_unmapped; /* the terminal table's, not the CSV's */
+  char error[ERROR_LEN];                 /* why it ran out of memory; "" when ok */
 } stream_row;
 
 /* ------------------------------------------------------------------------ */
@@ -219,6 +220,8 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
   row->peak_allocated_gib =
       ok ? (double)stats.allocated_bytes[TIDE_POOL_ALL].peak / 1073741824.0 : 0;
   row->peak_reserved_gib = ok ? (double)stats.reserved_bytes[TIDE_POOL_ALL].peak / 1073741824.0 : 0;
+  row->pages_mapped = ok ? stats.pages_mapped : 0;
+  row->pages_unmapped = ok ? stats.pages_unmapped : 0;
   if (tide_destroy(alloc) != TIDE_OK) {
     cli_report_tide_error("stream: destroying the allocator");
     ok = false;
@@ -305,13 +308,15 @@ static bool write_csv(const char *path, const stream_row *rows, int count) {
 }
 
 static void print_table(const stream_row *rows, int count) {
-  printf("%8s  %-6s  %-20s  %9s  %14s  %13s  %9s\n", "frames", "status", "backend", "seconds",
-         "allocated GiB", "reserved GiB", "res/alloc");
+  printf("%8s  %-6s  %-20s  %9s  %14s  %13s  %9s  %12s  %14s\n", "frames", "status", "backend",
+         "seconds", "allocated GiB", "reserved GiB", "res/alloc", "pages mapped", "pages unmapped");
   for (int i = 0; i < count; i++) {
     const stream_row *r = &rows[i];
     double ratio = r->peak_allocated_gib > 0 ? r->peak_reserved_gib / r->peak_allocated_gib : 0;
-    printf("%8d  %-6s  %-20s  %9.3f  %14.3f  %13.3f  %9.3f\n", r->frames, r->oom ? "oom" : "ok",
-           r->backend, r->seconds, r->peak_allocated_gib, r->peak_reserved_gib, ratio);
+    printf("%8d  %-6s  %-20s  %9.3f  %14.3f  %13.3f  %9.3f  %12llu  %14llu\n", r->frames,
+           r->oom ? "oom" : "ok", r->backend, r->seconds, r->peak_allocated_gib,
+           r->peak_reserved_gib, ratio, (unsigned long long)r->pages_mapped,
+           (unsigned long long)r->pages_unmapped);
   }
   for (int i = 0; i < count; i++)
     if (rows[i].oom) printf("\n%d frames: %s\n", rows[i].frames, rows[i].error);
