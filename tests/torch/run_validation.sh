@@ -5,9 +5,15 @@
 # once (the warm-up: the columns measured before repeats existed) and then
 # REPEATS times more (default 3), timed; validate.py checks every repeat's
 # output against its first run. Writes the CSV to stdout and, to stderr, a
-# table of the median time and the spread (max - min, as a percentage of the
-# median) per configuration. Exits non-zero if a configuration fails or its
+# table per configuration of the median time over its processes (each
+# process's own median of its repeats) and their spread (highest - lowest,
+# as a percentage of the median). Exits non-zero if a configuration fails or its
 # outputs differ from the native ones.
+#
+# ROUNDS (default 1) runs the whole set that many times, configurations
+# interleaved, each a fresh process (a process's own speed varies more than
+# its repeats show); the `round` column says which, and the table gives the
+# median over the rounds of each process's median.
 #
 #   PYTHON=python3 REPEATS=3 tests/torch/run_validation.sh > validation.csv
 #   PROGRAMS="gpt2" CONFIGS="native tidalloc tidalloc-nodetect" tests/torch/run_validation.sh
@@ -19,42 +25,58 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 py=${PYTHON:-python3}
 repeats=${REPEATS:-3}
+rounds=${ROUNDS:-1}
 export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
-echo "program,allocator,output_sha256,peak_allocated_mib,peak_reserved_mib,reserved_over_allocated,seconds,repeats,median_seconds,min_seconds,max_seconds,peak_reserved_all_mib"
+echo "program,allocator,output_sha256,peak_allocated_mib,peak_reserved_mib,reserved_over_allocated,seconds,repeats,median_seconds,min_seconds,max_seconds,peak_reserved_all_mib,round"
 status=0
-summary=""
-for program in ${PROGRAMS:-gpt2 vit}; do
-  native=""
-  for config in ${CONFIGS:-native expandable tidalloc}; do
-    torch_conf=""; tide_conf=${TIDALLOC_CONF:-}; allocator=native
-    case $config in
-      native) ;;
-      expandable) torch_conf="expandable_segments:True" ;;
-      tidalloc) allocator=tidalloc ;;
-      tidalloc-nodetect) allocator=tidalloc; tide_conf="${tide_conf:+$tide_conf,}capture_detection:False" ;;
-      *) echo "run_validation: unknown configuration $config" >&2; status=1; continue ;;
-    esac
-    row=$(PYTORCH_CUDA_ALLOC_CONF=$torch_conf TIDALLOC_CONF=$tide_conf \
-          "$py" tests/torch/validate.py "$program" "$allocator" --repeats "$repeats" | tail -1)
-    rc=$?
-    if [[ $rc != 0 || -z $row ]]; then
-      echo "run_validation: $program under $config failed (exit $rc)" >&2
-      status=1
-      [[ -z $row ]] && continue
-    fi
-    row=${row/,$allocator,/,$config,}
-    echo "$row"
-    IFS=, read -r _ _ sha _ _ _ _ _ median min max _ <<<"$row"
-    summary+=$(awk -v p="$program" -v c="$config" -v md="$median" -v mn="$min" -v mx="$max" \
-      'BEGIN { spread = (md > 0) ? 100 * (mx - mn) / md : 0
-               printf "%-5s %-18s %8.3f s  (min %.3f, max %.3f, spread %.1f%%)\n", p, c, md, mn, mx, spread }')$'\n'
-    [[ $config == native || -z $native ]] && native=$sha
-    if [[ $sha != "$native" ]]; then
-      echo "run_validation: $program under $config gives other outputs ($sha vs $native)" >&2
-      status=1
-    fi
+rows=$(mktemp)
+trap 'rm -f "$rows"' EXIT
+for ((round = 1; round <= rounds; round++)); do
+  for program in ${PROGRAMS:-gpt2 vit}; do
+    native=""
+    for config in ${CONFIGS:-native expandable tidalloc}; do
+      torch_conf=""; tide_conf=${TIDALLOC_CONF:-}; allocator=native
+      case $config in
+        native) ;;
+        expandable) torch_conf="expandable_segments:True" ;;
+        tidalloc) allocator=tidalloc ;;
+        tidalloc-nodetect) allocator=tidalloc; tide_conf="${tide_conf:+$tide_conf,}capture_detection:False" ;;
+        *) echo "run_validation: unknown configuration $config" >&2; status=1; continue ;;
+      esac
+      row=$(PYTORCH_CUDA_ALLOC_CONF=$torch_conf TIDALLOC_CONF=$tide_conf \
+            "$py" tests/torch/validate.py "$program" "$allocator" --repeats "$repeats" | tail -1)
+      rc=$?
+      if [[ $rc != 0 || -z $row ]]; then
+        echo "run_validation: $program under $config failed (exit $rc)" >&2
+        status=1
+        [[ -z $row ]] && continue
+      fi
+      row=${row/,$allocator,/,$config,},$round
+      echo "$row"
+      echo "$row" >>"$rows"
+      IFS=, read -r _ _ sha _ <<<"$row"
+      [[ $config == native || -z $native ]] && native=$sha
+      if [[ $sha != "$native" ]]; then
+        echo "run_validation: $program under $config gives other outputs ($sha vs $native)" >&2
+        status=1
+      fi
+    done
   done
 done
-printf '\nmedian of %s repeats per configuration (spread: max - min over the median):\n%s' \
-  "$repeats" "$summary" >&2
+# Per program and configuration: the median over rounds of each process's
+# median, and the lowest and highest of those (each round a fresh process).
+awk -F, -v repeats="$repeats" -v rounds="$rounds" '
+  { key = $1 " " $2; if (!(key in n)) order[++keys] = key; v[key, ++n[key]] = $9 }
+  END {
+    printf "\nmedian of %d repeats per process, %d process(es) per configuration (spread: highest - lowest process median over their median):\n", repeats, rounds
+    for (k = 1; k <= keys; k++) {
+      key = order[k]; m = n[key]
+      for (i = 1; i <= m; i++) a[i] = v[key, i]
+      for (i = 2; i <= m; i++) for (j = i; j > 1 && a[j-1] > a[j]; j--) { t = a[j]; a[j] = a[j-1]; a[j-1] = t }
+      md = (m % 2) ? a[(m + 1) / 2] : (a[m / 2] + a[m / 2 + 1]) / 2
+      split(key, pc, " ")
+      spread = (md > 0) ? 100 * (a[m] - a[1]) / md : 0
+      printf "%-5s %-18s %8.3f s  (processes: lowest %.3f, highest %.3f, spread %.1f%%)\n", pc[1], pc[2], md, a[1], a[m], spread
+    }
+  }' "$rows" >&2
 exit $status
