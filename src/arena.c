@@ -381,13 +381,16 @@ static int take_event(_tide_arena *arena, _tide_event *out);
 static void give_event(_tide_arena *arena, _tide_event e);
 static int settle_stream(_tide_arena *arena);
 
-/* Idle marks may be used: not while captures are watched or may be
- * detected (an event recorded on a capturing stream would join the graph,
- * and a capture's frees follow rules of their own), nor on a stream that is
- * gone. */
+/* Idle marks may be used: not while captures are watched (an event
+ * recorded on a capturing stream would join the graph, and a capture's
+ * frees follow rules of their own), nor on a stream that is gone. With
+ * capture_detection, a capture may have begun unannounced: the stream is
+ * asked (one query, where the alternative is a stream synchronization). */
 static bool idle_marks_usable(const _tide_arena *arena) {
-  return !arena->stream_gone && !arena->alloc->conf.capture_detection &&
-         atomic_load_explicit(&arena->alloc->capture_watch, memory_order_relaxed) == 0;
+  struct tide_allocator *a = arena->alloc;
+  return !arena->stream_gone &&
+         atomic_load_explicit(&a->capture_watch, memory_order_relaxed) == 0 &&
+         (!a->conf.capture_detection || !_tide_capture_detected(a, arena->stream));
 }
 
 /* Retire the idle marks whose events completed (in order: they were

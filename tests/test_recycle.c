@@ -44,9 +44,10 @@ static void check_cache(const uint8_t *cache, size_t grow, int steps) {
       assert_int_equal(cache[(size_t)i * grow + k], (uint8_t)i);
 }
 
+/* state: the configuration (capture_detection too: PyTorch's, where a
+ * capture may begin unannounced and the stream is asked instead). */
 static void test_no_synchronization(void **state) {
-  (void)state;
-  tide_allocator *a = tu_create(CONF);
+  tide_allocator *a = tu_create(*state);
   void *pins[64];
   size_t size = 0, grow = 3 * TU_MiB;
   uint8_t *cache = NULL;
@@ -171,7 +172,8 @@ static void test_growth_does_not_wait_for_a_held_stream(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_no_synchronization),
+      cmocka_unit_test_prestate(test_no_synchronization, CONF),
+      cmocka_unit_test_prestate(test_no_synchronization, CONF ",capture_detection:True"),
       cmocka_unit_test(test_old_addresses_stay_until_idle),
       cmocka_unit_test(test_destroy_with_stale_pages),
       cmocka_unit_test(test_growth_does_not_wait_for_a_held_stream),
