@@ -526,13 +526,23 @@ tide_status tide_buf_resize(tide_buf *b, size_t length, tide_stream stream) {
     if (b->want > keep) b->want = keep; /* the worker maps ahead of this length, no more */
     if (!rc && keep < b->keep) {
       const _tide_backend *be = backend(b);
+      bool created = false;
       if (!b->release_pending) {
         rc = be->ops->event_create(be->ctx, &b->release_event);
-        b->release_pending = rc == TIDE_OK;
+        b->release_pending = created = rc == TIDE_OK;
       }
       if (!rc) rc = be->ops->event_record(be->ctx, b->release_event, stream);
-      if (!rc) b->keep = keep;
-      if (!rc) rc = settle_release(b, false); /* a stream already past it */
+      if (rc && created) release_done(b); /* nothing waits on an event never recorded */
+      if (!rc) {
+        /* The shrink is done once its event is recorded: unmapping now, for
+         * a stream already past it, is a bonus whose failure waits for the
+         * next try (it must not fail the shrink, whose pages are let go). */
+        b->keep = keep;
+        _tide_saved_error saved;
+        _tide_error_save(&saved);
+        settle_release(b, false);
+        _tide_error_restore(&saved);
+      }
     }
   }
   if (!rc) {
