@@ -424,6 +424,13 @@ void _tide_arena_release_spare_pages(_tide_arena *arena) {
   arena->nspare_pages = 0;
 }
 
+/* A stale page's handle after its unmap, if the page owned it: to the stale
+ * page that still maps it elsewhere, which releases it in turn, or back. */
+static void stale_handle_done(_tide_arena *arena, const struct _tide_stale_page *sp) {
+  if (sp->owned && !stale_adopt(arena, sp->handle, sp->pool))
+    release_handle(arena, sp->pool, sp->handle, arena->alloc->page_size);
+}
+
 /* Unmap stale page i and forget it; its handle goes back if it is owned.
  * A refused unmap keeps it (to try again), or at teardown makes it an
  * orphan. Returns the backend's status. */
@@ -439,9 +446,7 @@ static int unmap_stale_page(_tide_arena *arena, size_t i, bool orphan_on_failure
                  0);
     return rc;
   }
-  /* Still mapped at another stale address: that one releases it. */
-  if (sp.owned && !stale_adopt(arena, sp.handle, sp.pool))
-    release_handle(arena, sp.pool, sp.handle, page);
+  stale_handle_done(arena, &sp);
   return TIDE_OK;
 }
 
@@ -450,9 +455,7 @@ static int unmap_stale_page(_tide_arena *arena, size_t i, bool orphan_on_failure
 static void stale_unmapped(_tide_arena *arena, size_t i) {
   struct _tide_stale_page sp = arena->stale[i];
   arena->stale[i].handle = 0;
-  /* Still mapped at another stale address: that one releases it. */
-  if (sp.owned && !stale_adopt(arena, sp.handle, sp.pool))
-    release_handle(arena, sp.pool, sp.handle, arena->alloc->page_size);
+  stale_handle_done(arena, &sp);
 }
 
 static void compact_stale(_tide_arena *arena) {
@@ -738,6 +741,13 @@ static int map_planned(_tide_arena *arena, _tide_pool *pool, const _tide_growth 
 
 static size_t free_size(const _tide_block *b) { return b && b->state == _TIDE_FREE ? b->size : 0; }
 
+/* Pages to map beside a free neighbour of `beside` bytes for `size` bytes
+ * free. A free neighbour as large as `size` is one best fit refused (an
+ * oversize block): growth then adds a page to it. */
+static size_t pages_beside(size_t beside, size_t size, size_t page) {
+  return beside < size ? round_up(size - beside, page) / page : 1;
+}
+
 /* The cheapest way to make `size` bytes free around unmapped block `u`:
  * pages at its front (joining the free block before it), at its back
  * (joining the free block after it), or all of it (joining both). Returns
@@ -746,10 +756,7 @@ static size_t plan_at(_tide_block *u, size_t size, size_t page, _tide_growth *g)
   _tide_segment *seg = u->segment;
   size_t left = free_size(u->prev), right = free_size(u->next), upages = u->size / page;
   size_t first = (u->addr - seg->base) / page;
-  /* A free neighbour as large as `size` is one best fit refused (an
-   * oversize block): growth then adds a page to it. */
-  size_t front = left < size ? round_up(size - left, page) / page : 1;
-  size_t back = right < size ? round_up(size - right, page) / page : 1;
+  size_t front = pages_beside(left, size, page), back = pages_beside(right, size, page);
   size_t count = 0;
   if (front <= upages && front <= back) {
     count = front;
@@ -783,7 +790,7 @@ static bool stale_in_the_way(const _tide_arena *arena, const _tide_growth *g, si
 static void avoid_stale(const _tide_arena *arena, _tide_block *u, size_t size, size_t page,
                         _tide_growth *g) {
   size_t right = free_size(u->next), upages = u->size / page;
-  size_t count = right < size ? round_up(size - right, page) / page : 1;
+  size_t count = pages_beside(right, size, page);
   if (count > upages) return;
   _tide_growth back = {
       .unmapped = u, .first = (u->addr - u->segment->base) / page + upages - count, .count = count};
