@@ -289,6 +289,7 @@ typedef struct replay_result {
   uint64_t duplicate_allocs;
   uint64_t size_mismatches;
   tide_stats stats;
+  uint64_t synchronizations; /* stream synchronizations (host backend: counted; else 0) */
   double seconds;
 } replay_result;
 
@@ -384,6 +385,7 @@ static bool replay_trace(tide_allocator *alloc, const char *path, const trace *t
     cli_report_tide_error("replay: reading statistics");
     ok = false;
   }
+  r->synchronizations = tide_host_call_count(alloc, TIDE_OP_STREAM_SYNCHRONIZE);
   if (!free_all(alloc, &live, streams)) ok = false;
   free(live.slots);
   return ok;
@@ -416,6 +418,8 @@ static void print_keys(const char *path, const trace *t, const replay_result *r)
   printf("segments_created %llu\n", (unsigned long long)r->stats.segments_created);
   printf("pages_mapped %llu\n", (unsigned long long)r->stats.pages_mapped);
   printf("pages_unmapped %llu\n", (unsigned long long)r->stats.pages_unmapped);
+  /* Counted by the host backend's emulated device; 0 on another backend. */
+  printf("stream_synchronizations %llu\n", (unsigned long long)r->synchronizations);
   printf("seconds %.3f\n", r->seconds);
   printf("ns_per_event %.1f\n", r->events ? r->seconds * 1e9 / (double)r->events : 0.0);
   printf("malformed_lines %llu\n", (unsigned long long)t->malformed_lines);
