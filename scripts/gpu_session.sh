@@ -199,7 +199,7 @@ if [[ ${GPU_BENCH:-1} == 1 && -x build/tidalloc ]]; then
   cuda_home=$(dirname "$(dirname "$(command -v nvcc)")")
   step "vmm costs" "$bench_log" 60 bash -c "cc -std=c11 -D_POSIX_C_SOURCE=200809L -O2 \
     bench/gpu/vmm_costs.c -I$cuda_home/include -L$cuda_home/lib64/stubs -lcuda \
-    -o build/vmm_costs && build/vmm_costs >$out/vmm_costs.csv"
+    -o build/vmm_costs && build/vmm_costs | tee build/vmm_costs.csv"
   for mode in True False; do
     step "stream expandable=$mode" "$bench_log" 150 \
       build/tidalloc stream --frames ${STREAM_FRAMES:-64 128 256 512 1024} \
