@@ -473,8 +473,14 @@ static size_t release_candidates(_tide_arena *arena, _tide_block **candidates, s
   return released;
 }
 
-static bool next_to_growth(const _tide_block *b, const _tide_growth *g) {
-  return g->unmapped && (b == g->unmapped->prev || b == g->unmapped->next);
+/* Whether growth `g` extends free block b: the pages it maps join b, on the
+ * side of the unmapped block where they start or end. A free block at the
+ * other end of a large hole is not extended and may be released. */
+static bool next_to_growth(const _tide_block *b, const _tide_growth *g, size_t page) {
+  const _tide_block *u = g->unmapped;
+  if (!u) return false;
+  uintptr_t lo = u->segment->base + g->first * page, hi = lo + g->count * page;
+  return (b == u->prev && lo == u->addr) || (b == u->next && hi == u->addr + u->size);
 }
 
 /* Before growth would raise reserved memory above its ceiling, unmap just
@@ -503,7 +509,8 @@ static void release_for(_tide_arena *arena, size_t need, const _tide_growth *gro
     size_t end = n + _tide_bins_collect(&arena->pools[kind].bins, candidates + n, cap - n);
     for (size_t i = n; i < end; i++) {
       _tide_block *b = candidates[i];
-      if (b->segment->expandable && !next_to_growth(b, &g) && releasable(b, a->page_size))
+      if (b->segment->expandable && !next_to_growth(b, &g, a->page_size) &&
+          releasable(b, a->page_size))
         candidates[n++] = b; /* keep: n <= i, so the list compacts in place */
     }
   }

@@ -313,6 +313,37 @@ static void test_release_reuses_physical_pages(void **state) {
   destroy_clean(a);
 }
 
+/* Growth that extends the free block at one end of a hole may recycle the
+ * free block at its other end: only the block the new pages join is kept. */
+static void test_release_far_end_of_hole(void **state) {
+  (void)state;
+  tide_allocator *a = make("release_holes:True");
+  void *pin0 = tide_malloc(a, 2 * MiB, NULL), *f1 = tide_malloc(a, 4 * MiB, NULL);
+  void *h = tide_malloc(a, 8 * MiB, NULL), *f2 = tide_malloc(a, 8 * MiB, NULL);
+  void *pin1 = tide_malloc(a, 2 * MiB, NULL);
+  tide_free(a, h, NULL);
+  assert_int_equal(tide_empty_cache(a), TIDE_OK);      /* pages 3-6 unmapped: the hole */
+  tide_free(a, f1, NULL);                              /* pages 1-2 free, left of it */
+  tide_free(a, f2, NULL);                              /* pages 7-10 free, right of it */
+  assert_int_equal(tide_reset_peak_stats(a), TIDE_OK); /* the ceiling: 16 MiB reserved */
+  tide_stats s = stats_of(a);
+  assert_int_equal(s.reserved_bytes[0].current, 16 * MiB);
+  uint64_t unmapped = s.pages_unmapped, created = s.num_device_alloc;
+  /* 12 MiB: two pages at the hole's far end join f2's block; f1's pages,
+   * at the near end, are not extended, so they are recycled for them. */
+  char *p = tide_malloc(a, 12 * MiB, NULL);
+  assert_ptr_equal(p, (char *)f2 - 4 * MiB);
+  s = stats_of(a);
+  assert_int_equal(s.pages_unmapped, unmapped + 2);
+  assert_int_equal(s.num_device_alloc, created);
+  assert_int_equal(s.reserved_bytes[0].current, 16 * MiB);
+  memset(p, 5, 12 * MiB);
+  tide_free(a, p, NULL);
+  tide_free(a, pin0, NULL);
+  tide_free(a, pin1, NULL);
+  destroy_clean(a);
+}
+
 static void test_quick_reuse_and_flush(void **state) {
   (void)state;
   tide_allocator *a = make(NULL);
@@ -716,6 +747,7 @@ int main(void) {
       cmocka_unit_test(test_expandable_maps_pages_on_demand),
       cmocka_unit_test(test_page_aware_placement),
       cmocka_unit_test(test_release_reuses_physical_pages),
+      cmocka_unit_test(test_release_far_end_of_hole),
       cmocka_unit_test(test_release_waits_for_slack_with_one_stream),
       cmocka_unit_test(test_quick_reuse_and_flush),
       cmocka_unit_test(test_stream_ordered_reuse),
