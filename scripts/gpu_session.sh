@@ -190,6 +190,9 @@ if [[ ${GPU_BENCH:-1} == 1 && -x build/tidalloc ]]; then
     sh -c 'build/tidalloc micro --csv --conf backend:host >"$0"' "$bench_csv"
   step "micro (cuda backend)" "$bench_log" 120 \
     sh -c 'build/tidalloc micro --csv --only tidalloc --conf backend:cuda | grep ",tidalloc," | sed "s/,tidalloc,/,tidalloc-cuda,/" >>"$0"' "$bench_csv"
+  # What capture_detection (on under PyTorch) costs the cached path: one thread.
+  step "micro (cuda, capture_detection)" "$bench_log" 60 \
+    sh -c 'build/tidalloc micro --csv --only tidalloc --threads 1 --conf backend:cuda,capture_detection:True | grep ",tidalloc," | sed "s/,tidalloc,/,tidalloc-cuda-detect,/" >>"$0"' "$bench_csv"
   step "torch anchor build" "$bench_log" 150 bench/gpu/build.sh build/bench-gpu &&
     step "torch anchor" "$bench_log" 150 \
       sh -c 'build/bench-gpu/torch_anchor --repeat 7 | tail -n +2 >>"$0"' "$bench_csv"
