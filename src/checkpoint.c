@@ -481,8 +481,11 @@ tide_status tide_pool_restore(tide_pool *pool, const tide_checkpoint *checkpoint
     return (tide_status)_tide_error_set(TIDE_ERR_INVALID,
                                         "tide_pool_restore: %s is NULL or invalid",
                                         checkpoint ? "the pool" : "the checkpoint");
-  /* Frees deferred by captures that have ended since are frees now, not
-   * deferred ones that would refuse the restore. */
+  /* Captures found by capture_detection that have ended (their stream left
+   * them, or is gone) let go of the pool first: the checks below look at
+   * the pool's captures. Then frees deferred by captures that have ended
+   * are frees now, not deferred ones that would refuse the restore. */
+  _tide_capture_prune(pool->alloc);
   _tide_capture_retry_deferred(pool->alloc);
   /* (After the refusals that come first: another pool's checkpoint, a
    * capture allocating to the pool.) */
