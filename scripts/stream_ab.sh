@@ -36,14 +36,10 @@ run() {
   "$2" stream --frames $frames --conf "$3" --label "$1" --csv "$tmp/run.csv" >/dev/null
   tail -n +2 "$tmp/run.csv"
 }
-header=1
+# A first run warms the GPU and gives the header.
+"$new" stream --frames 64 --conf "$conf" --csv "$tmp/h.csv" >/dev/null
+head -1 "$tmp/h.csv"
 for ((r = 1; r <= rounds; r++)); do
-  if ((header)); then
-    # A first run warms the GPU and gives the header.
-    "$new" stream --frames 64 --conf "$conf" --csv "$tmp/h.csv" >/dev/null
-    head -1 "$tmp/h.csv"
-    header=0
-  fi
   run "new-r$r" "$new" "$conf,expandable_segments:True"
   run "old-r$r" build-old/tidalloc "$conf,expandable_segments:True"
   run "fixed-r$r" "$new" "$conf,expandable_segments:False"
