@@ -328,14 +328,24 @@ static int check_options(tide_allocator *a, const tide_buf_options *o) {
   return TIDE_OK;
 }
 
+/* Whether a mapping the backend refused to undo still sits in the range:
+ * the range may be unreserved only after it. */
+static bool orphan_in_range(const tide_buf *b) {
+  _tide_lock_acquire(&b->arena->lock);
+  bool inside = _tide_orphan_mapped_in(b->arena, b->base, b->base + b->reserved_bytes);
+  _tide_lock_release(&b->arena->lock);
+  return inside;
+}
+
 static void destroy_parts(tide_buf *b) {
   const _tide_backend *be = backend(b);
   if (b->release_pending) be->ops->event_destroy(be->ctx, b->release_event);
   _tide_saved_error caller;
   _tide_error_save(&caller);
-  if (b->base && be->ops->unreserve(be->ctx, b->base, b->reserved_bytes) != TIDE_OK) {
-    /* An orphaned mapping may still sit inside: retried after it. The
-     * caller's error, if any, is the one to report. */
+  if (b->base &&
+      (orphan_in_range(b) || be->ops->unreserve(be->ctx, b->base, b->reserved_bytes) != TIDE_OK)) {
+    /* Retried later, after the orphaned mappings inside it. The caller's
+     * error, if any, is the one to report. */
     _tide_lock_acquire(&b->arena->lock);
     _tide_orphan(b->arena, _TIDE_LARGE, 0, 0, 0, 0, b->base, b->reserved_bytes);
     _tide_lock_release(&b->arena->lock);

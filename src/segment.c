@@ -210,6 +210,9 @@ static bool retry_orphan(_tide_arena *arena, _tide_orphan_rec *o, bool unmapped_
     arena->stats.counters[_TIDE_CT_DEVICE_FREE]++;
     o->handle = 0;
   }
+  /* A range with an orphaned mapping still inside waits for it: the
+   * backend refuses to unreserve memory that is mapped. */
+  if (o->range && _tide_orphan_mapped_in(arena, o->range, o->range + o->range_size)) return false;
   if (o->range) {
     if (be->ops->unreserve(be->ctx, o->range, o->range_size)) return false;
     o->range = 0;

@@ -966,6 +966,34 @@ static void faults_unreserve_after_orphans(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* A buffer destroyed while the backend refuses to unmap its page leaves the
+ * mapping and its range as orphans. While the unmap is still refused, the
+ * range must wait for it: unreserving a range with memory mapped in it fails
+ * on its own, and when it is the last failure that failure, not the one the
+ * backend gave, is what tide_empty_cache reports (found by fuzz_ops). */
+static void faults_buffer_range_waits_for_its_mapping(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create("host_capacity:1GiB,expandable_segments:True");
+  tide_buf_options o;
+  tide_buf_options_init(&o);
+  o.capacity = 8 * TU_MiB;
+  tide_buf *b = NULL;
+  tu_assert_ok(tide_buf_create(a, &o, &b));
+  tu_assert_ok(tide_buf_resize(b, TU_MiB, NULL));
+  tu_assert_ok(tide_host_fail_call(a, TIDE_OP_UNMAP, 1));
+  tu_assert_ok(tide_buf_destroy(b));
+  tu_assert_ok(tide_host_fail_call(a, TIDE_OP_UNMAP, 1)); /* the first retry's */
+  tu_assert_ok(tide_empty_cache(a));                      /* the second succeeds */
+  assert_int_equal(tide_host_bytes_in_use(a), 0);
+  assert_int_equal(tide_host_mappings(a), 0);
+  if (tide_host_call_count(a, TIDE_OP_UNRESERVE) != tide_host_call_count(a, TIDE_OP_RESERVE))
+    fail_msg("%llu range(s) reserved, %llu unreserve calls: an unreserve was tried while "
+             "memory was still mapped in the range",
+             (unsigned long long)tide_host_call_count(a, TIDE_OP_RESERVE),
+             (unsigned long long)tide_host_call_count(a, TIDE_OP_UNRESERVE));
+  tu_assert_ok(tide_destroy(a));
+}
+
 /* Every operation of the paths failed somewhere, reported or handled. It
  * reads the tally of the tests before it, so it runs last. */
 static void faults_every_op_failed(void **state) {
@@ -1068,6 +1096,7 @@ int main(void) {
       cmocka_unit_test(faults_refused_unmap_twice_page_adopted),
       cmocka_unit_test(faults_first_failure_keeps_its_message),
       cmocka_unit_test(faults_unreserve_after_orphans),
+      cmocka_unit_test(faults_buffer_range_waits_for_its_mapping),
       cmocka_unit_test(faults_every_op_failed),
       cmocka_unit_test(faults_every_call_site_failed),
   };
