@@ -243,7 +243,12 @@ typedef struct tide_stats {
   uint64_t num_device_free;      /* backend calls that released it */
   uint64_t oversize_allocations; /* live allocations of at least max_split_size */
   uint64_t memory_limit;         /* bytes reserved memory may reach (0: the device's) */
-  uint64_t reserved_u64[8];      /* for future use; zero */
+  /* Physical handles mapped into expandable segments and unmapped from them:
+   * the driver's work is per mapping (a map and an access change each, or an
+   * unmap), whatever its size; see handle_size_mb. */
+  uint64_t mappings;
+  uint64_t unmappings;
+  uint64_t reserved_u64[6]; /* for future use; zero */
 } tide_stats;
 
 TIDE_API tide_status tide_get_stats(tide_allocator *alloc, tide_stats *out);

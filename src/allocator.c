@@ -63,6 +63,8 @@ static int read_device(tide_allocator *a) {
   size_t page = a->conf.page_size;
   /* Pages must be whole mapping units of the device. */
   a->page_size = (page + a->granularity - 1) / a->granularity * a->granularity;
+  a->handle_pages = a->conf.handle_size > a->page_size ? a->conf.handle_size / a->page_size : 1;
+  if (a->handle_pages > TIDE_MAX_HANDLE_PAGES) a->handle_pages = TIDE_MAX_HANDLE_PAGES;
   a->plain_rounding = true;
   for (int i = 0; i < TIDE_ROUNDUP_INTERVALS; i++)
     if (a->conf.roundup_divisions[i] > 1) a->plain_rounding = false;

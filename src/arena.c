@@ -250,7 +250,7 @@ static uintptr_t best_offset(const _tide_block *f, size_t size, size_t page) {
 static void place(_tide_arena *arena, _tide_block *b, size_t rounded) {
   if (b->segment->expandable && b->segment->pool == _TIDE_LARGE &&
       arena->alloc->conf.release_holes) {
-    uintptr_t x = best_offset(b, rounded, arena->alloc->page_size);
+    uintptr_t x = best_offset(b, rounded, arena->alloc->page_size * b->segment->handle_pages);
     if (x > b->addr && !split_head(arena, b, x - b->addr)) return;
   }
   if (b->size - rounded >= TIDE_MIN_BLOCK) split(arena, b, rounded);
@@ -467,8 +467,8 @@ static size_t release_candidates(_tide_arena *arena, _tide_block **candidates, s
     size_t before = arena->nspare_pages;
     int64_t held = atomic_load(&a->reserved.cur);
     if (_tide_release_block(arena, candidates[i], need - released)) break;
-    released += (arena->nspare_pages - before) * a->page_size +
-                (size_t)(held - atomic_load(&a->reserved.cur));
+    for (size_t k = before; k < arena->nspare_pages; k++) released += arena->spare_pages[k].size;
+    released += (size_t)(held - atomic_load(&a->reserved.cur));
   }
   return released;
 }
@@ -859,6 +859,7 @@ static int by_stamp(const void *x, const void *y) {
 
 static bool releasable(const _tide_block *b, size_t page) {
   if (!b->segment->expandable) return !b->prev && !b->next;
+  page *= b->segment->handle_pages; /* a handle is unmapped whole */
   uintptr_t base = b->segment->base;
   size_t lo = (b->addr - base + page - 1) / page, hi = (b->addr + b->size - base) / page;
   return hi > lo;

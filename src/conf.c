@@ -298,6 +298,17 @@ static void format_page_size(const _tide_conf_values *v, char *buf, size_t len) 
   snprintf(buf, len, "%zu", v->page_size / TIDE_MiB);
 }
 
+static bool parse_handle_size(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  uint64_t mib;
+  if (!parse_uint(s, 1024, &mib, why, why_len)) return false;
+  v->handle_size = (size_t)mib * TIDE_MiB;
+  return true;
+}
+
+static void format_handle_size(const _tide_conf_values *v, char *buf, size_t len) {
+  snprintf(buf, len, "%zu", v->handle_size / TIDE_MiB);
+}
+
 /* Blocks this large stay whole; PyTorch refuses less than its 20 MiB large
  * buffer, and above TIDE_MAX_ALLOC a limit means nothing. */
 #define SPLIT_MIN_MB (TIDE_LARGE_BUFFER / TIDE_MiB)
@@ -566,6 +577,12 @@ static const option options[] = {
     {"page_size_mb", "2",
      "MiB an expandable segment maps at once (rounded up to the backend's granularity)",
      "a whole number of MiB from 1 to 1024", parse_page_size, format_page_size},
+    {"handle_size_mb", "2",
+     "the most MiB one physical handle of an expandable segment holds: growth that maps a run "
+     "of pages creates handles this large for it, so the driver maps, makes accessible and "
+     "unmaps fewer pieces; a handle is unmapped only whole (rounded down to whole pages; at "
+     "most page_size_mb: one handle per page)",
+     "a whole number of MiB from 0 to 1024", parse_handle_size, format_handle_size},
     {"max_split_size_mb", "unlimited",
      "blocks at least this many MiB are never split, so large free blocks stay whole",
      "a whole number of MiB from 20 to 4294967296, or unlimited (or none)", parse_max_split,

@@ -174,7 +174,15 @@ typedef struct _tide_segment {
   struct _tide_arena *arena;
   struct _tide_segment *prev, *next; /* the pool's segments */
   _tide_handle *pages;               /* expandable: a handle per page, 0 when unmapped */
+  /* expandable: the pages of the handle that starts at each page (1 for a
+   * handle of one page), 0 for the other pages of a handle and unmapped
+   * pages. A handle of several pages is mapped and unmapped whole. */
+  uint16_t *span;
   size_t npages;
+  /* expandable: the pages each of its handles holds: 1, or, in a segment
+   * for large requests, the allocator's handle_pages; then mapped memory is
+   * whole handles at multiples of handle_pages pages from the base. */
+  uint16_t handle_pages;
   _tide_handle handle; /* fixed: its one handle */
   _tide_block *first;  /* lowest block; blocks cover [base, base+size) */
   uint8_t pool;        /* _TIDE_SMALL or _TIDE_LARGE */
@@ -215,6 +223,8 @@ enum {
   _TIDE_CT_DEVICE_ALLOC,
   _TIDE_CT_DEVICE_FREE,
   _TIDE_CT_OVERSIZE,
+  _TIDE_CT_MAPPINGS,   /* handles mapped into expandable segments */
+  _TIDE_CT_UNMAPPINGS, /* and unmapped from them (or from where they were) */
   _TIDE_CT_COUNT
 };
 
@@ -331,6 +341,7 @@ typedef struct _tide_arena {
    * (each of those is a backend call). Still counted as reserved. */
   struct _tide_spare_page {
     _tide_handle handle;
+    size_t size; /* bytes: one page or several */
     int pool;
   } * spare_pages;
   size_t nspare_pages, spare_pages_cap;
@@ -354,6 +365,7 @@ typedef struct _tide_arena {
    * (counted as reserved until then). */
   struct _tide_stale_page {
     uintptr_t addr;
+    size_t size; /* of the mapping: its handle's */
     _tide_handle handle;
     uint64_t stamp;
     int pool;
@@ -605,6 +617,7 @@ struct tide_allocator {
   _tide_backend backend;
   size_t granularity;
   size_t page_size;
+  size_t handle_pages;       /* pages one handle holds where growth maps a long run (>= 1) */
   bool plain_rounding;       /* no roundup_power2_divisions: sizes round to 512 B */
   size_t total_memory;       /* the device's */
   _Atomic size_t limit;      /* reserved may not exceed this */

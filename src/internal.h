@@ -33,6 +33,12 @@
 #define TIDE_MiB ((size_t)1 << 20)
 #define TIDE_GiB ((size_t)1 << 30)
 
+/* Expandable segments of large handles (handle_size_mb): at most this many
+ * pages per handle, and requests of at least TIDE_HANDLES_PER_REQUEST of
+ * those handles grow them. */
+#define TIDE_MAX_HANDLE_PAGES 1024
+#define TIDE_HANDLES_PER_REQUEST 4
+
 /* PyTorch's constants, which our users' intuitions are built on. */
 #define TIDE_MIN_BLOCK ((size_t)512)         /* every size is rounded to this */
 #define TIDE_SMALL_SIZE ((size_t)1 << 20)    /* requests up to this use the small pool */
@@ -113,10 +119,11 @@ enum { TIDE_BACKEND_AUTO = 0, TIDE_BACKEND_HOST = 1, TIDE_BACKEND_CUDA = 2 };
 /* The resolved value of every option (tide_config holds these plus where
  * each came from). */
 typedef struct _tide_conf_values {
-  int backend;                                        /* TIDE_BACKEND_* */
-  bool expandable_segments;                           /* default true */
-  size_t page_size;                                   /* bytes an expandable segment maps at once */
-  size_t max_split_size;                              /* SIZE_MAX: no limit */
+  int backend;              /* TIDE_BACKEND_* */
+  bool expandable_segments; /* default true */
+  size_t page_size;         /* bytes an expandable segment maps at once */
+  size_t handle_size;       /* the most one physical handle of an expandable segment holds */
+  size_t max_split_size;    /* SIZE_MAX: no limit */
   unsigned roundup_divisions[TIDE_ROUNDUP_INTERVALS]; /* 0 or 1: plain 512 B rounding */
   double gc_threshold;                                /* garbage_collection_threshold, 0: off */
   double memory_fraction;  /* (0, 1]; 1.0 (default): the whole device; treat 0 alike */

@@ -196,9 +196,7 @@ static bool retry_orphan(_tide_arena *arena, _tide_orphan_rec *o, bool unmapped_
   }
   /* A page's handle still mapped at a stale address is released after that
    * unmap: the stale page takes it over, bytes and all. */
-  if (o->handle && o->handle_size == arena->alloc->page_size && arena->nstale &&
-      stale_adopt(arena, o->handle, o->pool))
-    o->handle = 0;
+  if (o->handle && arena->nstale && stale_adopt(arena, o->handle, o->pool)) o->handle = 0;
   /* A handle whose mapping is another orphan (a growable buffer's undo
    * keeps them apart) goes only once no orphaned mapping is left: released
    * while mapped, it would hold its memory with its bytes no longer
@@ -341,17 +339,31 @@ static int release_fixed(_tide_arena *arena, _tide_block *b) {
 /* Expandable segments                                                       */
 /* ------------------------------------------------------------------------ */
 
+/* The pages per handle of the segment a growth for `size` bytes of `pool`
+ * maps into: large requests (at least TIDE_HANDLES_PER_REQUEST handles of
+ * handle_pages pages) go to segments of large handles, the rest to segments
+ * of one page per handle, whose free pages can be unmapped one by one. */
+static size_t handle_pages_for(const _tide_arena *arena, const _tide_pool *pool, size_t size) {
+  const struct tide_allocator *a = arena->alloc;
+  size_t big = a->handle_pages;
+  if (big > 1 && pool->kind == _TIDE_LARGE && size >= TIDE_HANDLES_PER_REQUEST * big * a->page_size)
+    return big;
+  return 1;
+}
+
 static int new_expandable(_tide_arena *arena, _tide_pool *pool, size_t size) {
   struct tide_allocator *a = arena->alloc;
   const _tide_backend *be = &a->backend;
   size_t page = a->page_size;
-  size_t va = round_up(a->total_memory > size ? a->total_memory : size, page);
+  size_t per_handle = handle_pages_for(arena, pool, size);
+  size_t va = round_up(a->total_memory > size ? a->total_memory : size, page * per_handle);
   _tide_segment *seg = calloc(1, sizeof *seg);
   _tide_block *b = _tide_block_new(arena);
   _tide_handle *pages = calloc(va / page, sizeof *pages);
+  uint16_t *span = calloc(va / page, sizeof *span);
   uintptr_t addr = 0;
   int rc;
-  if (!seg || !b || !pages) {
+  if (!seg || !b || !pages || !span) {
     rc = _tide_error_set(TIDE_ERR_OOM, "out of host memory for segment records");
     goto fail;
   }
@@ -360,7 +372,9 @@ static int new_expandable(_tide_arena *arena, _tide_pool *pool, size_t size) {
   seg->size = va;
   seg->arena = arena;
   seg->pages = pages;
+  seg->span = span;
   seg->npages = va / page;
+  seg->handle_pages = (uint16_t)per_handle;
   seg->pool = pool->kind;
   seg->expandable = 1;
   seg->first = b;
@@ -375,17 +389,19 @@ static int new_expandable(_tide_arena *arena, _tide_pool *pool, size_t size) {
 fail:
   free(seg);
   free(pages);
+  free(span);
   if (b) _tide_block_delete(arena, b);
   return rc;
 }
 
 /* Keep an unmapped page's handle for the growth that follows; false when
  * there is no room to note it (then it is released). */
-static bool keep_spare(_tide_arena *arena, _tide_handle h, int pool) {
+static bool keep_spare(_tide_arena *arena, _tide_handle h, size_t size, int pool) {
   if (!_tide_grow_array((void **)&arena->spare_pages, &arena->spare_pages_cap,
                         arena->nspare_pages + 1, sizeof *arena->spare_pages))
     return false;
-  arena->spare_pages[arena->nspare_pages++] = (struct _tide_spare_page){h, pool};
+  arena->spare_pages[arena->nspare_pages++] =
+      (struct _tide_spare_page){.handle = h, .size = size, .pool = pool};
   return true;
 }
 
@@ -398,9 +414,8 @@ static bool stale_adopt(_tide_arena *arena, _tide_handle h, int pool) {
     struct _tide_stale_page *sp = &arena->stale[i];
     if (sp->handle != h || sp->owned) continue;
     if (sp->pool != pool) { /* its bytes move from one pool's figures to the other's */
-      int64_t bytes = (int64_t)arena->alloc->page_size;
-      _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, -bytes);
-      _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, sp->pool, bytes);
+      _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, -(int64_t)sp->size);
+      _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, sp->pool, (int64_t)sp->size);
     }
     sp->owned = true;
     return true;
@@ -408,22 +423,48 @@ static bool stale_adopt(_tide_arena *arena, _tide_handle h, int pool) {
   return false;
 }
 
-static void give_back_handle(_tide_arena *arena, int pool, _tide_handle h) {
-  if (!(arena->nstale && stale_adopt(arena, h, pool)))
-    release_handle(arena, pool, h, arena->alloc->page_size);
+static void give_back_handle(_tide_arena *arena, int pool, _tide_handle h, size_t size) {
+  if (!(arena->nstale && stale_adopt(arena, h, pool))) release_handle(arena, pool, h, size);
 }
 
+/* Forget the handle that starts at page i: its pages are unmapped. */
+static void forget_handle(_tide_segment *seg, size_t i) {
+  size_t n = seg->span[i];
+  for (size_t j = i; j < i + n; j++) {
+    seg->pages[j] = 0;
+    seg->span[j] = 0;
+  }
+}
+
+/* Note handle h of n pages as mapping pages [i, i + n). */
+static void note_handle(_tide_segment *seg, size_t i, size_t n, _tide_handle h) {
+  for (size_t j = i; j < i + n; j++) {
+    seg->pages[j] = h;
+    seg->span[j] = 0;
+  }
+  seg->span[i] = (uint16_t)n;
+}
+
+/* Release the handles of pages [first, first+count) of a segment (whole
+ * handles, already unmapped), or keep them as spares while room is being
+ * made for a growth. */
 static void release_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count) {
-  for (size_t i = first; i < first + count; i++) {
-    if (!(arena->keep_spare_pages && keep_spare(arena, seg->pages[i], seg->pool)))
-      give_back_handle(arena, seg->pool, seg->pages[i]);
-    seg->pages[i] = 0;
+  size_t page = arena->alloc->page_size;
+  for (size_t i = first; i < first + count;) {
+    size_t n = seg->span[i];
+    _tide_handle h = seg->pages[i];
+    if (!(arena->keep_spare_pages && keep_spare(arena, h, n * page, seg->pool)))
+      give_back_handle(arena, seg->pool, h, n * page);
+    forget_handle(seg, i);
+    i += n;
   }
 }
 
 void _tide_arena_release_spare_pages(_tide_arena *arena) {
-  for (size_t i = 0; i < arena->nspare_pages; i++)
-    give_back_handle(arena, arena->spare_pages[i].pool, arena->spare_pages[i].handle);
+  for (size_t i = 0; i < arena->nspare_pages; i++) {
+    const struct _tide_spare_page *sp = &arena->spare_pages[i];
+    give_back_handle(arena, sp->pool, sp->handle, sp->size);
+  }
   arena->nspare_pages = 0;
 }
 
@@ -431,7 +472,7 @@ void _tide_arena_release_spare_pages(_tide_arena *arena) {
  * page that still maps it elsewhere, which releases it in turn, or back. */
 static void stale_handle_done(_tide_arena *arena, const struct _tide_stale_page *sp) {
   if (sp->owned && !stale_adopt(arena, sp->handle, sp->pool))
-    release_handle(arena, sp->pool, sp->handle, arena->alloc->page_size);
+    release_handle(arena, sp->pool, sp->handle, sp->size);
 }
 
 /* Unmap stale page i and forget it; its handle goes back if it is owned.
@@ -439,14 +480,14 @@ static void stale_handle_done(_tide_arena *arena, const struct _tide_stale_page 
  * orphan. Returns the backend's status. */
 static int unmap_stale_page(_tide_arena *arena, size_t i, bool orphan_on_failure) {
   const _tide_backend *be = &arena->alloc->backend;
-  size_t page = arena->alloc->page_size;
   struct _tide_stale_page sp = arena->stale[i];
-  int rc = be->ops->unmap(be->ctx, sp.addr, page);
+  int rc = be->ops->unmap(be->ctx, sp.addr, sp.size);
   if (rc && !orphan_on_failure) return rc;
+  arena->stats.counters[_TIDE_CT_UNMAPPINGS] += !rc;
   arena->stale[i] = arena->stale[--arena->nstale];
   if (rc) {
-    _tide_orphan(arena, sp.pool, sp.addr, page, sp.owned ? sp.handle : 0, sp.owned ? page : 0, 0,
-                 0);
+    _tide_orphan(arena, sp.pool, sp.addr, sp.size, sp.owned ? sp.handle : 0, sp.owned ? sp.size : 0,
+                 0, 0);
     return rc;
   }
   stale_handle_done(arena, &sp);
@@ -470,6 +511,7 @@ static void compact_stale(_tide_arena *arena) {
 
 typedef struct stale_ref {
   uintptr_t addr;
+  size_t size;
   size_t index;
 } stale_ref;
 
@@ -478,28 +520,36 @@ static int by_addr(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-/* Unmap the idle stale pages of [lo, hi): those next to each other (pages
- * of one released run, mostly) with one backend call, which costs on CUDA
- * what one page does. Returns how many pages in the range are left. */
+/* Whether stale page sp overlaps [lo, hi). */
+static bool stale_overlaps(const struct _tide_stale_page *sp, uintptr_t lo, uintptr_t hi) {
+  return sp->addr < hi && sp->addr + sp->size > lo;
+}
+
+/* Unmap the idle stale pages of [lo, hi): those of one size next to each
+ * other (the handles of one released run, mostly) with one backend call.
+ * Returns how many stale mappings in the range are left. */
 static size_t unmap_idle_runs(_tide_arena *arena, uintptr_t lo, uintptr_t hi, uint64_t idle_before,
                               stale_ref *refs, int *failed) {
   const _tide_backend *be = &arena->alloc->backend;
-  size_t page = arena->alloc->page_size, n = 0, left = 0;
+  size_t n = 0, left = 0;
   for (size_t i = 0; i < arena->nstale; i++) {
     const struct _tide_stale_page *sp = &arena->stale[i];
-    if (sp->addr < lo || sp->addr >= hi) continue;
+    if (!stale_overlaps(sp, lo, hi)) continue;
     if (sp->stamp < idle_before)
-      refs[n++] = (stale_ref){sp->addr, i};
+      refs[n++] = (stale_ref){sp->addr, sp->size, i};
     else
       left++;
   }
   qsort(refs, n, sizeof *refs, by_addr);
   for (size_t k = 0, end; k < n; k = end) {
-    for (end = k + 1; end < n && refs[end].addr == refs[end - 1].addr + page; end++) {
+    size_t size = refs[k].size;
+    for (end = k + 1;
+         end < n && refs[end].size == size && refs[end].addr == refs[end - 1].addr + size; end++) {
     }
     size_t done = 0;
-    int rc = be->ops->unmap_run(be->ctx, refs[k].addr, page, end - k, &done);
+    int rc = be->ops->unmap_run(be->ctx, refs[k].addr, size, end - k, &done);
     for (size_t j = k; j < k + done; j++) stale_unmapped(arena, refs[j].index);
+    arena->stats.counters[_TIDE_CT_UNMAPPINGS] += done;
     left += end - k - done;
     if (rc && !*failed) *failed = rc; /* its message stays the thread's */
   }
@@ -520,7 +570,7 @@ size_t _tide_stale_unmap(_tide_arena *arena, uintptr_t lo, uintptr_t hi, uint64_
   } else { /* no room to sort them: a page at a time */
     for (size_t i = arena->nstale; i-- > 0;) {
       const struct _tide_stale_page *sp = &arena->stale[i];
-      if (sp->addr < lo || sp->addr >= hi) continue;
+      if (!stale_overlaps(sp, lo, hi)) continue;
       int rc = sp->stamp < idle_before ? unmap_stale_page(arena, i, false) : TIDE_ERR_NOT_READY;
       if (rc == TIDE_OK) continue;
       left++;
@@ -535,60 +585,50 @@ void _tide_stale_drop_all(_tide_arena *arena) {
   while (arena->nstale) unmap_stale_page(arena, arena->nstale - 1, true);
 }
 
-/* Note pages [addr, addr + count pages) as stale, of a block freed at
- * `stamp`; room was made for them. */
+/* Note the handles of pages [first, first + count) (whole handles) as
+ * stale, of a block freed at `stamp`; room was made for them. */
 static void note_stale(_tide_arena *arena, const _tide_segment *seg, size_t first, size_t count,
                        uint64_t stamp) {
   size_t page = arena->alloc->page_size;
-  for (size_t i = first; i < first + count; i++)
-    arena->stale[arena->nstale++] = (struct _tide_stale_page){
-        .addr = seg->base + i * page, .handle = seg->pages[i], .stamp = stamp, .pool = seg->pool};
+  for (size_t i = first; i < first + count; i += seg->span[i])
+    arena->stale[arena->nstale++] = (struct _tide_stale_page){.addr = seg->base + i * page,
+                                                              .size = seg->span[i] * page,
+                                                              .handle = seg->pages[i],
+                                                              .stamp = stamp,
+                                                              .pool = seg->pool};
 }
 
-/* A handle for one page of `pool`: a spare one if there is, else a new one
- * (whose bytes the caller has taken from the budget). */
-static int page_handle(_tide_arena *arena, int pool, _tide_handle *h, bool *spare) {
-  *spare = arena->nspare_pages > 0;
-  if (!*spare) return create_handle(arena, arena->alloc->page_size, h);
-  struct _tide_spare_page sp = arena->spare_pages[--arena->nspare_pages];
-  *h = sp.handle;
-  if (sp.pool != pool) { /* its bytes move from one pool's figures to the other's */
-    int64_t bytes = (int64_t)arena->alloc->page_size;
-    _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, sp.pool, -bytes);
-    _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, bytes);
-  }
-  return TIDE_OK;
-}
-
-/* Undo the mapping of pages [first, first+count): unmap and release each;
- * a page the backend will not unmap is kept as an orphan. */
+/* Undo the mapping of pages [first, first+count) (whole handles): unmap and
+ * release each handle; one the backend will not unmap is kept as an orphan. */
 static void unmap_new_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count) {
   const _tide_backend *be = &arena->alloc->backend;
   size_t page = arena->alloc->page_size;
-  for (size_t i = first; i < first + count; i++) {
+  for (size_t i = first; i < first + count;) {
+    size_t n = seg->span[i];
     uintptr_t at = seg->base + i * page;
-    if (be->ops->unmap(be->ctx, at, page)) {
-      _tide_orphan(arena, seg->pool, at, page, seg->pages[i], page, 0, 0);
-      seg->pages[i] = 0;
-      continue;
+    if (be->ops->unmap(be->ctx, at, n * page)) {
+      _tide_orphan(arena, seg->pool, at, n * page, seg->pages[i], n * page, 0, 0);
+      forget_handle(seg, i);
+    } else {
+      release_pages(arena, seg, i, n);
     }
-    release_pages(arena, seg, i, 1);
+    i += n;
   }
 }
 
-/* The orphan whose page is still mapped at `at` (an undo's unmap the backend
- * refused, and refused again on retry), or SIZE_MAX. */
-static size_t orphan_page_at(const _tide_arena *arena, uintptr_t at, size_t page) {
+/* The orphan whose handle is still mapped from `at` (an undo's unmap the
+ * backend refused, and refused again on retry), or SIZE_MAX. */
+static size_t orphan_mapped_at(const _tide_arena *arena, uintptr_t at) {
   for (size_t i = 0; i < arena->norphans; i++) {
     const _tide_orphan_rec *o = &arena->orphans[i];
-    if (o->map_addr == at && o->map_size == page && o->handle && !o->range) return i;
+    if (o->map_addr == at && o->handle && !o->range) return i;
   }
   return SIZE_MAX;
 }
 
-/* Take the handle of orphan i, mapped where growth wants a page, as that
- * page's: mapping over it would fail, and it holds its bytes already. */
-static _tide_handle adopt_orphan_page(_tide_arena *arena, size_t i, int pool) {
+/* Take the handle of orphan i, mapped where growth wants pages, as theirs:
+ * mapping over it would fail, and it holds its bytes already. */
+static _tide_handle adopt_orphan(_tide_arena *arena, size_t i, int pool) {
   _tide_orphan_rec o = arena->orphans[i];
   arena->orphans[i] = arena->orphans[--arena->norphans];
   if (o.pool != pool) { /* its bytes move from one pool's figures to the other's */
@@ -598,53 +638,119 @@ static _tide_handle adopt_orphan_page(_tide_arena *arena, size_t i, int pool) {
   return o.handle;
 }
 
-/* Map `count` pages from page index `first`: a spare or a new handle for
- * each, mapped, then the whole run made accessible with one call (the
- * expensive one). A page still mapped by an orphan is adopted as it is.
- * All or nothing. */
-static int map_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count,
-                     size_t request) {
-  struct tide_allocator *a = arena->alloc;
-  const _tide_backend *be = &a->backend;
-  size_t page = a->page_size;
-  uintptr_t start = seg->base + first * page;
-  size_t adopted = 0;
-  int rc;
-  /* Pages left mapped here by an earlier release go first; if the stream
-   * cannot be waited for (held), the memory is not to be had now. */
-  if (arena->nstale && _tide_arena_settle_stale(arena, start, start + count * page, true))
-    return _tide_error_set(TIDE_ERR_OOM,
-                           "no free pages: those at %p are still mapped for work "
-                           "queued on stream %p: %s",
-                           (void *)start, (void *)arena->stream, tide_last_error());
-  for (size_t i = 0; arena->norphans && i < count; i++)
-    adopted += orphan_page_at(arena, start + i * page, page) != SIZE_MAX;
-  /* Spare and orphan pages hold their bytes already; only new ones take budget. */
-  size_t spares = arena->nspare_pages < count - adopted ? arena->nspare_pages : count - adopted;
-  size_t budgeted = count - adopted - spares, created = 0, done = 0;
-  _tide_saved_error saved;
-  rc = hold_bytes(arena, seg->pool, budgeted * page, request);
-  if (rc) return rc;
-  for (; done < count; done++) {
-    _tide_handle h = 0;
-    bool spare = false;
-    size_t orphan = adopted ? orphan_page_at(arena, start + done * page, page) : SIZE_MAX;
-    if (orphan != SIZE_MAX) {
-      seg->pages[first + done] = adopt_orphan_page(arena, orphan, seg->pool);
+/* How growth maps a run of pages: handle by handle, each an orphan's handle
+ * still mapped there, a spare handle, or a new one. */
+typedef struct run_piece {
+  size_t spare; /* index into the spare handles, or SIZE_MAX */
+  bool orphan;
+} run_piece;
+
+/* Plan the handles of a run of `count` pages from `start` in segment seg
+ * (a whole number of its handles): orphans where they are mapped, spare
+ * handles of the segment's size, then new handles. Returns the pieces, with
+ * *created the pages of new handles; or 0 with an error when an orphaned
+ * mapping of another size lies where a handle would go. */
+static size_t plan_run(_tide_arena *arena, const _tide_segment *seg, uintptr_t start, size_t count,
+                       run_piece *pieces, bool *taken, size_t *created) {
+  size_t page = arena->alloc->page_size, size = seg->handle_pages * page, n = 0, spare = 0;
+  *created = 0;
+  for (size_t p = 0; p < count; p += seg->handle_pages, n++) {
+    uintptr_t at = start + p * page;
+    size_t o = arena->norphans ? orphan_mapped_at(arena, at) : SIZE_MAX;
+    if (o != SIZE_MAX) {
+      if (arena->orphans[o].map_size != size) {
+        _tide_error_set(TIDE_ERR_BACKEND,
+                        "memory the device backend refused to unmap is still mapped at %p, "
+                        "where growth would map",
+                        (void *)at);
+        return 0;
+      }
+      pieces[n] = (run_piece){.spare = SIZE_MAX, .orphan = true};
       continue;
     }
-    if ((rc = page_handle(arena, seg->pool, &h, &spare))) break;
-    created += !spare;
-    if ((rc = be->ops->map(be->ctx, start + done * page, page, h))) {
-      _tide_error_save(&saved);
-      give_back_handle(arena, seg->pool, h); /* gives its bytes back */
-      _tide_error_restore(&saved);
-      break;
+    while (spare < arena->nspare_pages && arena->spare_pages[spare].size != size) spare++;
+    if (spare < arena->nspare_pages) {
+      taken[spare] = true;
+      pieces[n] = (run_piece){.spare = spare++};
+      continue;
     }
-    seg->pages[first + done] = h;
+    pieces[n] = (run_piece){.spare = SIZE_MAX};
+    *created += seg->handle_pages;
   }
+  return n;
+}
+
+/* Drop the spare handles taken (mapped, or given back on failure). */
+static void drop_taken_spares(_tide_arena *arena, const bool *taken) {
+  size_t kept = 0;
+  for (size_t k = 0; k < arena->nspare_pages; k++)
+    if (!taken[k]) arena->spare_pages[kept++] = arena->spare_pages[k];
+  arena->nspare_pages = kept;
+}
+
+/* A spare handle's bytes move to `pool`'s figures if they were another's. */
+static void spare_to_pool(_tide_arena *arena, const struct _tide_spare_page *sp, int pool) {
+  if (sp->pool == pool) return;
+  _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, sp->pool, -(int64_t)sp->size);
+  _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, (int64_t)sp->size);
+}
+
+/* Map handle `at` (a page index) of a run as planned by `pc`: its handle
+ * (new, spare or the orphan's) noted in the page table. *created counts the
+ * pages of new handles made. */
+static int map_piece(_tide_arena *arena, _tide_segment *seg, size_t at, const run_piece *pc,
+                     size_t *created) {
+  const _tide_backend *be = &arena->alloc->backend;
+  size_t n = seg->handle_pages, size = n * arena->alloc->page_size;
+  uintptr_t addr = seg->base + at * arena->alloc->page_size;
+  _tide_handle h = 0;
+  if (pc->orphan) {
+    note_handle(seg, at, n, adopt_orphan(arena, orphan_mapped_at(arena, addr), seg->pool));
+    return TIDE_OK;
+  }
+  if (pc->spare != SIZE_MAX) {
+    h = arena->spare_pages[pc->spare].handle;
+    spare_to_pool(arena, &arena->spare_pages[pc->spare], seg->pool);
+  } else {
+    int rc = create_handle(arena, size, &h);
+    if (rc) return rc;
+    *created += n;
+  }
+  int rc = be->ops->map(be->ctx, addr, size, h);
+  if (rc) {
+    _tide_saved_error saved;
+    _tide_error_save(&saved);
+    give_back_handle(arena, seg->pool, h, size); /* gives its bytes back */
+    return _tide_error_restore(&saved);
+  }
+  note_handle(seg, at, n, h);
+  return TIDE_OK;
+}
+
+/* Map `count` pages from page index `first` as planned by plan_run, then
+ * make the whole run accessible with one call (the expensive one). All or
+ * nothing. */
+static int map_pieces(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count,
+                      size_t request, run_piece *pieces, bool *taken) {
+  struct tide_allocator *a = arena->alloc;
+  const _tide_backend *be = &a->backend;
+  size_t page = a->page_size, budgeted = 0, created = 0, done = 0;
+  uintptr_t start = seg->base + first * page;
+  size_t n = plan_run(arena, seg, start, count, pieces, taken, &budgeted);
+  if (!n) return tide_last_status();
+  /* Spare and orphan handles hold their bytes already; only new ones take budget. */
+  memset(taken, 0, arena->nspare_pages * sizeof *taken);
+  int rc = hold_bytes(arena, seg->pool, budgeted * page, request);
+  if (rc) return rc;
+  for (size_t i = 0; i < n && !rc; i++, done += seg->handle_pages) {
+    if (pieces[i].spare != SIZE_MAX) taken[pieces[i].spare] = true;
+    rc = map_piece(arena, seg, first + done, &pieces[i], &created);
+  }
+  if (rc) done -= seg->handle_pages; /* the piece that failed holds nothing */
+  drop_taken_spares(arena, taken);
   if (!rc) rc = be->ops->set_access(be->ctx, start, count * page);
   if (rc) {
+    _tide_saved_error saved;
     _tide_error_save(&saved);
     unmap_new_pages(arena, seg, first, done);                  /* each gives its bytes back */
     drop_bytes(arena, seg->pool, (budgeted - created) * page); /* never created */
@@ -652,8 +758,31 @@ static int map_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_
   }
   seg->mapped += count * page;
   arena->stats.counters[_TIDE_CT_PAGES_MAPPED] += count;
+  for (size_t i = 0; i < n; i++) arena->stats.counters[_TIDE_CT_MAPPINGS] += !pieces[i].orphan;
   _tide_trace(a, TIDE_TRACE_MAP, seg->pool + 1, start, count * page, arena->stream);
   return TIDE_OK;
+}
+
+/* Map `count` pages from page index `first`: spare, orphaned or new
+ * handles (see plan_run), mapped, then made accessible. All or nothing. */
+static int map_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count,
+                     size_t request) {
+  size_t page = arena->alloc->page_size;
+  uintptr_t start = seg->base + first * page;
+  /* Pages left mapped here by an earlier release go first; if the stream
+   * cannot be waited for (held), the memory is not to be had now. */
+  if (arena->nstale && _tide_arena_settle_stale(arena, start, start + count * page, true))
+    return _tide_error_set(TIDE_ERR_OOM,
+                           "no free pages: those at %p are still mapped for work "
+                           "queued on stream %p: %s",
+                           (void *)start, (void *)arena->stream, tide_last_error());
+  run_piece *pieces = malloc(count * sizeof *pieces);
+  bool *taken = calloc(arena->nspare_pages + 1, sizeof *taken);
+  int rc = pieces && taken ? map_pieces(arena, seg, first, count, request, pieces, taken)
+                           : _tide_error_set(TIDE_ERR_OOM, "out of host memory to plan a growth");
+  free(pieces);
+  free(taken);
+  return rc;
 }
 
 /* Merge free block `m` with the free blocks on either side of it. */
@@ -776,11 +905,17 @@ static size_t plan_at(_tide_block *u, size_t size, size_t page, _tide_growth *g)
   return count;
 }
 
+/* Growth `g` planned in units of `per_handle` pages, in pages. */
+static void in_pages(_tide_growth *g, size_t per_handle) {
+  g->first *= per_handle;
+  g->count *= per_handle;
+}
+
 /* Whether stale pages lie in the pages growth `g` would map. */
 static bool stale_in_the_way(const _tide_arena *arena, const _tide_growth *g, size_t page) {
   uintptr_t lo = g->unmapped->segment->base + g->first * page, hi = lo + g->count * page;
   for (size_t i = 0; i < arena->nstale; i++)
-    if (arena->stale[i].addr >= lo && arena->stale[i].addr < hi) return true;
+    if (stale_overlaps(&arena->stale[i], lo, hi)) return true;
   return false;
 }
 
@@ -791,23 +926,27 @@ static bool stale_in_the_way(const _tide_arena *arena, const _tide_growth *g, si
  * usually clear, and using it beats waiting for a stream that may be held
  * (that wait would fail the allocation with memory to spare). */
 static void avoid_stale(const _tide_arena *arena, _tide_block *u, size_t size, size_t page,
-                        _tide_growth *g) {
-  size_t right = free_size(u->next), upages = u->size / page;
-  size_t count = pages_beside(right, size, page);
+                        size_t per_handle, _tide_growth *g) {
+  size_t unit = page * per_handle;
+  size_t right = free_size(u->next), upages = u->size / unit;
+  size_t count = pages_beside(right, size, unit);
   if (count > upages) return;
   _tide_growth back = {
-      .unmapped = u, .first = (u->addr - u->segment->base) / page + upages - count, .count = count};
+      .unmapped = u, .first = (u->addr - u->segment->base) / unit + upages - count, .count = count};
+  in_pages(&back, per_handle);
   if (back.first != g->first && !stale_in_the_way(arena, &back, page)) *g = back;
 }
 
 int _tide_pool_plan_growth(const _tide_arena *arena, _tide_pool *pool, size_t size, size_t page,
                            _tide_growth *out) {
   *out = (_tide_growth){0};
+  size_t per_handle = handle_pages_for(arena, pool, size), unit = page * per_handle;
   for (_tide_block *u = pool->unmapped; u; u = u->link_next) {
     _tide_growth g;
-    if (!plan_at(u, size, page, &g)) continue;
+    if (u->segment->handle_pages != per_handle || !plan_at(u, size, unit, &g)) continue;
+    in_pages(&g, per_handle);
     g.blocked = arena->nstale && stale_in_the_way(arena, &g, page);
-    if (g.blocked) avoid_stale(arena, u, size, page, &g);
+    if (g.blocked) avoid_stale(arena, u, size, page, per_handle, &g);
     bool better = !out->count || (out->blocked && !g.blocked) ||
                   (out->blocked == g.blocked && g.count < out->count);
     if (better) *out = g;
@@ -861,6 +1000,26 @@ int _tide_pool_grow(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_blo
   return grow_fixed(arena, pool, size, out);
 }
 
+/* Unmap the handles of pages [first, first + count) (whole handles), those
+ * of one size next to each other with one call. *done gets the pages
+ * unmapped, from the first. */
+static int unmap_handles(_tide_arena *arena, const _tide_segment *seg, size_t first, size_t count,
+                         size_t *done) {
+  const _tide_backend *be = &arena->alloc->backend;
+  size_t page = arena->alloc->page_size;
+  *done = 0;
+  for (size_t i = first; i < first + count;) {
+    size_t n = seg->span[i], run = 0, unmapped = 0;
+    for (size_t j = i; j < first + count && seg->span[j] == n; j += n) run++;
+    int rc = be->ops->unmap_run(be->ctx, seg->base + i * page, n * page, run, &unmapped);
+    *done += unmapped * n;
+    arena->stats.counters[_TIDE_CT_UNMAPPINGS] += unmapped;
+    if (rc) return rc;
+    i += run * n;
+  }
+  return TIDE_OK;
+}
+
 /* Unmap the whole pages inside free block `b` of an expandable segment, at
  * most `limit` bytes of them. The block splits into a free head, the
  * unmapped middle (merged with unmapped neighbours) and a free tail. A
@@ -870,17 +1029,16 @@ int _tide_pool_grow(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_blo
 static int release_expandable(_tide_arena *arena, _tide_block *b, size_t limit,
                               _tide_block **resume) {
   struct tide_allocator *a = arena->alloc;
-  const _tide_backend *be = &a->backend;
   _tide_segment *seg = b->segment;
   _tide_pool *pool = &arena->pools[seg->pool];
-  size_t page = a->page_size;
+  size_t page = a->page_size, unit = page * seg->handle_pages; /* a handle is unmapped whole */
   uintptr_t end = b->addr + b->size;
-  uintptr_t lo = seg->base + round_up(b->addr - seg->base, page);
-  uintptr_t hi = seg->base + round_down(end - seg->base, page);
+  uintptr_t lo = seg->base + round_up(b->addr - seg->base, unit);
+  uintptr_t hi = seg->base + round_down(end - seg->base, unit);
   *resume = b->next;
   if (hi <= lo) return TIDE_OK;
   if (hi - lo > limit) {
-    size_t keep = hi - lo - round_down(limit, page);
+    size_t keep = hi - lo - round_down(limit, unit);
     if (keep == hi - lo) return TIDE_OK;
     if (b->prev && b->prev->state == _TIDE_UNMAPPED)
       hi -= keep;
@@ -906,7 +1064,7 @@ static int release_expandable(_tide_arena *arena, _tide_block *b, size_t limit,
       rc = _tide_error_set(TIDE_ERR_OOM, "out of host memory for stale page records");
     }
   } else {
-    rc = be->ops->unmap_run(be->ctx, lo, page, (hi - lo) / page, &unmapped);
+    rc = unmap_handles(arena, seg, first, (hi - lo) / page, &unmapped);
   }
   if (unmapped == 0) {
     _tide_block_delete(arena, head);
@@ -1020,6 +1178,7 @@ static void release_empty_segment(_tide_arena *arena, _tide_pool *pool, _tide_se
   segment_counted(arena, seg, -1);
   segment_unlink(pool, seg);
   free(seg->pages);
+  free(seg->span);
   free(seg);
 }
 
@@ -1072,10 +1231,11 @@ void _tide_pool_teardown(_tide_arena *arena, _tide_pool *pool) {
     _tide_segment *seg = pool->segments;
     if (seg->expandable) {
       for (size_t i = 0; i < seg->npages; i++) {
-        if (!seg->pages[i]) continue;
-        be->ops->unmap(be->ctx, seg->base + i * page, page);
+        if (!seg->span[i]) continue;
+        size_t size = seg->span[i] * page;
+        be->ops->unmap(be->ctx, seg->base + i * page, size);
         be->ops->release(be->ctx, seg->pages[i]);
-        _tide_budget_give(arena->alloc, page);
+        _tide_budget_give(arena->alloc, size);
       }
     } else {
       be->ops->unmap(be->ctx, seg->base, seg->size);
@@ -1085,6 +1245,7 @@ void _tide_pool_teardown(_tide_arena *arena, _tide_pool *pool) {
     be->ops->unreserve(be->ctx, seg->base, seg->size);
     segment_unlink(pool, seg);
     free(seg->pages);
+    free(seg->span);
     free(seg);
   }
   pool->unmapped = NULL;

@@ -45,11 +45,13 @@ void tide_share_pieces_close(tide_share_piece *pieces, uint32_t n) {
 /* Export                                                                    */
 /* ------------------------------------------------------------------------ */
 
-/* The pieces under block b: the handles and the size of each. */
+/* The pieces under block b: the handles and the size of each. An
+ * expandable segment's pieces are the whole handles that map the block's
+ * pages (a handle may hold several pages, from before the block's first
+ * page to past its last). */
 typedef struct piece_plan {
-  const _tide_handle *handles; /* expandable: the segment's page handles from the first */
-  _tide_handle one;            /* fixed: the segment's handle */
-  size_t piece_size;
+  const _tide_segment *seg; /* expandable: pieces from page `head` on */
+  size_t head, page;
   uint32_t count;
   uint64_t offset; /* of the block in the first piece */
 } piece_plan;
@@ -57,24 +59,32 @@ typedef struct piece_plan {
 static void plan_pieces(const _tide_block *b, size_t page, piece_plan *plan) {
   const _tide_segment *seg = b->segment;
   if (!seg->expandable) {
-    *plan = (piece_plan){
-        .one = seg->handle, .piece_size = seg->size, .count = 1, .offset = b->addr - seg->base};
+    *plan = (piece_plan){.count = 1, .offset = b->addr - seg->base};
     return;
   }
   size_t first = (b->addr - seg->base) / page;
   size_t last = (b->addr + b->size - 1 - seg->base) / page;
-  *plan = (piece_plan){.handles = seg->pages + first,
-                       .piece_size = page,
-                       .count = (uint32_t)(last - first + 1),
-                       .offset = b->addr - (seg->base + first * page)};
+  size_t head = first;
+  while (seg->span[head] == 0) head--; /* the handle that maps the first page */
+  uint32_t count = 0;
+  for (size_t i = head; i <= last; i += seg->span[i]) count++;
+  *plan = (piece_plan){.seg = seg,
+                       .head = head,
+                       .page = page,
+                       .count = count,
+                       .offset = b->addr - (seg->base + head * page)};
 }
 
 /* Export every piece of the plan; on failure close what was made. */
-static int export_pieces(tide_allocator *a, const piece_plan *plan, tide_share_piece *out) {
+static int export_pieces(tide_allocator *a, const _tide_block *b, const piece_plan *plan,
+                         tide_share_piece *out) {
   const _tide_backend *be = &a->backend;
+  size_t at = plan->head;
   for (uint32_t i = 0; i < plan->count; i++) {
-    _tide_handle h = plan->handles ? plan->handles[i] : plan->one;
-    out[i] = (tide_share_piece){.fd = -1, .size = plan->piece_size};
+    _tide_handle h = plan->seg ? plan->seg->pages[at] : b->segment->handle;
+    size_t size = plan->seg ? plan->seg->span[at] * plan->page : b->segment->size;
+    at += plan->seg ? plan->seg->span[at] : 0;
+    out[i] = (tide_share_piece){.fd = -1, .size = size};
     int rc = be->ops->export_fd(be->ctx, h, &out[i].fd, &out[i].offset);
     if (rc) {
       for (uint32_t j = 0; j < i; j++) close(out[j].fd);
@@ -99,7 +109,7 @@ static int export_from_arena(tide_allocator *a, _tide_arena *arena, uintptr_t ad
   plan_pieces(b, a->page_size, &plan);
   tide_share_piece *out = calloc(plan.count, sizeof *out);
   if (!out) return _tide_error_set(TIDE_ERR_OOM, "tide_share_export: out of host memory");
-  int rc = export_pieces(a, &plan, out);
+  int rc = export_pieces(a, b, &plan, out);
   if (rc) {
     free(out);
     return rc;

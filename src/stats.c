@@ -47,6 +47,8 @@ static void add_arena(tide_stats *out, const _tide_arena_stats *s) {
   out->num_device_alloc += s->counters[_TIDE_CT_DEVICE_ALLOC];
   out->num_device_free += s->counters[_TIDE_CT_DEVICE_FREE];
   out->oversize_allocations += s->counters[_TIDE_CT_OVERSIZE];
+  out->mappings += s->counters[_TIDE_CT_MAPPINGS];
+  out->unmappings += s->counters[_TIDE_CT_UNMAPPINGS];
 }
 
 /* Add what an arena has not yet added to the shared allocated counter. */

@@ -184,6 +184,40 @@ UNCHECKED_LOADS static size_t count_mapped(const _tide_handle *pages, size_t n) 
   return mapped;
 }
 
+/* The handles of an expandable segment's page table: each mapped page lies
+ * in exactly one handle, whose first page says how many pages it holds and
+ * whose pages all name it; unmapped pages start none. */
+UNCHECKED_LOADS static bool check_handles(checker *c, const _tide_segment *seg, size_t *handles) {
+  size_t max = seg->handle_pages;
+  CHECK(c, max == 1 || max == c->a->handle_pages,
+        "segment %#lx has handles of %zu pages (1 or %zu expected)", (unsigned long)seg->base, max,
+        c->a->handle_pages);
+  CHECK(c, seg->npages % max == 0, "segment %#lx of %zu pages is not whole handles of %zu",
+        (unsigned long)seg->base, seg->npages, max);
+  *handles = 0;
+  for (size_t i = 0; i < seg->npages;) {
+    size_t n = seg->span[i];
+    if (!seg->pages[i]) {
+      CHECK(c, n == 0, "unmapped page %zu of segment %#lx starts a handle of %zu pages", i,
+            (unsigned long)seg->base, n);
+      i++;
+      continue;
+    }
+    CHECK(c, n == max && i % max == 0,
+          "page %zu of segment %#lx is mapped but starts a handle of %zu pages (its handles "
+          "hold %zu, from multiples of %zu)",
+          i, (unsigned long)seg->base, n, max, max);
+    for (size_t j = i + 1; j < i + n; j++)
+      CHECK(c, seg->pages[j] == seg->pages[i] && seg->span[j] == 0,
+            "page %zu of segment %#lx lies in the handle of %zu pages at page %zu but names "
+            "handle %#llx and starts %u pages",
+            j, (unsigned long)seg->base, n, i, (unsigned long long)seg->pages[j], seg->span[j]);
+    ++*handles;
+    i += n;
+  }
+  return true;
+}
+
 /* The page indices [first, last] of the segment that block b touches. */
 static void pages_of(const _tide_block *b, size_t page, size_t *first, size_t *last) {
   *first = (b->addr - b->segment->base) / page;
@@ -200,8 +234,10 @@ static bool check_pages(checker *c, const _tide_block *b, size_t page) {
         "the page table of segment %#lx is not readable for block %#lx", (unsigned long)seg->base,
         (unsigned long)b->addr);
   if (b->state == _TIDE_UNMAPPED) {
-    CHECK(c, (b->addr - seg->base) % page == 0 && b->size % page == 0,
-          "unmapped block %#lx of %zu bytes is not whole pages", (unsigned long)b->addr, b->size);
+    size_t unit = page * seg->handle_pages;
+    CHECK(c, (b->addr - seg->base) % unit == 0 && b->size % unit == 0,
+          "unmapped block %#lx of %zu bytes is not whole handles of %zu bytes",
+          (unsigned long)b->addr, b->size, unit);
     size_t i = find_page(seg->pages, first, last, true);
     CHECK(c, i == SIZE_MAX, "page %zu of segment %#lx has a handle inside unmapped block %#lx", i,
           (unsigned long)seg->base, (unsigned long)b->addr);
@@ -339,14 +375,17 @@ static bool check_segment(checker *c, sums *s, const _tide_pool *pool, const _ti
     CHECK(c, seg->pages && seg->npages * page == seg->size && seg->base % page == 0,
           "expandable segment %#lx of %zu bytes has %zu pages of %zu bytes",
           (unsigned long)seg->base, seg->size, seg->npages, page);
-    CHECK(c, readable(seg->pages, seg->npages * sizeof *seg->pages),
+    CHECK(c,
+          readable(seg->pages, seg->npages * sizeof *seg->pages) &&
+              readable(seg->span, seg->npages * sizeof *seg->span),
           "the page table of expandable segment %#lx is not readable", (unsigned long)seg->base);
-    size_t mapped = count_mapped(seg->pages, seg->npages);
+    size_t mapped = count_mapped(seg->pages, seg->npages), handles = 0;
     CHECK(c, mapped * page == seg->mapped,
           "expandable segment %#lx says %zu bytes are mapped, its page table %zu pages of %zu",
           (unsigned long)seg->base, seg->mapped, mapped, page);
+    if (!check_handles(c, seg, &handles)) return false;
     s->mapped_pages += mapped;
-    s->handles += mapped;
+    s->handles += handles;
   } else {
     CHECK(c, seg->mapped == seg->size && seg->handle != 0 && !seg->pages,
           "fixed segment %#lx of %zu bytes has %zu mapped, handle %llu", (unsigned long)seg->base,
@@ -583,10 +622,11 @@ static bool check_orphans(checker *c, sums *s) {
   size_t page = arena->alloc->page_size;
   for (size_t i = 0; i < arena->nstale; i++) {
     const struct _tide_stale_page *sp = &arena->stale[i];
-    CHECK(c, sp->addr % page == 0 && sp->handle, "stale page %zu at %#lx with handle %#llx", i,
-          (unsigned long)sp->addr, (unsigned long long)sp->handle);
+    CHECK(c, sp->addr % page == 0 && sp->handle && sp->size && sp->size % page == 0,
+          "stale page %zu at %#lx of %zu bytes with handle %#llx", i, (unsigned long)sp->addr,
+          sp->size, (unsigned long long)sp->handle);
     if (sp->owned) {
-      add(s, _TIDE_ST_RESERVED, sp->pool, (int64_t)page);
+      add(s, _TIDE_ST_RESERVED, sp->pool, (int64_t)sp->size);
       s->handles++;
     }
   }

@@ -52,6 +52,7 @@ static const char *const all_keys[] = {
     "backend",
     "expandable_segments",
     "page_size_mb",
+    "handle_size_mb",
     "max_split_size_mb",
     "roundup_power2_divisions",
     "garbage_collection_threshold",
@@ -167,6 +168,9 @@ static void test_good_values(void **state) {
       {"page_size_mb", "20", "20"},
       {"page_size_mb", "1024", "1024"},
       {"page_size_mb", "007", "7"},
+      {"handle_size_mb", "0", "0"},
+      {"handle_size_mb", "16", "16"},
+      {"handle_size_mb", "1024", "1024"},
       {"max_split_size_mb", "20", "20"},
       {"max_split_size_mb", "512", "512"},
       {"max_split_size_mb", "none", "unlimited"},
@@ -224,18 +228,20 @@ static void test_good_values(void **state) {
 static void test_values_reach_the_struct(void **state) {
   (void)state;
   tide_config *config = new_config();
-  assert_int_equal(tide_config_parse(config,
-                                     "backend:host,expandable_segments:False,page_size_mb:20,"
-                                     "max_split_size_mb:200,garbage_collection_threshold:0.75,"
-                                     "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
-                                     "release_slack:0.05,peer_access:False,capture_detection:True,"
-                                     "trace:100,host_capacity:8GiB,host_granularity:64KiB,"
-                                     "host_devices:4,roundup_power2_divisions:8"),
-                   TIDE_OK);
+  assert_int_equal(
+      tide_config_parse(config,
+                        "backend:host,expandable_segments:False,page_size_mb:20,handle_size_mb:40,"
+                        "max_split_size_mb:200,garbage_collection_threshold:0.75,"
+                        "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
+                        "release_slack:0.05,peer_access:False,capture_detection:True,"
+                        "trace:100,host_capacity:8GiB,host_granularity:64KiB,"
+                        "host_devices:4,roundup_power2_divisions:8"),
+      TIDE_OK);
   const _tide_conf_values *v = _tide_config_values(config);
   assert_int_equal(v->backend, TIDE_BACKEND_HOST);
   assert_false(v->expandable_segments);
   assert_int_equal(v->page_size, 20 * TIDE_MiB);
+  assert_int_equal(v->handle_size, 40 * TIDE_MiB);
   assert_int_equal(v->max_split_size, 200 * TIDE_MiB);
   assert_true(v->gc_threshold == 0.75);
   assert_true(v->memory_fraction == 0.5);
@@ -271,6 +277,9 @@ static void test_bad_values(void **state) {
       {"page_size_mb", "1025"},
       {"page_size_mb", "-2"},
       {"page_size_mb", "2.5"},
+      {"handle_size_mb", "1025"},
+      {"handle_size_mb", "-1"},
+      {"handle_size_mb", "8.5"},
       {"page_size_mb", "2MiB"},
       {"page_size_mb", "0x10"},
       {"page_size_mb", "+2"},

@@ -418,6 +418,8 @@ static void print_keys(const char *path, const trace *t, const replay_result *r)
   printf("segments_created %llu\n", (unsigned long long)r->stats.segments_created);
   printf("pages_mapped %llu\n", (unsigned long long)r->stats.pages_mapped);
   printf("pages_unmapped %llu\n", (unsigned long long)r->stats.pages_unmapped);
+  printf("mappings %llu\n", (unsigned long long)r->stats.mappings);
+  printf("unmappings %llu\n", (unsigned long long)r->stats.unmappings);
   /* Counted by the host backend's emulated device; 0 on another backend. */
   printf("stream_synchronizations %llu\n", (unsigned long long)r->synchronizations);
   printf("seconds %.3f\n", r->seconds);

@@ -47,7 +47,8 @@ typedef struct stream_row {
   double peak_allocated_gib;
   double peak_reserved_gib;
   uint64_t pages_mapped, pages_unmapped; /* the terminal table's, not the CSV's */
-  char error[ERROR_LEN];                 /* why it ran out of memory; "" when ok */
+  uint64_t mappings, unmappings;
+  char error[ERROR_LEN]; /* why it ran out of memory; "" when ok */
 } stream_row;
 
 /* ------------------------------------------------------------------------ */
@@ -222,6 +223,8 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
   row->peak_reserved_gib = ok ? (double)stats.reserved_bytes[TIDE_POOL_ALL].peak / 1073741824.0 : 0;
   row->pages_mapped = ok ? stats.pages_mapped : 0;
   row->pages_unmapped = ok ? stats.pages_unmapped : 0;
+  row->mappings = ok ? stats.mappings : 0;
+  row->unmappings = ok ? stats.unmappings : 0;
   if (tide_destroy(alloc) != TIDE_OK) {
     cli_report_tide_error("stream: destroying the allocator");
     ok = false;
@@ -308,15 +311,17 @@ static bool write_csv(const char *path, const stream_row *rows, int count) {
 }
 
 static void print_table(const stream_row *rows, int count) {
-  printf("%8s  %-6s  %-20s  %9s  %14s  %13s  %9s  %12s  %14s\n", "frames", "status", "backend",
-         "seconds", "allocated GiB", "reserved GiB", "res/alloc", "pages mapped", "pages unmapped");
+  printf("%8s  %-6s  %-20s  %9s  %14s  %13s  %9s  %12s  %14s  %8s  %8s\n", "frames", "status",
+         "backend", "seconds", "allocated GiB", "reserved GiB", "res/alloc", "pages mapped",
+         "pages unmapped", "maps", "unmaps");
   for (int i = 0; i < count; i++) {
     const stream_row *r = &rows[i];
     double ratio = r->peak_allocated_gib > 0 ? r->peak_reserved_gib / r->peak_allocated_gib : 0;
-    printf("%8d  %-6s  %-20s  %9.3f  %14.3f  %13.3f  %9.3f  %12llu  %14llu\n", r->frames,
-           r->oom ? "oom" : "ok", r->backend, r->seconds, r->peak_allocated_gib,
+    printf("%8d  %-6s  %-20s  %9.3f  %14.3f  %13.3f  %9.3f  %12llu  %14llu  %8llu  %8llu\n",
+           r->frames, r->oom ? "oom" : "ok", r->backend, r->seconds, r->peak_allocated_gib,
            r->peak_reserved_gib, ratio, (unsigned long long)r->pages_mapped,
-           (unsigned long long)r->pages_unmapped);
+           (unsigned long long)r->pages_unmapped, (unsigned long long)r->mappings,
+           (unsigned long long)r->unmappings);
   }
   for (int i = 0; i < count; i++)
     if (rows[i].oom) printf("\n%d frames: %s\n", rows[i].frames, rows[i].error);

@@ -18,13 +18,14 @@ _STAT_FIELDS = ("allocated_bytes", "requested_bytes", "active_bytes", "inactive_
                 "reserved_bytes", "allocations", "active_blocks", "inactive_split", "segments")
 _COUNTERS = ("num_allocs", "num_frees", "pages_mapped", "pages_unmapped", "segments_created",
              "segments_released", "num_alloc_retries", "num_ooms", "num_sync_all_streams",
-             "num_device_alloc", "num_device_free", "oversize_allocations", "memory_limit")
+             "num_device_alloc", "num_device_free", "oversize_allocations", "memory_limit",
+             "mappings", "unmappings")
 
 
 class Stats(ctypes.Structure):
     _fields_ = ([(name, Stat * _KINDS) for name in _STAT_FIELDS] +
                 [(name, ctypes.c_uint64) for name in _COUNTERS] +
-                [("reserved_u64", ctypes.c_uint64 * 8)])
+                [("reserved_u64", ctypes.c_uint64 * 6)])
 
 
 class BufOptions(ctypes.Structure):
