@@ -419,6 +419,11 @@ static const scenario scenarios[] = {
     {"shrink", "host_capacity:1GiB", shrink_setup, shrink_run},
     {"oom", "host_capacity:64MiB", no_setup, oom_run},
     {"recycle", "host_capacity:1GiB,release_slack:0", no_setup, recycle_run},
+    /* Handles of 2 pages for requests of 8 MiB or more (handle_size_mb). */
+    {"grow-large-handles", "host_capacity:1GiB,handle_size_mb:4", no_setup, grow_run},
+    {"shrink-large-handles", "host_capacity:1GiB,handle_size_mb:4", shrink_setup, shrink_run},
+    {"recycle-large-handles", "host_capacity:1GiB,release_slack:0,handle_size_mb:4", no_setup,
+     recycle_run},
 };
 
 /* ------------------------------------------------------------------------ */
@@ -705,6 +710,18 @@ static void faults_recycle_expandable(void **state) {
   (void)state;
   sweep(&scenarios[3], true);
 }
+static void faults_grow_large_handles(void **state) {
+  (void)state;
+  sweep(&scenarios[4], true);
+}
+static void faults_shrink_large_handles(void **state) {
+  (void)state;
+  sweep(&scenarios[5], true);
+}
+static void faults_recycle_large_handles(void **state) {
+  (void)state;
+  sweep(&scenarios[6], true);
+}
 static void faults_oom_expandable(void **state) {
   (void)state;
   sweep(&scenarios[2], true);
@@ -717,7 +734,7 @@ static void faults_oom_fixed(void **state) {
 /* A step of growth fails, and then so does the first call that would undo
  * it: the undo keeps what the device refused (an orphan) and the next
  * tide_empty_cache gives it back. */
-static void undo_sweep(bool expandable) {
+static void undo_sweep(const scenario *sc, bool expandable) {
   static const tide_backend_op first[] = {TIDE_OP_RESERVE, TIDE_OP_CREATE, TIDE_OP_MAP,
                                           TIDE_OP_SET_ACCESS};
   static const tide_backend_op undo[] = {TIDE_OP_UNMAP, TIDE_OP_RELEASE, TIDE_OP_UNRESERVE};
@@ -727,16 +744,16 @@ static void undo_sweep(bool expandable) {
       for (size_t j = 0; j < 3; j++) {
         run_result r;
         fault_plan plan = {first[i], 1, undo[j], 1, retry};
-        for (; run_once(&scenarios[0], expandable, plan, &r); plan.n++) {
+        for (; run_once(sc, expandable, plan, &r); plan.n++) {
           reached[j] += r.second;
           retried[j] += r.retried;
           runs++;
         }
       }
-  print_message("undo/%s: %u runs; an undo step failed: unmap %u, release %u, unreserve %u; "
+  print_message("undo/%s/%s: %u runs; an undo step failed: unmap %u, release %u, unreserve %u; "
                 "and so did its retry: %u, %u, %u\n",
-                expandable ? "expandable" : "fixed", runs, reached[0], reached[1], reached[2],
-                retried[0], retried[1], retried[2]);
+                sc->name, expandable ? "expandable" : "fixed", runs, reached[0], reached[1],
+                reached[2], retried[0], retried[1], retried[2]);
   assert_true(reached[0] > 0 && retried[0] > 0);
   assert_true(reached[1] > 0 && retried[1] > 0);
   /* An expandable range is never undone. */
@@ -785,11 +802,15 @@ static void second_sweep(bool expandable) {
 
 static void faults_undo_expandable(void **state) {
   (void)state;
-  undo_sweep(true);
+  undo_sweep(&scenarios[0], true);
 }
 static void faults_undo_fixed(void **state) {
   (void)state;
-  undo_sweep(false);
+  undo_sweep(&scenarios[0], false);
+}
+static void faults_undo_large_handles(void **state) {
+  (void)state;
+  undo_sweep(&scenarios[4], true);
 }
 static void faults_second_expandable(void **state) {
   (void)state;
@@ -1084,6 +1105,10 @@ int main(void) {
       cmocka_unit_test(faults_shrink_expandable),
       cmocka_unit_test(faults_shrink_fixed),
       cmocka_unit_test(faults_recycle_expandable),
+      cmocka_unit_test(faults_grow_large_handles),
+      cmocka_unit_test(faults_shrink_large_handles),
+      cmocka_unit_test(faults_recycle_large_handles),
+      cmocka_unit_test(faults_undo_large_handles),
       cmocka_unit_test(faults_oom_expandable),
       cmocka_unit_test(faults_oom_fixed),
       cmocka_unit_test(faults_undo_expandable),
