@@ -170,6 +170,45 @@ static void test_growth_does_not_wait_for_a_held_stream(void **state) {
   for (uint64_t seed = 1; seed <= 40; seed++) held_stream_workload(seed);
 }
 
+/* handle_size_mb:16 with 2 MiB pages: a request of at least four 16 MiB
+ * handles grows a segment of 8-page handles (one mapping each); smaller ones
+ * stay on one handle per page; a partly used large handle stays mapped when
+ * the cache is emptied, the free ones go, whole. */
+static void test_large_handles(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create("host_capacity:1GiB,handle_size_mb:16");
+  void *small = tide_malloc(a, 6 * TU_MiB, NULL);
+  assert_non_null(small);
+  tide_stats st = tu_stats(a);
+  assert_int_equal(st.mappings, 3); /* three pages, a handle each */
+  void *big = tide_malloc(a, 64 * TU_MiB, NULL);
+  assert_non_null(big);
+  st = tu_stats(a);
+  assert_int_equal(st.mappings, 3 + 4);
+  assert_int_equal(st.pages_mapped, 3 + 32);
+  assert_int_equal(st.segments[TIDE_POOL_LARGE].current, 2);
+  assert_int_equal(tide_host_bytes_in_use(a), 70 * TU_MiB);
+  tu_assert_ok(tide_check(a));
+  tu_assert_ok(tide_free(a, big, NULL));
+  /* 20 MiB from the free 64: the first handle and part of the second. */
+  void *part = tide_malloc(a, 20 * TU_MiB, NULL);
+  assert_non_null(part);
+  assert_int_equal(tu_stats(a).mappings, 7); /* a free block fitted */
+  tu_assert_ok(tide_empty_cache(a));
+  st = tu_stats(a);
+  assert_int_equal(st.unmappings, 2); /* the last two handles */
+  assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].current, (int64_t)(6 + 32) * TU_MiB);
+  assert_int_equal(tide_host_bytes_in_use(a), 38 * TU_MiB);
+  tu_assert_ok(tide_check(a));
+  tu_assert_ok(tide_free(a, part, NULL));
+  tu_assert_ok(tide_free(a, small, NULL));
+  tu_assert_ok(tide_empty_cache(a));
+  assert_int_equal(tide_host_bytes_in_use(a), 0);
+  assert_int_equal(tide_host_mappings(a), 0);
+  tu_assert_ok(tide_check(a));
+  tu_assert_ok(tide_destroy(a));
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_prestate(test_no_synchronization, CONF),
@@ -177,6 +216,7 @@ int main(void) {
       cmocka_unit_test(test_old_addresses_stay_until_idle),
       cmocka_unit_test(test_destroy_with_stale_pages),
       cmocka_unit_test(test_growth_does_not_wait_for_a_held_stream),
+      cmocka_unit_test(test_large_handles),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

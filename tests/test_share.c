@@ -84,6 +84,30 @@ static void test_roundtrip_pages(void **state) {
   roundtrip(HOST_CONF, 5 * TU_MiB, 3 * TU_MiB); /* starts inside a page */
 }
 
+/* Blocks in a segment of 8 MiB handles (handle_size_mb:8, requests of
+ * 32 MiB or more): one piece per handle, the second block starting inside
+ * the handle the first one ends in. */
+static void test_roundtrip_large_handles(void **state) {
+  (void)state;
+  roundtrip(HOST_CONF ",handle_size_mb:8", 40 * TU_MiB, 0);
+  roundtrip(HOST_CONF ",handle_size_mb:8", 44 * TU_MiB, 36 * TU_MiB);
+  tide_allocator *a = tu_create(HOST_CONF ",handle_size_mb:8");
+  void *filler = tide_malloc(a, 36 * TU_MiB, NULL), *p = tide_malloc(a, 44 * TU_MiB, NULL);
+  assert_non_null(filler);
+  assert_non_null(p);
+  assert_int_equal((uintptr_t)p - (uintptr_t)filler, 36 * TU_MiB);
+  tide_share_desc desc;
+  tide_share_piece *pieces = NULL;
+  tu_assert_ok(tide_share_export(a, p, &desc, &pieces));
+  assert_int_equal(desc.offset, 4 * TU_MiB); /* into the handle at 32 MiB */
+  assert_int_equal(desc.num_pieces, 6);      /* the handles at 32, 40, ..., 72 MiB */
+  for (uint32_t i = 0; i < desc.num_pieces; i++) assert_int_equal(pieces[i].size, 8 * TU_MiB);
+  tide_share_pieces_close(pieces, desc.num_pieces);
+  tu_assert_ok(tide_free(a, p, NULL));
+  tu_assert_ok(tide_free(a, filler, NULL));
+  tu_assert_ok(tide_destroy(a));
+}
+
 static void test_roundtrip_fixed(void **state) {
   (void)state;
   roundtrip(HOST_CONF ",expandable_segments:False", 3 * TU_MiB, 0);
@@ -291,10 +315,15 @@ static void test_destroy_with_imports(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_roundtrip_small), cmocka_unit_test(test_roundtrip_pages),
-      cmocka_unit_test(test_roundtrip_fixed), cmocka_unit_test(test_many_pieces),
-      cmocka_unit_test(test_across_fork),     cmocka_unit_test(test_bad_input),
-      cmocka_unit_test(test_faults),          cmocka_unit_test(test_destroy_with_imports),
+      cmocka_unit_test(test_roundtrip_small),
+      cmocka_unit_test(test_roundtrip_pages),
+      cmocka_unit_test(test_roundtrip_large_handles),
+      cmocka_unit_test(test_roundtrip_fixed),
+      cmocka_unit_test(test_many_pieces),
+      cmocka_unit_test(test_across_fork),
+      cmocka_unit_test(test_bad_input),
+      cmocka_unit_test(test_faults),
+      cmocka_unit_test(test_destroy_with_imports),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
