@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# stream_configs.sh: `tidalloc stream` under several configurations of this
+# tree, interleaved round by round (drift of the machine falls on all alike),
+# each run a fresh process, fixed segments as the anchor. Writes the
+# benchmark's CSV rows, the backend column naming the configuration and the
+# round (LABEL-rN); the terminal tables (with mappings and unmappings) go to
+# stderr.
+#   CONFIGS="page2=page_size_mb:2 handle16=handle_size_mb:16" scripts/stream_configs.sh > out.csv
+# Environment:
+#   CONFIGS    space-separated LABEL=OPTIONS pairs (OPTIONS joined to CONF);
+#              default: handle sizes 2, 8 and 16 MiB
+#   FRAMES     frame counts (default 64 128)
+#   ROUNDS     rounds (default 2)
+#   CONF       options for every run (default backend:cuda)
+#   TIDALLOC   the command (default build/tidalloc, built if missing)
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+frames=${FRAMES:-64 128}
+rounds=${ROUNDS:-2}
+conf=${CONF:-backend:cuda}
+configs=${CONFIGS:-handle2=handle_size_mb:2 handle8=handle_size_mb:8 handle16=handle_size_mb:16}
+cmd=${TIDALLOC:-build/tidalloc}
+die() { printf 'stream_configs: %s\n' "$*" >&2; exit 1; }
+for c in $configs; do [[ $c == *=* ]] || die "'$c' is not LABEL=OPTIONS"; done
+
+if [[ ! -x $cmd ]]; then
+  cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DTIDE_BUILD_TESTS=OFF >/dev/null
+  cmake --build build -j"$(nproc)" --target tidalloc_cli >/dev/null
+fi
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+# run LABEL CONF: one sweep, its rows (no header) on stdout, its table on stderr.
+run() {
+  "$cmd" stream --frames $frames --conf "$2" --label "$1" --csv "$tmp/run.csv" >&2
+  tail -n +2 "$tmp/run.csv"
+}
+# A first run warms the device and gives the header.
+"$cmd" stream --frames 64 --conf "$conf" --csv "$tmp/h.csv" >/dev/null
+head -1 "$tmp/h.csv"
+for ((r = 1; r <= rounds; r++)); do
+  for c in $configs; do run "${c%%=*}-r$r" "$conf,${c#*=}"; done
+  run "fixed-r$r" "$conf,expandable_segments:False"
+done
