@@ -1785,14 +1785,15 @@ static void configure(world *w) {
            "backend:host,host_devices:2,expandable_segments:%s,release_holes:%s,"
            "host_capacity:%zuMiB,roundup_power2_divisions:%s,max_split_size_mb:%s,"
            "garbage_collection_threshold:%s,host_granularity:%s,page_size_mb:%s,trace:%s,"
-           "capture_detection:%s,handle_size_mb:%s",
+           "capture_detection:%s,handle_size_mb:%s,handle_threshold_mb:%s",
            a & 1 ? "False" : "True", a & 2 ? "False" : "True", w->capacity / MiB,
            roundings[(a >> 4) & 3], a & 64 ? "20" : "unlimited", a & 128 ? "0.6" : "0",
            w->granularity == 64 * KiB ? "64KiB" : "2MiB",
            b & 2   ? "1"
            : b & 4 ? "4"
                    : "2",
-           b & 8 ? "32" : "0", w->detection ? "True" : "False", b & 64 ? "4" : "0");
+           b & 8 ? "32" : "0", w->detection ? "True" : "False", b & 64 ? "4" : "0",
+           b & 64 ? "0" : "auto");
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

@@ -65,6 +65,9 @@ static int read_device(tide_allocator *a) {
   a->page_size = (page + a->granularity - 1) / a->granularity * a->granularity;
   a->handle_pages = a->conf.handle_size > a->page_size ? a->conf.handle_size / a->page_size : 1;
   if (a->handle_pages > TIDE_MAX_HANDLE_PAGES) a->handle_pages = TIDE_MAX_HANDLE_PAGES;
+  a->handle_threshold = a->conf.handle_threshold == SIZE_MAX
+                            ? TIDE_HANDLES_BEFORE_LARGE * a->handle_pages * a->page_size
+                            : a->conf.handle_threshold;
   a->plain_rounding = true;
   for (int i = 0; i < TIDE_ROUNDUP_INTERVALS; i++)
     if (a->conf.roundup_divisions[i] > 1) a->plain_rounding = false;

@@ -309,6 +309,21 @@ static void format_handle_size(const _tide_conf_values *v, char *buf, size_t len
   snprintf(buf, len, "%zu", v->handle_size / TIDE_MiB);
 }
 
+static bool parse_handle_threshold(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  if (equals_nocase(s, "auto")) return v->handle_threshold = SIZE_MAX, true;
+  uint64_t mib;
+  if (!parse_uint(s, TIDE_MAX_ALLOC / TIDE_MiB, &mib, why, why_len)) return false;
+  v->handle_threshold = (size_t)mib * TIDE_MiB;
+  return true;
+}
+
+static void format_handle_threshold(const _tide_conf_values *v, char *buf, size_t len) {
+  if (v->handle_threshold == SIZE_MAX)
+    snprintf(buf, len, "auto");
+  else
+    snprintf(buf, len, "%zu", v->handle_threshold / TIDE_MiB);
+}
+
 /* Blocks this large stay whole; PyTorch refuses less than its 20 MiB large
  * buffer, and above TIDE_MAX_ALLOC a limit means nothing. */
 #define SPLIT_MIN_MB (TIDE_LARGE_BUFFER / TIDE_MiB)
@@ -583,6 +598,11 @@ static const option options[] = {
      "unmaps fewer pieces; a handle is unmapped only whole (rounded down to whole pages; at "
      "most page_size_mb: one handle per page)",
      "a whole number of MiB from 0 to 1024", parse_handle_size, format_handle_size},
+    {"handle_threshold_mb", "auto",
+     "MiB a stream's memory reaches before its large requests get large handles "
+     "(handle_size_mb); auto: 1024 of those handles' worth",
+     "auto, or a whole number of MiB from 0 to 4294967296", parse_handle_threshold,
+     format_handle_threshold},
     {"max_split_size_mb", "unlimited",
      "blocks at least this many MiB are never split, so large free blocks stay whole",
      "a whole number of MiB from 20 to 4294967296, or unlimited (or none)", parse_max_split,

@@ -617,7 +617,8 @@ struct tide_allocator {
   _tide_backend backend;
   size_t granularity;
   size_t page_size;
-  size_t handle_pages;       /* pages one handle holds where growth maps a long run (>= 1) */
+  size_t handle_pages;       /* pages of a large handle (handle_size_mb; 1: none) */
+  size_t handle_threshold;   /* reserved bytes an arena holds before it makes large handles */
   bool plain_rounding;       /* no roundup_power2_divisions: sizes round to 512 B */
   size_t total_memory;       /* the device's */
   _Atomic size_t limit;      /* reserved may not exceed this */

@@ -34,10 +34,13 @@
 #define TIDE_GiB ((size_t)1 << 30)
 
 /* Expandable segments of large handles (handle_size_mb): at most this many
- * pages per handle, and requests of at least TIDE_HANDLES_PER_REQUEST of
- * those handles grow them. */
+ * pages per handle; requests of at least TIDE_HANDLES_PER_REQUEST of those
+ * handles grow them ... */
 #define TIDE_MAX_HANDLE_PAGES 1024
 #define TIDE_HANDLES_PER_REQUEST 4
+/* ... once the arena holds this many of those handles' worth (the default
+ * of handle_threshold_mb). */
+#define TIDE_HANDLES_BEFORE_LARGE 1024
 
 /* PyTorch's constants, which our users' intuitions are built on. */
 #define TIDE_MIN_BLOCK ((size_t)512)         /* every size is rounded to this */
@@ -123,6 +126,7 @@ typedef struct _tide_conf_values {
   bool expandable_segments; /* default true */
   size_t page_size;         /* bytes an expandable segment maps at once */
   size_t handle_size;       /* the most one physical handle of an expandable segment holds */
+  size_t handle_threshold;  /* reserved bytes before large handles; SIZE_MAX: 1024 of them */
   size_t max_split_size;    /* SIZE_MAX: no limit */
   unsigned roundup_divisions[TIDE_ROUNDUP_INTERVALS]; /* 0 or 1: plain 512 B rounding */
   double gc_threshold;                                /* garbage_collection_threshold, 0: off */

@@ -340,13 +340,19 @@ static int release_fixed(_tide_arena *arena, _tide_block *b) {
 /* ------------------------------------------------------------------------ */
 
 /* The pages per handle of the segment a growth for `size` bytes of `pool`
- * maps into: large requests (at least TIDE_HANDLES_PER_REQUEST handles of
- * handle_pages pages) go to segments of large handles, the rest to segments
- * of one page per handle, whose free pages can be unmapped one by one. */
+ * maps into. Large requests (at least TIDE_HANDLES_PER_REQUEST handles of
+ * handle_pages pages) of an arena already holding handle_threshold bytes
+ * (TIDE_HANDLES_BEFORE_LARGE such handles' worth unless set) go to segments
+ * of large handles; the rest to segments
+ * of one page per handle, whose free pages can be unmapped one by one. The
+ * memory a partly used large handle keeps is then small against what the
+ * arena holds, and small workloads never split their memory between the
+ * two kinds of segment. */
 static size_t handle_pages_for(const _tide_arena *arena, const _tide_pool *pool, size_t size) {
   const struct tide_allocator *a = arena->alloc;
-  size_t big = a->handle_pages;
-  if (big > 1 && pool->kind == _TIDE_LARGE && size >= TIDE_HANDLES_PER_REQUEST * big * a->page_size)
+  size_t big = a->handle_pages, handle = big * a->page_size;
+  if (big > 1 && pool->kind == _TIDE_LARGE && size >= TIDE_HANDLES_PER_REQUEST * handle &&
+      arena->stats.cur[_TIDE_ST_RESERVED][0] >= (int64_t)a->handle_threshold)
     return big;
   return 1;
 }
@@ -638,6 +644,9 @@ static _tide_handle adopt_orphan(_tide_arena *arena, size_t i, int pool) {
   return o.handle;
 }
 
+/* What a growth does with each spare handle. */
+enum { SPARE_UNUSED, SPARE_PLANNED, SPARE_MAPPED };
+
 /* How growth maps a run of pages: handle by handle, each an orphan's handle
  * still mapped there, a spare handle, or a new one. */
 typedef struct run_piece {
@@ -651,7 +660,7 @@ typedef struct run_piece {
  * *created the pages of new handles; or 0 with an error when an orphaned
  * mapping of another size lies where a handle would go. */
 static size_t plan_run(_tide_arena *arena, const _tide_segment *seg, uintptr_t start, size_t count,
-                       run_piece *pieces, bool *taken, size_t *created) {
+                       run_piece *pieces, uint8_t *spare_state, size_t *created) {
   size_t page = arena->alloc->page_size, size = seg->handle_pages * page, n = 0, spare = 0;
   *created = 0;
   for (size_t p = 0; p < count; p += seg->handle_pages, n++) {
@@ -670,7 +679,7 @@ static size_t plan_run(_tide_arena *arena, const _tide_segment *seg, uintptr_t s
     }
     while (spare < arena->nspare_pages && arena->spare_pages[spare].size != size) spare++;
     if (spare < arena->nspare_pages) {
-      taken[spare] = true;
+      spare_state[spare] = SPARE_PLANNED;
       pieces[n] = (run_piece){.spare = spare++};
       continue;
     }
@@ -680,12 +689,16 @@ static size_t plan_run(_tide_arena *arena, const _tide_segment *seg, uintptr_t s
   return n;
 }
 
-/* Drop the spare handles taken (mapped, or given back on failure). */
-static void drop_taken_spares(_tide_arena *arena, const bool *taken) {
-  size_t kept = 0;
+/* Give back the spare handles in state `state`; with SPARE_PLANNED, the
+ * growth is over and the list empties. Spares a growth does not map go back
+ * before it makes new handles: held at once, both would raise reserved
+ * memory's peak. */
+static void give_back_spares(_tide_arena *arena, const uint8_t *spare_state, uint8_t state) {
   for (size_t k = 0; k < arena->nspare_pages; k++)
-    if (!taken[k]) arena->spare_pages[kept++] = arena->spare_pages[k];
-  arena->nspare_pages = kept;
+    if (spare_state[k] == state)
+      give_back_handle(arena, arena->spare_pages[k].pool, arena->spare_pages[k].handle,
+                       arena->spare_pages[k].size);
+  if (state == SPARE_PLANNED) arena->nspare_pages = 0;
 }
 
 /* A spare handle's bytes move to `pool`'s figures if they were another's. */
@@ -729,31 +742,31 @@ static int map_piece(_tide_arena *arena, _tide_segment *seg, size_t at, const ru
 
 /* Map `count` pages from page index `first` as planned by plan_run, then
  * make the whole run accessible with one call (the expensive one). All or
- * nothing. */
+ * nothing. Every spare handle is mapped or given back. */
 static int map_pieces(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count,
-                      size_t request, run_piece *pieces, bool *taken) {
+                      size_t request, run_piece *pieces, uint8_t *spare_state) {
   struct tide_allocator *a = arena->alloc;
   const _tide_backend *be = &a->backend;
   size_t page = a->page_size, budgeted = 0, created = 0, done = 0;
   uintptr_t start = seg->base + first * page;
-  size_t n = plan_run(arena, seg, start, count, pieces, taken, &budgeted);
+  size_t n = plan_run(arena, seg, start, count, pieces, spare_state, &budgeted);
   if (!n) return tide_last_status();
+  give_back_spares(arena, spare_state, SPARE_UNUSED);
   /* Spare and orphan handles hold their bytes already; only new ones take budget. */
-  memset(taken, 0, arena->nspare_pages * sizeof *taken);
   int rc = hold_bytes(arena, seg->pool, budgeted * page, request);
-  if (rc) return rc;
-  for (size_t i = 0; i < n && !rc; i++, done += seg->handle_pages) {
-    if (pieces[i].spare != SIZE_MAX) taken[pieces[i].spare] = true;
+  bool held = rc == TIDE_OK;
+  for (size_t i = 0; i < n && !rc; i++) {
+    if (pieces[i].spare != SIZE_MAX) spare_state[pieces[i].spare] = SPARE_MAPPED;
     rc = map_piece(arena, seg, first + done, &pieces[i], &created);
+    if (!rc) done += seg->handle_pages;
   }
-  if (rc) done -= seg->handle_pages; /* the piece that failed holds nothing */
-  drop_taken_spares(arena, taken);
+  give_back_spares(arena, spare_state, SPARE_PLANNED); /* those never reached */
   if (!rc) rc = be->ops->set_access(be->ctx, start, count * page);
   if (rc) {
     _tide_saved_error saved;
     _tide_error_save(&saved);
-    unmap_new_pages(arena, seg, first, done);                  /* each gives its bytes back */
-    drop_bytes(arena, seg->pool, (budgeted - created) * page); /* never created */
+    unmap_new_pages(arena, seg, first, done); /* each gives its bytes back */
+    if (held) drop_bytes(arena, seg->pool, (budgeted - created) * page); /* never created */
     return _tide_error_restore(&saved);
   }
   seg->mapped += count * page;
@@ -777,11 +790,12 @@ static int map_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_
                            "queued on stream %p: %s",
                            (void *)start, (void *)arena->stream, tide_last_error());
   run_piece *pieces = malloc(count * sizeof *pieces);
-  bool *taken = calloc(arena->nspare_pages + 1, sizeof *taken);
-  int rc = pieces && taken ? map_pieces(arena, seg, first, count, request, pieces, taken)
-                           : _tide_error_set(TIDE_ERR_OOM, "out of host memory to plan a growth");
+  uint8_t *spare_state = calloc(arena->nspare_pages + 1, sizeof *spare_state);
+  int rc = pieces && spare_state
+               ? map_pieces(arena, seg, first, count, request, pieces, spare_state)
+               : _tide_error_set(TIDE_ERR_OOM, "out of host memory to plan a growth");
   free(pieces);
-  free(taken);
+  free(spare_state);
   return rc;
 }
 

@@ -53,6 +53,7 @@ static const char *const all_keys[] = {
     "expandable_segments",
     "page_size_mb",
     "handle_size_mb",
+    "handle_threshold_mb",
     "max_split_size_mb",
     "roundup_power2_divisions",
     "garbage_collection_threshold",
@@ -171,6 +172,10 @@ static void test_good_values(void **state) {
       {"handle_size_mb", "0", "0"},
       {"handle_size_mb", "16", "16"},
       {"handle_size_mb", "1024", "1024"},
+      {"handle_threshold_mb", "auto", "auto"},
+      {"handle_threshold_mb", "AUTO", "auto"},
+      {"handle_threshold_mb", "0", "0"},
+      {"handle_threshold_mb", "8192", "8192"},
       {"max_split_size_mb", "20", "20"},
       {"max_split_size_mb", "512", "512"},
       {"max_split_size_mb", "none", "unlimited"},
@@ -228,20 +233,21 @@ static void test_good_values(void **state) {
 static void test_values_reach_the_struct(void **state) {
   (void)state;
   tide_config *config = new_config();
-  assert_int_equal(
-      tide_config_parse(config,
-                        "backend:host,expandable_segments:False,page_size_mb:20,handle_size_mb:40,"
-                        "max_split_size_mb:200,garbage_collection_threshold:0.75,"
-                        "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
-                        "release_slack:0.05,peer_access:False,capture_detection:True,"
-                        "trace:100,host_capacity:8GiB,host_granularity:64KiB,"
-                        "host_devices:4,roundup_power2_divisions:8"),
-      TIDE_OK);
+  assert_int_equal(tide_config_parse(config,
+                                     "backend:host,expandable_segments:False,page_size_mb:20,"
+                                     "handle_size_mb:40,handle_threshold_mb:64,"
+                                     "max_split_size_mb:200,garbage_collection_threshold:0.75,"
+                                     "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
+                                     "release_slack:0.05,peer_access:False,capture_detection:True,"
+                                     "trace:100,host_capacity:8GiB,host_granularity:64KiB,"
+                                     "host_devices:4,roundup_power2_divisions:8"),
+                   TIDE_OK);
   const _tide_conf_values *v = _tide_config_values(config);
   assert_int_equal(v->backend, TIDE_BACKEND_HOST);
   assert_false(v->expandable_segments);
   assert_int_equal(v->page_size, 20 * TIDE_MiB);
   assert_int_equal(v->handle_size, 40 * TIDE_MiB);
+  assert_int_equal(v->handle_threshold, 64 * TIDE_MiB);
   assert_int_equal(v->max_split_size, 200 * TIDE_MiB);
   assert_true(v->gc_threshold == 0.75);
   assert_true(v->memory_fraction == 0.5);
@@ -280,6 +286,8 @@ static void test_bad_values(void **state) {
       {"handle_size_mb", "1025"},
       {"handle_size_mb", "-1"},
       {"handle_size_mb", "8.5"},
+      {"handle_threshold_mb", "-1"},
+      {"handle_threshold_mb", "big"},
       {"page_size_mb", "2MiB"},
       {"page_size_mb", "0x10"},
       {"page_size_mb", "+2"},

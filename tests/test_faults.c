@@ -420,9 +420,12 @@ static const scenario scenarios[] = {
     {"oom", "host_capacity:64MiB", no_setup, oom_run},
     {"recycle", "host_capacity:1GiB,release_slack:0", no_setup, recycle_run},
     /* Handles of 2 pages for requests of 8 MiB or more (handle_size_mb). */
-    {"grow-large-handles", "host_capacity:1GiB,handle_size_mb:4", no_setup, grow_run},
-    {"shrink-large-handles", "host_capacity:1GiB,handle_size_mb:4", shrink_setup, shrink_run},
-    {"recycle-large-handles", "host_capacity:1GiB,release_slack:0,handle_size_mb:4", no_setup,
+    {"grow-large-handles", "host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0", no_setup,
+     grow_run},
+    {"shrink-large-handles", "host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0",
+     shrink_setup, shrink_run},
+    {"recycle-large-handles",
+     "host_capacity:1GiB,release_slack:0,handle_size_mb:4,handle_threshold_mb:0", no_setup,
      recycle_run},
 };
 

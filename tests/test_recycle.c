@@ -176,7 +176,7 @@ static void test_growth_does_not_wait_for_a_held_stream(void **state) {
  * the cache is emptied, the free ones go, whole. */
 static void test_large_handles(void **state) {
   (void)state;
-  tide_allocator *a = tu_create("host_capacity:1GiB,handle_size_mb:16");
+  tide_allocator *a = tu_create("host_capacity:1GiB,handle_size_mb:16,handle_threshold_mb:0");
   void *small = tide_malloc(a, 6 * TU_MiB, NULL);
   assert_non_null(small);
   tide_stats st = tu_stats(a);
@@ -209,6 +209,52 @@ static void test_large_handles(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* handle_threshold_mb:128: the first large request, in an arena holding
+ * less, grows the segment of one page per handle; once the arena holds
+ * 128 MiB, the next one gets large handles. */
+static void test_large_handles_after_threshold(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create("host_capacity:1GiB,handle_size_mb:16,handle_threshold_mb:128");
+  void *first = tide_malloc(a, 130 * TU_MiB, NULL);
+  assert_non_null(first);
+  tide_stats st = tu_stats(a);
+  assert_int_equal(st.mappings, 65); /* a handle per page */
+  assert_int_equal(st.segments[TIDE_POOL_LARGE].current, 1);
+  void *second = tide_malloc(a, 64 * TU_MiB, NULL);
+  assert_non_null(second);
+  st = tu_stats(a);
+  assert_int_equal(st.mappings, 65 + 4); /* four 16 MiB handles */
+  assert_int_equal(st.segments[TIDE_POOL_LARGE].current, 2);
+  tu_assert_ok(tide_check(a));
+  tu_assert_ok(tide_free(a, second, NULL));
+  tu_assert_ok(tide_free(a, first, NULL));
+  tu_assert_ok(tide_empty_cache(a));
+  assert_int_equal(tide_host_bytes_in_use(a), 0);
+  tu_assert_ok(tide_destroy(a));
+}
+
+/* Free pages unmapped to make room for a growth into a segment of large
+ * handles cannot be mapped there (their handles hold one page): they go back
+ * before the growth creates its handles, so reserved memory never holds
+ * both. */
+static void test_large_handles_after_unmapped_pages(void **state) {
+  (void)state;
+  tide_allocator *a =
+      tu_create("host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0,release_slack:0");
+  void *p[3];
+  for (int i = 0; i < 3; i++) assert_non_null(p[i] = tide_malloc(a, 6 * TU_MiB, NULL));
+  for (int i = 0; i < 3; i++) tu_assert_ok(tide_free(a, p[i], NULL));
+  void *big = tide_malloc(a, 20 * TU_MiB, NULL); /* five 4 MiB handles */
+  assert_non_null(big);
+  tide_stats st = tu_stats(a);
+  assert_int_equal(st.segments[TIDE_POOL_LARGE].current, 2);
+  assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].current, 20 * TU_MiB);
+  assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].peak, 20 * TU_MiB);
+  tu_assert_ok(tide_check(a));
+  tu_assert_ok(tide_free(a, big, NULL));
+  tu_assert_ok(tide_destroy(a));
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_prestate(test_no_synchronization, CONF),
@@ -217,6 +263,8 @@ int main(void) {
       cmocka_unit_test(test_destroy_with_stale_pages),
       cmocka_unit_test(test_growth_does_not_wait_for_a_held_stream),
       cmocka_unit_test(test_large_handles),
+      cmocka_unit_test(test_large_handles_after_threshold),
+      cmocka_unit_test(test_large_handles_after_unmapped_pages),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -89,9 +89,9 @@ static void test_roundtrip_pages(void **state) {
  * the handle the first one ends in. */
 static void test_roundtrip_large_handles(void **state) {
   (void)state;
-  roundtrip(HOST_CONF ",handle_size_mb:8", 40 * TU_MiB, 0);
-  roundtrip(HOST_CONF ",handle_size_mb:8", 44 * TU_MiB, 36 * TU_MiB);
-  tide_allocator *a = tu_create(HOST_CONF ",handle_size_mb:8");
+  roundtrip(HOST_CONF ",handle_size_mb:8,handle_threshold_mb:0", 40 * TU_MiB, 0);
+  roundtrip(HOST_CONF ",handle_size_mb:8,handle_threshold_mb:0", 44 * TU_MiB, 36 * TU_MiB);
+  tide_allocator *a = tu_create(HOST_CONF ",handle_size_mb:8,handle_threshold_mb:0");
   void *filler = tide_malloc(a, 36 * TU_MiB, NULL), *p = tide_malloc(a, 44 * TU_MiB, NULL);
   assert_non_null(filler);
   assert_non_null(p);

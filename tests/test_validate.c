@@ -337,7 +337,7 @@ int main(void) {
                                                teardown,
                                                (void *)"host_capacity:1GiB,"
                                                        "expandable_segments:True,"
-                                                       "handle_size_mb:16"),
+                                                       "handle_size_mb:16,handle_threshold_mb:0"),
       BOTH(validate_finds_a_pending_block_without_its_event),
       BOTH(validate_finds_a_broken_quick_list),
       cmocka_unit_test(validate_refuses_a_bad_handle),
