@@ -140,6 +140,9 @@ int main(void) {
   print_device();
   run_mode("expandable_segments:true", "expandable 2 MiB pages", 1);
   run_mode("expandable_segments:true,page_size_mb:20", "expandable 20 MiB pages", 2);
+  /* Handles of 4 pages for requests of 32 MiB or more once 1 GiB is held. */
+  run_mode("expandable_segments:true,handle_size_mb:8,handle_threshold_mb:1024",
+           "expandable 8 MiB handles", 4);
   run_mode("expandable_segments:false", "fixed segments", 3);
   return finish("test_gpu_integrity");
 }

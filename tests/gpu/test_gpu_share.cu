@@ -23,6 +23,10 @@ static const shared_case cases[] = {
     {"small block", "", 0, 64 * 1024},
     {"5 pages, mid-page start", "", 3 * GPU_MiB, 9 * GPU_MiB + 512},
     {"fixed segment", "expandable_segments:False", 4096, 3 * GPU_MiB},
+    /* 8 MiB handles from the first byte: the block starts inside the handle
+     * the one before it ends in, and is exported as whole handles. */
+    {"8 MiB handles, mid-handle start", "handle_size_mb:8,handle_threshold_mb:0", 36 * GPU_MiB,
+     44 * GPU_MiB},
 };
 #define NCASES (sizeof cases / sizeof cases[0])
 
