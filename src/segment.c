@@ -97,6 +97,14 @@ static void drop_bytes(_tide_arena *arena, int pool, size_t bytes) {
   _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, -(int64_t)bytes);
 }
 
+/* A handle held for pool `from` now serves pool `to`: its bytes move from
+ * one pool's figures to the other's. */
+static void move_bytes(_tide_arena *arena, int from, int to, size_t bytes) {
+  if (from == to) return;
+  _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, from, -(int64_t)bytes);
+  _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, to, (int64_t)bytes);
+}
+
 /* Physical memory from the backend, counted as a device allocation. */
 static int create_handle(_tide_arena *arena, size_t size, _tide_handle *h) {
   const _tide_backend *be = &arena->alloc->backend;
@@ -419,10 +427,7 @@ static bool stale_adopt(_tide_arena *arena, _tide_handle h, int pool) {
   for (size_t i = 0; i < arena->nstale; i++) {
     struct _tide_stale_page *sp = &arena->stale[i];
     if (sp->handle != h || sp->owned) continue;
-    if (sp->pool != pool) { /* its bytes move from one pool's figures to the other's */
-      _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, -(int64_t)sp->size);
-      _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, sp->pool, (int64_t)sp->size);
-    }
+    move_bytes(arena, pool, sp->pool, sp->size);
     sp->owned = true;
     return true;
   }
@@ -637,10 +642,7 @@ static size_t orphan_mapped_at(const _tide_arena *arena, uintptr_t at) {
 static _tide_handle adopt_orphan(_tide_arena *arena, size_t i, int pool) {
   _tide_orphan_rec o = arena->orphans[i];
   arena->orphans[i] = arena->orphans[--arena->norphans];
-  if (o.pool != pool) { /* its bytes move from one pool's figures to the other's */
-    _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, o.pool, -(int64_t)o.handle_size);
-    _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, (int64_t)o.handle_size);
-  }
+  move_bytes(arena, o.pool, pool, o.handle_size);
   return o.handle;
 }
 
@@ -701,13 +703,6 @@ static void give_back_spares(_tide_arena *arena, const uint8_t *spare_state, uin
   if (state == SPARE_PLANNED) arena->nspare_pages = 0;
 }
 
-/* A spare handle's bytes move to `pool`'s figures if they were another's. */
-static void spare_to_pool(_tide_arena *arena, const struct _tide_spare_page *sp, int pool) {
-  if (sp->pool == pool) return;
-  _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, sp->pool, -(int64_t)sp->size);
-  _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, (int64_t)sp->size);
-}
-
 /* Map handle `at` (a page index) of a run as planned by `pc`: its handle
  * (new, spare or the orphan's) noted in the page table. *created counts the
  * pages of new handles made. */
@@ -723,7 +718,8 @@ static int map_piece(_tide_arena *arena, _tide_segment *seg, size_t at, const ru
   }
   if (pc->spare != SIZE_MAX) {
     h = arena->spare_pages[pc->spare].handle;
-    spare_to_pool(arena, &arena->spare_pages[pc->spare], seg->pool);
+    const struct _tide_spare_page *sp = &arena->spare_pages[pc->spare];
+    move_bytes(arena, sp->pool, seg->pool, sp->size);
   } else {
     int rc = create_handle(arena, size, &h);
     if (rc) return rc;
