@@ -414,9 +414,11 @@ static void poll_idle_marks(_tide_arena *arena) {
   _tide_error_restore(&saved);
 }
 
-/* Record an idle mark now, when there is room; best effort. */
-static void add_idle_mark(_tide_arena *arena) {
-  if (arena->nidle_marks == _TIDE_IDLE_MARKS || !idle_marks_usable(arena)) return;
+/* Record an idle mark now, when there is room and marks are `usable`
+ * (idle_marks_usable, asked once per release: under capture_detection it is
+ * a driver query); best effort. */
+static void add_idle_mark(_tide_arena *arena, bool usable) {
+  if (arena->nidle_marks == _TIDE_IDLE_MARKS || !usable) return;
   const _tide_backend *be = &arena->alloc->backend;
   _tide_saved_error saved;
   _tide_error_save(&saved);
@@ -522,7 +524,8 @@ static void release_for(_tide_arena *arena, size_t need, const _tide_growth *gro
      * does the stream get synchronized (after which every free block is
      * idle). */
     arena->keep_spare_pages = true;
-    if (may_defer && idle_marks_usable(arena) && arena->pool_id == 0) {
+    bool marks = idle_marks_usable(arena); /* under capture_detection, a driver query */
+    if (may_defer && marks && arena->pool_id == 0) {
       /* Pages are taken out of their segment at once but stay mapped at
        * their old address until the stream is past the work queued before
        * their free: growth maps their handles again meanwhile, stream
@@ -535,7 +538,7 @@ static void release_for(_tide_arena *arena, size_t need, const _tide_growth *gro
       release_candidates(arena, candidates, n, need);
     }
     arena->keep_spare_pages = false;
-    add_idle_mark(arena);
+    add_idle_mark(arena, marks);
   }
   free(candidates);
 }
