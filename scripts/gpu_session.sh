@@ -11,6 +11,9 @@
 # tests), gpu_tests.log, gpu_memcheck.log, bench.log, bench.csv, stream.csv.
 # GPU_TESTS=0 or GPU_BENCH=0 leave a part out, MICRO=0 the micro benchmarks
 # and the PyTorch anchor (about 200 s); TRACE_DIR holds the traces.
+# STREAM_CONFIGS="LABEL=OPTIONS ..." adds an interleaved run of those
+# configurations (scripts/stream_configs.sh; CONFIG_FRAMES, default 64 128
+# 256) to stream.csv and bench.log.
 # SOAK_SECONDS=N (default 0: none) runs `tidalloc soak` on the GPU for N
 # seconds at the end; its output and its CSV row go to bench.log, its result
 # to the summary (the budget below grows by N).
@@ -222,8 +225,18 @@ if [[ ${GPU_BENCH:-1} == 1 && -x build/tidalloc ]]; then
         build-old/tidalloc stream --frames ${STREAM_FRAMES:-64 128 256 512 1024} \
         --conf backend:cuda --label tidalloc-expandable-old --csv build/stream_old.csv
   fi
+  # STREAM_CONFIGS="LABEL=OPTIONS ...": those configurations of this tree and
+  # fixed segments, interleaved by rounds (scripts/stream_configs.sh), at
+  # CONFIG_FRAMES (default 64 128 256); their rows join stream.csv.
+  rm -f build/stream_configs.csv
+  if [[ -n ${STREAM_CONFIGS:-} ]]; then
+    step "stream configurations" "$bench_log" 300 env CONFIGS="$STREAM_CONFIGS" \
+      FRAMES="${CONFIG_FRAMES:-64 128 256}" TIDALLOC=build/tidalloc \
+      sh -c 'scripts/stream_configs.sh | tail -n +2 >build/stream_configs.csv'
+  fi
   { head -1 build/stream_True.csv; tail -q -n +2 build/stream_True.csv build/stream_False.csv \
-    build/stream_grow.csv build/stream_old.csv; } >"$out/stream.csv" 2>/dev/null
+    build/stream_grow.csv build/stream_old.csv; cat build/stream_configs.csv; } \
+    >"$out/stream.csv" 2>/dev/null
   for t in gpt2 llama; do
     trace=${TRACE_DIR:-shared/traces}/${t}_generate.csv.gz
     [[ -f $trace ]] || continue
