@@ -593,10 +593,10 @@ static const option options[] = {
      "MiB an expandable segment maps at once (rounded up to the backend's granularity)",
      "a whole number of MiB from 1 to 1024", parse_page_size, format_page_size},
     {"handle_size_mb", "2",
-     "the most MiB one physical handle of an expandable segment holds: growth that maps a run "
-     "of pages creates handles this large for it, so the driver maps, makes accessible and "
-     "unmaps fewer pieces; a handle is unmapped only whole (rounded down to whole pages; at "
-     "most page_size_mb: one handle per page)",
+     "the most MiB one physical handle of an expandable segment holds: above page_size_mb, "
+     "a stream holding handle_threshold_mb gives its requests of at least 4 such handles "
+     "segments of handles this large (fewer driver mappings; a handle is unmapped only "
+     "whole); at page_size_mb or below, one handle per page",
      "a whole number of MiB from 0 to 1024", parse_handle_size, format_handle_size},
     {"handle_threshold_mb", "auto",
      "MiB a stream's memory reaches before its large requests get large handles "
