@@ -164,6 +164,9 @@ def memory_stats(index=0):
     result["num_sync_all_streams"] = st.num_sync_all_streams
     result["num_device_alloc"] = st.num_device_alloc
     result["num_device_free"] = st.num_device_free
+    # Not PyTorch's: the driver's work is per mapping (see handle_size_mb).
+    result["num_device_map"] = st.mappings
+    result["num_device_unmap"] = st.unmappings
     return result
 
 
