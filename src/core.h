@@ -174,10 +174,6 @@ typedef struct _tide_segment {
   struct _tide_arena *arena;
   struct _tide_segment *prev, *next; /* the pool's segments */
   _tide_handle *pages;               /* expandable: a handle per page, 0 when unmapped */
-  /* expandable: the pages of the handle that starts at each page (1 for a
-   * handle of one page), 0 for the other pages of a handle and unmapped
-   * pages. A handle of several pages is mapped and unmapped whole. */
-  uint16_t *span;
   size_t npages;
   /* expandable: the pages each of its handles holds: 1, or, in a segment
    * for large requests, the allocator's handle_pages; then mapped memory is

@@ -351,11 +351,10 @@ static int release_fixed(_tide_arena *arena, _tide_block *b) {
  * maps into. Large requests (at least TIDE_HANDLES_PER_REQUEST handles of
  * handle_pages pages) of an arena already holding handle_threshold bytes
  * (TIDE_HANDLES_BEFORE_LARGE such handles' worth unless set) go to segments
- * of large handles; the rest to segments
- * of one page per handle, whose free pages can be unmapped one by one. The
- * memory a partly used large handle keeps is then small against what the
- * arena holds, and small workloads never split their memory between the
- * two kinds of segment. */
+ * of large handles; the rest to segments of one page per handle, whose free
+ * pages can be unmapped one by one. The memory a partly used large handle
+ * keeps is then small against what the arena holds, and small workloads
+ * never split their memory between the two kinds of segment. */
 static size_t handle_pages_for(const _tide_arena *arena, const _tide_pool *pool, size_t size) {
   const struct tide_allocator *a = arena->alloc;
   size_t big = a->handle_pages, handle = big * a->page_size;
@@ -374,10 +373,9 @@ static int new_expandable(_tide_arena *arena, _tide_pool *pool, size_t size) {
   _tide_segment *seg = calloc(1, sizeof *seg);
   _tide_block *b = _tide_block_new(arena);
   _tide_handle *pages = calloc(va / page, sizeof *pages);
-  uint16_t *span = calloc(va / page, sizeof *span);
   uintptr_t addr = 0;
   int rc;
-  if (!seg || !b || !pages || !span) {
+  if (!seg || !b || !pages) {
     rc = _tide_error_set(TIDE_ERR_OOM, "out of host memory for segment records");
     goto fail;
   }
@@ -386,7 +384,6 @@ static int new_expandable(_tide_arena *arena, _tide_pool *pool, size_t size) {
   seg->size = va;
   seg->arena = arena;
   seg->pages = pages;
-  seg->span = span;
   seg->npages = va / page;
   seg->handle_pages = (uint16_t)per_handle;
   seg->pool = pool->kind;
@@ -403,7 +400,6 @@ static int new_expandable(_tide_arena *arena, _tide_pool *pool, size_t size) {
 fail:
   free(seg);
   free(pages);
-  free(span);
   if (b) _tide_block_delete(arena, b);
   return rc;
 }
@@ -438,36 +434,22 @@ static void give_back_handle(_tide_arena *arena, int pool, _tide_handle h, size_
   if (!(arena->nstale && stale_adopt(arena, h, pool))) release_handle(arena, pool, h, size);
 }
 
-/* Forget the handle that starts at page i: its pages are unmapped. */
-static void forget_handle(_tide_segment *seg, size_t i) {
-  size_t n = seg->span[i];
-  for (size_t j = i; j < i + n; j++) {
-    seg->pages[j] = 0;
-    seg->span[j] = 0;
-  }
-}
-
-/* Note handle h of n pages as mapping pages [i, i + n). */
-static void note_handle(_tide_segment *seg, size_t i, size_t n, _tide_handle h) {
-  for (size_t j = i; j < i + n; j++) {
-    seg->pages[j] = h;
-    seg->span[j] = 0;
-  }
-  seg->span[i] = (uint16_t)n;
+/* Note handle h as mapping the segment's pages from page i (a handle's
+ * first page); 0: they are unmapped. */
+static void note_handle(_tide_segment *seg, size_t i, _tide_handle h) {
+  for (size_t j = i; j < i + seg->handle_pages; j++) seg->pages[j] = h;
 }
 
 /* Release the handles of pages [first, first+count) of a segment (whole
  * handles, already unmapped), or keep them as spares while room is being
  * made for a growth. */
 static void release_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count) {
-  size_t page = arena->alloc->page_size;
-  for (size_t i = first; i < first + count;) {
-    size_t n = seg->span[i];
+  size_t size = seg->handle_pages * arena->alloc->page_size;
+  for (size_t i = first; i < first + count; i += seg->handle_pages) {
     _tide_handle h = seg->pages[i];
-    if (!(arena->keep_spare_pages && keep_spare(arena, h, n * page, seg->pool)))
-      give_back_handle(arena, seg->pool, h, n * page);
-    forget_handle(seg, i);
-    i += n;
+    if (!(arena->keep_spare_pages && keep_spare(arena, h, size, seg->pool)))
+      give_back_handle(arena, seg->pool, h, size);
+    note_handle(seg, i, 0);
   }
 }
 
@@ -601,9 +583,9 @@ void _tide_stale_drop_all(_tide_arena *arena) {
 static void note_stale(_tide_arena *arena, const _tide_segment *seg, size_t first, size_t count,
                        uint64_t stamp) {
   size_t page = arena->alloc->page_size;
-  for (size_t i = first; i < first + count; i += seg->span[i])
+  for (size_t i = first; i < first + count; i += seg->handle_pages)
     arena->stale[arena->nstale++] = (struct _tide_stale_page){.addr = seg->base + i * page,
-                                                              .size = seg->span[i] * page,
+                                                              .size = seg->handle_pages * page,
                                                               .handle = seg->pages[i],
                                                               .stamp = stamp,
                                                               .pool = seg->pool};
@@ -613,17 +595,15 @@ static void note_stale(_tide_arena *arena, const _tide_segment *seg, size_t firs
  * release each handle; one the backend will not unmap is kept as an orphan. */
 static void unmap_new_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count) {
   const _tide_backend *be = &arena->alloc->backend;
-  size_t page = arena->alloc->page_size;
-  for (size_t i = first; i < first + count;) {
-    size_t n = seg->span[i];
+  size_t page = arena->alloc->page_size, n = seg->handle_pages;
+  for (size_t i = first; i < first + count; i += n) {
     uintptr_t at = seg->base + i * page;
     if (be->ops->unmap(be->ctx, at, n * page)) {
       _tide_orphan(arena, seg->pool, at, n * page, seg->pages[i], n * page, 0, 0);
-      forget_handle(seg, i);
+      note_handle(seg, i, 0);
     } else {
       release_pages(arena, seg, i, n);
     }
-    i += n;
   }
 }
 
@@ -713,7 +693,7 @@ static int map_piece(_tide_arena *arena, _tide_segment *seg, size_t at, const ru
   uintptr_t addr = seg->base + at * arena->alloc->page_size;
   _tide_handle h = 0;
   if (pc->orphan) {
-    note_handle(seg, at, n, adopt_orphan(arena, orphan_mapped_at(arena, addr), seg->pool));
+    note_handle(seg, at, adopt_orphan(arena, orphan_mapped_at(arena, addr), seg->pool));
     return TIDE_OK;
   }
   if (pc->spare != SIZE_MAX) {
@@ -732,7 +712,7 @@ static int map_piece(_tide_arena *arena, _tide_segment *seg, size_t at, const ru
     give_back_handle(arena, seg->pool, h, size); /* gives its bytes back */
     return _tide_error_restore(&saved);
   }
-  note_handle(seg, at, n, h);
+  note_handle(seg, at, h);
   return TIDE_OK;
 }
 
@@ -1010,24 +990,17 @@ int _tide_pool_grow(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_blo
   return grow_fixed(arena, pool, size, out);
 }
 
-/* Unmap the handles of pages [first, first + count) (whole handles), those
- * of one size next to each other with one call. *done gets the pages
- * unmapped, from the first. */
+/* Unmap the handles of pages [first, first + count) (whole handles) with
+ * one call. *done gets the pages unmapped, from the first. */
 static int unmap_handles(_tide_arena *arena, const _tide_segment *seg, size_t first, size_t count,
                          size_t *done) {
   const _tide_backend *be = &arena->alloc->backend;
-  size_t page = arena->alloc->page_size;
-  *done = 0;
-  for (size_t i = first; i < first + count;) {
-    size_t n = seg->span[i], run = 0, unmapped = 0;
-    for (size_t j = i; j < first + count && seg->span[j] == n; j += n) run++;
-    int rc = be->ops->unmap_run(be->ctx, seg->base + i * page, n * page, run, &unmapped);
-    *done += unmapped * n;
-    arena->stats.counters[_TIDE_CT_UNMAPPINGS] += unmapped;
-    if (rc) return rc;
-    i += run * n;
-  }
-  return TIDE_OK;
+  size_t n = seg->handle_pages, unmapped = 0;
+  int rc = be->ops->unmap_run(be->ctx, seg->base + first * arena->alloc->page_size,
+                              n * arena->alloc->page_size, count / n, &unmapped);
+  *done = unmapped * n;
+  arena->stats.counters[_TIDE_CT_UNMAPPINGS] += unmapped;
+  return rc;
 }
 
 /* Unmap the whole pages inside free block `b` of an expandable segment, at
@@ -1188,7 +1161,6 @@ static void release_empty_segment(_tide_arena *arena, _tide_pool *pool, _tide_se
   segment_counted(arena, seg, -1);
   segment_unlink(pool, seg);
   free(seg->pages);
-  free(seg->span);
   free(seg);
 }
 
@@ -1240,9 +1212,9 @@ void _tide_pool_teardown(_tide_arena *arena, _tide_pool *pool) {
   while (pool->segments) {
     _tide_segment *seg = pool->segments;
     if (seg->expandable) {
-      for (size_t i = 0; i < seg->npages; i++) {
-        if (!seg->span[i]) continue;
-        size_t size = seg->span[i] * page;
+      size_t size = seg->handle_pages * page;
+      for (size_t i = 0; i < seg->npages; i += seg->handle_pages) {
+        if (!seg->pages[i]) continue;
         be->ops->unmap(be->ctx, seg->base + i * page, size);
         be->ops->release(be->ctx, seg->pages[i]);
         _tide_budget_give(arena->alloc, size);
@@ -1255,7 +1227,6 @@ void _tide_pool_teardown(_tide_arena *arena, _tide_pool *pool) {
     be->ops->unreserve(be->ctx, seg->base, seg->size);
     segment_unlink(pool, seg);
     free(seg->pages);
-    free(seg->span);
     free(seg);
   }
   pool->unmapped = NULL;

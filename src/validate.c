@@ -184,36 +184,25 @@ UNCHECKED_LOADS static size_t count_mapped(const _tide_handle *pages, size_t n) 
   return mapped;
 }
 
-/* The handles of an expandable segment's page table: each mapped page lies
- * in exactly one handle, whose first page says how many pages it holds and
- * whose pages all name it; unmapped pages start none. */
+/* The handles of an expandable segment's page table: its pages go in
+ * groups of handle_pages from the base, each group unmapped (no handle) or
+ * mapped by one handle that every page of the group names. */
 UNCHECKED_LOADS static bool check_handles(checker *c, const _tide_segment *seg, size_t *handles) {
-  size_t max = seg->handle_pages;
-  CHECK(c, max == 1 || max == c->a->handle_pages,
-        "segment %#lx has handles of %zu pages (1 or %zu expected)", (unsigned long)seg->base, max,
+  size_t n = seg->handle_pages;
+  CHECK(c, n == 1 || n == c->a->handle_pages,
+        "segment %#lx has handles of %zu pages (1 or %zu expected)", (unsigned long)seg->base, n,
         c->a->handle_pages);
-  CHECK(c, seg->npages % max == 0, "segment %#lx of %zu pages is not whole handles of %zu",
-        (unsigned long)seg->base, seg->npages, max);
+  CHECK(c, seg->npages % n == 0, "segment %#lx of %zu pages is not whole handles of %zu",
+        (unsigned long)seg->base, seg->npages, n);
   *handles = 0;
-  for (size_t i = 0; i < seg->npages;) {
-    size_t n = seg->span[i];
-    if (!seg->pages[i]) {
-      CHECK(c, n == 0, "unmapped page %zu of segment %#lx starts a handle of %zu pages", i,
-            (unsigned long)seg->base, n);
-      i++;
-      continue;
-    }
-    CHECK(c, n == max && i % max == 0,
-          "page %zu of segment %#lx is mapped but starts a handle of %zu pages (its handles "
-          "hold %zu, from multiples of %zu)",
-          i, (unsigned long)seg->base, n, max, max);
+  for (size_t i = 0; i < seg->npages; i += n) {
     for (size_t j = i + 1; j < i + n; j++)
-      CHECK(c, seg->pages[j] == seg->pages[i] && seg->span[j] == 0,
-            "page %zu of segment %#lx lies in the handle of %zu pages at page %zu but names "
-            "handle %#llx and starts %u pages",
-            j, (unsigned long)seg->base, n, i, (unsigned long long)seg->pages[j], seg->span[j]);
-    ++*handles;
-    i += n;
+      CHECK(c, seg->pages[j] == seg->pages[i],
+            "page %zu of segment %#lx lies in the handle of %zu pages at page %zu (%#llx) but "
+            "names handle %#llx",
+            j, (unsigned long)seg->base, n, i, (unsigned long long)seg->pages[i],
+            (unsigned long long)seg->pages[j]);
+    *handles += seg->pages[i] != 0;
   }
   return true;
 }
@@ -375,9 +364,7 @@ static bool check_segment(checker *c, sums *s, const _tide_pool *pool, const _ti
     CHECK(c, seg->pages && seg->npages * page == seg->size && seg->base % page == 0,
           "expandable segment %#lx of %zu bytes has %zu pages of %zu bytes",
           (unsigned long)seg->base, seg->size, seg->npages, page);
-    CHECK(c,
-          readable(seg->pages, seg->npages * sizeof *seg->pages) &&
-              readable(seg->span, seg->npages * sizeof *seg->span),
+    CHECK(c, readable(seg->pages, seg->npages * sizeof *seg->pages),
           "the page table of expandable segment %#lx is not readable", (unsigned long)seg->base);
     size_t mapped = count_mapped(seg->pages, seg->npages), handles = 0;
     CHECK(c, mapped * page == seg->mapped,
