@@ -317,11 +317,16 @@ static bool parse_handle_threshold(const char *s, _tide_conf_values *v, char *wh
   return true;
 }
 
-static void format_handle_threshold(const _tide_conf_values *v, char *buf, size_t len) {
-  if (v->handle_threshold == SIZE_MAX)
-    snprintf(buf, len, "auto");
+/* A size in MiB, or `word` for SIZE_MAX. */
+static void format_mib_or(size_t bytes, const char *word, char *buf, size_t len) {
+  if (bytes == SIZE_MAX)
+    snprintf(buf, len, "%s", word);
   else
-    snprintf(buf, len, "%zu", v->handle_threshold / TIDE_MiB);
+    snprintf(buf, len, "%zu", bytes / TIDE_MiB);
+}
+
+static void format_handle_threshold(const _tide_conf_values *v, char *buf, size_t len) {
+  format_mib_or(v->handle_threshold, "auto", buf, len);
 }
 
 /* Blocks this large stay whole; PyTorch refuses less than its 20 MiB large
@@ -340,10 +345,7 @@ static bool parse_max_split(const char *s, _tide_conf_values *v, char *why, size
 }
 
 static void format_max_split(const _tide_conf_values *v, char *buf, size_t len) {
-  if (v->max_split_size == SIZE_MAX)
-    snprintf(buf, len, "unlimited");
-  else
-    snprintf(buf, len, "%zu", v->max_split_size / TIDE_MiB);
+  format_mib_or(v->max_split_size, "unlimited", buf, len);
 }
 
 #define ROUNDUP_MAX_DIVISIONS 1024
