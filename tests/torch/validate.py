@@ -83,6 +83,9 @@ def main():
     parser.add_argument("allocator", choices=("native", "tidalloc"))
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after the first "
                         "(default 3)")
+    parser.add_argument("--trace-csv", metavar="FILE.csv.gz",
+                        help="under tidalloc, write every allocation and free of the whole run "
+                        "as a trace that `tidalloc replay` reads (turns the trace ring on)")
     args = parser.parse_args()
     if args.repeats < 1:
         sys.exit("validate.py: --repeats must be at least 1")
@@ -90,7 +93,7 @@ def main():
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                         "python"))
         import tidalloc.torch
-        tidalloc.torch.install()
+        tidalloc.torch.install("trace:4000000" if args.trace_csv else None)
     import torch
     if not torch.cuda.is_available():
         sys.exit("validate.py: no CUDA device (torch.cuda.is_available() is False)")
@@ -125,11 +128,32 @@ def main():
                         in zip(mappings, [(0, 0)] + mappings[:-1]))
         print("%s under %s: device maps/unmaps per run: %s" % (args.program, args.allocator, runs),
               file=sys.stderr)
+    print("%s under %s: seconds per run: %s" % (args.program, args.allocator,
+                                                 " ".join("%.4f" % t for t in seconds)),
+          file=sys.stderr)
     print("%s,%s,%s,%.1f,%.1f,%.4f,%.3f,%d,%.3f,%.3f,%.3f,%.1f"
           % (args.program, args.allocator, digests[0], alloc / 2**20, res / 2**20, res / alloc,
              seconds[0], len(timed), statistics.median(timed), min(timed), max(timed),
              torch.cuda.max_memory_reserved() / 2**20))
+    if args.trace_csv and args.allocator == "tidalloc":
+        write_trace(args.trace_csv)
     sys.exit(1 if differ else 0)
+
+
+def write_trace(path):
+    """The trace ring's allocations and frees in `tidalloc replay`'s CSV
+    (t_us,action,addr,size,stream; streams numbered in order of appearance)."""
+    import gzip
+    from tidalloc import viz
+    streams = {}
+    with gzip.open(path, "wt") as out:
+        out.write("t_us,action,addr,size,stream\n")
+        for e in viz.trace(cap=4000000):
+            if e.kind not in (0, 1):
+                continue
+            stream = streams.setdefault(e.stream or 0, len(streams))
+            out.write("%d,%s,%d,%d,%d\n" % (e.time_ns // 1000, ("alloc", "free")[e.kind], e.addr,
+                                           e.size, stream))
 
 
 if __name__ == "__main__":
