@@ -34,7 +34,15 @@ trap 'rm -f "$rows"' EXIT
 for ((round = 1; round <= rounds; round++)); do
   for program in ${PROGRAMS:-gpt2 vit}; do
     native=""
-    for config in ${CONFIGS:-native expandable tidalloc}; do
+    # Even rounds run the configurations in reverse order, so that a drift
+    # of the machine within a round does not always favour the same one.
+    configs=(${CONFIGS:-native expandable tidalloc})
+    if ((round % 2 == 0)); then
+      for ((i = 0, j = ${#configs[@]} - 1; i < j; i++, j--)); do
+        t=${configs[i]}; configs[i]=${configs[j]}; configs[j]=$t
+      done
+    fi
+    for config in "${configs[@]}"; do
       torch_conf=""; tide_conf=${TIDALLOC_CONF:-}; allocator=native
       case $config in
         native) ;;
@@ -64,10 +72,26 @@ for ((round = 1; round <= rounds; round++)); do
   done
 done
 # Per program and configuration: the median over rounds of each process's
-# median, and the lowest and highest of those (each round a fresh process).
-awk -F, -v repeats="$repeats" -v rounds="$rounds" '
-  { key = $1 " " $2; if (!(key in n)) order[++keys] = key; v[key, ++n[key]] = $9 }
+# median, and the lowest and highest of those (each round a fresh process);
+# then, against the first configuration named in CONFIGS, the median over
+# rounds of the ratio of the two processes' medians in the same round.
+first=$(set -- ${CONFIGS:-native expandable tidalloc}; echo "$1")
+awk -F, -v repeats="$repeats" -v rounds="$rounds" -v first="$first" '
+  function median(arr, m,    i, j, t) {
+    for (i = 2; i <= m; i++) for (j = i; j > 1 && arr[j-1] > arr[j]; j--) { t = arr[j]; arr[j] = arr[j-1]; arr[j-1] = t }
+    return (m % 2) ? arr[(m + 1) / 2] : (arr[m / 2] + arr[m / 2 + 1]) / 2
+  }
+  { key = $1 " " $2; if (!(key in n)) order[++keys] = key; v[key, ++n[key]] = $9; by_round[$1, $2, $13] = $9 }
   END {
+    for (k = 1; k <= keys; k++) {
+      split(order[k], pc, " ")
+      if (pc[2] == first) continue
+      m = 0
+      for (r = 1; r <= rounds; r++)
+        if (((pc[1], pc[2], r) in by_round) && ((pc[1], first, r) in by_round) && by_round[pc[1], first, r] > 0)
+          ratio[++m] = by_round[pc[1], pc[2], r] / by_round[pc[1], first, r]
+      if (m) line[k] = sprintf("%-5s %-18s / %s, paired by round: median %.3f over %d round(s)", pc[1], pc[2], first, median(ratio, m), m)
+    }
     printf "\nmedian of %d repeats per process, %d process(es) per configuration (spread: highest - lowest process median over their median):\n", repeats, rounds
     for (k = 1; k <= keys; k++) {
       key = order[k]; m = n[key]
@@ -78,5 +102,6 @@ awk -F, -v repeats="$repeats" -v rounds="$rounds" '
       spread = (md > 0) ? 100 * (a[m] - a[1]) / md : 0
       printf "%-5s %-18s %8.3f s  (processes: lowest %.3f, highest %.3f, spread %.1f%%)\n", pc[1], pc[2], md, a[1], a[m], spread
     }
+    for (k = 1; k <= keys; k++) if (k in line) print line[k]
   }' "$rows" >&2
 exit $status
