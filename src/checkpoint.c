@@ -71,10 +71,11 @@ static void unlock_all(_tide_arena **arenas, size_t n) {
     for (_tide_segment *seg = (arena)->pools[kind_].segments; seg; seg = seg->next)
 
 /* The pool's arenas, with the capture mutex held and the pool checked:
- * TIDE_OK, or an error with nothing held. */
+ * TIDE_OK, or an error with nothing held. Captures that capture_detection
+ * found and that have ended are pruned by the caller first (they would
+ * count as the pool's captures). */
 static int enter_pool(tide_pool *pool, const char *op, _tide_arena ***arenas, size_t *n) {
   tide_allocator *a = pool->alloc;
-  _tide_capture_prune(a);
   pthread_mutex_lock(&a->captures.mutex);
   int rc = _tide_capture_pool_live(pool, op);
   if (!rc) {
@@ -128,6 +129,7 @@ tide_status tide_pool_checkpoint(tide_pool *pool, tide_checkpoint **out) {
     return (tide_status)_tide_error_set(
         TIDE_ERR_INVALID, "tide_pool_checkpoint: %s is NULL or invalid", out ? "the pool" : "out");
   *out = NULL;
+  _tide_capture_prune(pool->alloc);
   _tide_arena **arenas;
   size_t n;
   int rc = enter_pool(pool, __func__, &arenas, &n);
