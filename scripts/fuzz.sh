@@ -55,9 +55,48 @@ fi
 machine=$(lscpu 2>/dev/null | sed -n 's/^Model name:[[:space:]]*//p' | head -1)
 cores=$(nproc)
 commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
+# What was fuzzed, whatever the commit: one hash over the library, its header
+# and the fuzz programs (src/, include/, fuzz/) as committed, "+dirty" when the
+# working tree differs there. Runs with the same sources fuzzed the same code,
+# so their executions add up (scripts/fuzz_totals.sh sums them).
+sources_of() { # COMMIT: the hash, or nothing where the commit is unknown here
+  local trees
+  trees=$(git -C "$root" rev-parse "$1:src" "$1:include" "$1:fuzz" 2>/dev/null) &&
+    echo "$trees" | sha1sum | cut -c1-12
+}
+sources=$(sources_of HEAD)
+[ -n "$(git -C "$root" status --porcelain -- src include fuzz 2>/dev/null)" ] && sources+="+dirty"
 date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 failed=""
 summary=""
+
+# The CSV's columns; files written before a column existed are brought up to
+# date (the jobs column: one job; the sources column: computed from each
+# line's commit, empty where the commit is unknown here).
+header="date,commit,machine,cores,jobs,target,seconds,executions,exec_per_s,seconds_for_10M,corpus_files,result,sources"
+jobs_header="date,commit,machine,cores,jobs,target,seconds,executions,exec_per_s,seconds_for_10M,corpus_files,result"
+old_header="date,commit,machine,cores,target,seconds,executions,exec_per_s,seconds_for_10M,corpus_files,result"
+write_csv_row() {
+  if [ ! -s "$FUZZ_CSV" ]; then
+    echo "$header" > "$FUZZ_CSV"
+  fi
+  if [ "$(head -1 "$FUZZ_CSV")" = "$old_header" ]; then
+    # Lines from before the jobs column: one job each (after the quoted machine).
+    sed -i -e "1s/.*/$jobs_header/" -e '2,$s/^\([^,]*,[^,]*,"[^"]*",[^,]*\),/\1,1,/' "$FUZZ_CSV"
+  fi
+  if [ "$(head -1 "$FUZZ_CSV")" = "$jobs_header" ]; then
+    local tmp line c
+    tmp=$(mktemp)
+    echo "$header" > "$tmp"
+    tail -n +2 "$FUZZ_CSV" | while IFS= read -r line; do
+      c=${line#*,}
+      c=${c%%,*}
+      echo "$line,$(sources_of "$c")"
+    done >> "$tmp"
+    mv "$tmp" "$FUZZ_CSV"
+  fi
+  echo "$date,$commit,\"$machine\",$cores,$jobs,$t,$elapsed,$execs,$rate,$ten_million,$files,$result,$sources" >> "$FUZZ_CSV"
+}
 for t in $targets; do
   program=$build/fuzz_$t
   work=$build/corpus/$t
@@ -91,7 +130,18 @@ for t in $targets; do
   line=$(printf '%-6s %10s executions in %6.1f s, %2s job(s): %8s exec/s, %5s corpus files; 10M would take %s s' \
          "$t" "$execs" "$elapsed" "$jobs" "$rate" "$files" "$ten_million")
   summary+="$line"$'\n'
+  # ok, crash, or stopped (interrupted by a signal before its time: no crash
+  # found, and its executions count).
+  result=ok
   if [ "$status" -ne 0 ]; then
+    result=crash
+    if grep -q 'libFuzzer: run interrupted' "$log" && ! grep -qE '^SUMMARY: |deadly signal|ERROR: libFuzzer: (out-of-memory|timeout)' "$log"; then
+      result=stopped
+    fi
+  fi
+  if [ "$result" = stopped ]; then
+    echo "fuzz: $t was stopped by a signal before its time (no crash found)" >&2
+  elif [ "$result" = crash ]; then
     failed+=" $t"
     echo "fuzz: $t FAILED (exit $status); the end of $log:" >&2
     tail -40 "$log" >&2
@@ -103,17 +153,8 @@ for t in $targets; do
       fi
     done
   fi
-  if [ -n "${FUZZ_CSV:-}" ]; then
-    header="date,commit,machine,cores,jobs,target,seconds,executions,exec_per_s,seconds_for_10M,corpus_files,result"
-    old_header="date,commit,machine,cores,target,seconds,executions,exec_per_s,seconds_for_10M,corpus_files,result"
-    if [ ! -s "$FUZZ_CSV" ]; then
-      echo "$header" > "$FUZZ_CSV"
-    elif [ "$(head -1 "$FUZZ_CSV")" = "$old_header" ]; then
-      # Lines from before the jobs column: one job each (after the quoted machine).
-      sed -i -e "1s/.*/$header/" -e '2,$s/^\([^,]*,[^,]*,"[^"]*",[^,]*\),/\1,1,/' "$FUZZ_CSV"
-    fi
-    echo "$date,$commit,\"$machine\",$cores,$jobs,$t,$elapsed,$execs,$rate,$ten_million,$files,$([ "$status" -eq 0 ] && echo ok || echo crash)" >> "$FUZZ_CSV"
-  fi
+  [ -n "${FUZZ_CSV:-}" ] && write_csv_row
+
 done
 echo "fuzz results ($machine, $cores cores, commit $commit):"
 printf '%s' "$summary"
