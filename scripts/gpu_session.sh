@@ -17,6 +17,10 @@
 # SOAK_SECONDS=N (default 0: none) runs `tidalloc soak` on the GPU for N
 # seconds at the end; its output and its CSV row go to bench.log, its result
 # to the summary (the budget below grows by N).
+# TORCH_ROUNDS=N times the PyTorch validation programs, N fresh processes per
+# configuration (TORCH_PROGRAMS, TORCH_CONFIGS, TORCH_REPEATS, TORCH_SECONDS);
+# FUZZ_BUILD=DIR FUZZ_SECONDS=N fuzzes with DIR's programs on every CPU for N
+# seconds per target (FUZZ_TARGETS), last. Both go to bench.log and the summary.
 # Exit status: 0 if every step passed.
 set -uo pipefail
 
@@ -32,7 +36,7 @@ if [[ ! $soak_seconds =~ ^[0-9]+$ ]]; then
   echo "gpu_session.sh: SOAK_SECONDS must be a number of seconds, not '$soak_seconds'" >&2
   exit 2
 fi
-budget=${GPU_RUN_SECONDS:-$((540 + soak_seconds))}
+budget=${GPU_RUN_SECONDS:-$((540 + soak_seconds + ${FUZZ_SECONDS:-0} + (${TORCH_ROUNDS:-0} > 0 ? ${TORCH_SECONDS:-300} : 0)))}
 summary=$out/summary.txt
 : >"$summary"
 failed=0
@@ -268,6 +272,41 @@ if ((soak_seconds > 0)); then
   else
     note "soak: skipped (the tidalloc command was not built)"
   fi
+fi
+
+# ---------------------------------------------------------------------------
+# PyTorch programs, timed (TORCH_ROUNDS > 0): tests/torch/run_validation.sh
+# with ROUNDS=TORCH_ROUNDS fresh processes per configuration (order reversed
+# in even rounds), REPEATS=TORCH_REPEATS (default 10), PROGRAMS=TORCH_PROGRAMS
+# (default "vit gpt2"), CONFIGS=TORCH_CONFIGS (default "expandable
+# tidalloc"), within TORCH_SECONDS (default 300). Its CSV goes to bench.log
+# between "torch rounds csv:" and "end of torch rounds csv", its table and
+# per-run lines to bench.log and the table to the summary.
+# ---------------------------------------------------------------------------
+torch_rounds=${TORCH_ROUNDS:-0}
+if ((torch_rounds > 0)); then
+  torch_csv=build/torch_rounds.csv
+  step "torch rounds (${torch_rounds})" "$bench_log" "${TORCH_SECONDS:-300}" \
+    env ROUNDS="$torch_rounds" REPEATS="${TORCH_REPEATS:-10}" \
+    PROGRAMS="${TORCH_PROGRAMS:-vit gpt2}" CONFIGS="${TORCH_CONFIGS:-expandable tidalloc}" \
+    sh -c 'tests/torch/run_validation.sh >"$0"' "$torch_csv"
+  { echo "torch rounds csv:"; cat "$torch_csv" 2>/dev/null; echo "end of torch rounds csv"; } >>"$bench_log"
+  awk '/^=== torch rounds/{text=""} {text=text $0 "\n"} END{printf "%s", text}' "$bench_log" |
+    grep -E '^(vit|gpt2) ' | sed 's/^/  /' | tee -a "$summary"
+fi
+
+# ---------------------------------------------------------------------------
+# Fuzzing on this machine's CPUs (FUZZ_BUILD=DIR holding fuzz_* programs
+# built by `make fuzz`, and FUZZ_SECONDS > 0): scripts/fuzz.sh with one
+# worker per CPU, after everything timed above (it would disturb timings).
+# Its CSV line goes to the summary, to be added to bench/results/host/fuzz.csv.
+# ---------------------------------------------------------------------------
+if [[ -n ${FUZZ_BUILD:-} && ${FUZZ_SECONDS:-0} -gt 0 ]]; then
+  rm -f build/fuzz.csv
+  step "fuzz ${FUZZ_TARGETS:-all} ${FUZZ_SECONDS} s" "$bench_log" $((FUZZ_SECONDS + 120)) \
+    env FUZZ_JOBS="$jobs" FUZZ_CSV=build/fuzz.csv scripts/fuzz.sh "$FUZZ_BUILD"
+  note "  fuzz.csv lines:"
+  tail -n +2 build/fuzz.csv 2>/dev/null | sed 's/^/  /' | tee -a "$summary"
 fi
 
 note ""
