@@ -24,7 +24,7 @@
 # Exit status: 0 if every step passed.
 set -uo pipefail
 
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 out=${OUT:-out/gpu}
 mkdir -p "$out"
 jobs=$(nproc 2>/dev/null || echo 8)

@@ -36,7 +36,7 @@ for ((round = 1; round <= rounds; round++)); do
     native=""
     # Even rounds run the configurations in reverse order, so that a drift
     # of the machine within a round does not always favour the same one.
-    configs=(${CONFIGS:-native expandable tidalloc})
+    read -ra configs <<<"${CONFIGS:-native expandable tidalloc}"
     if ((round % 2 == 0)); then
       for ((i = 0, j = ${#configs[@]} - 1; i < j; i++, j--)); do
         t=${configs[i]}; configs[i]=${configs[j]}; configs[j]=$t
