@@ -7,10 +7,11 @@
 #   scripts/deps.sh gpu      only what building the GPU tests needs besides CUDA
 set -euo pipefail
 
-# cmake, compilers, cmocka, zlib and mimalloc build the project; clang and its
+# cmake, compilers, cmocka, zlib and mimalloc build the project (g++ the C++
+# consumer of the install test); clang and its
 # runtimes build the sanitizer and fuzzing builds; python3 merges benchmark tables
 # and, with pytest, tests the Python layer (python/).
-packages=(cmake make gcc libc6-dev binutils pkg-config libcmocka-dev zlib1g-dev
+packages=(cmake make gcc g++ libc6-dev binutils pkg-config libcmocka-dev zlib1g-dev
           libmimalloc-dev clang valgrind python3 python3-pytest)
 case "${1:-}" in
   format) packages+=(clang-format) ;;

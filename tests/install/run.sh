@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # run.sh: installs a built tidalloc into a temporary prefix, then builds and
 # runs tests/install/consumer.c against it, once through find_package(tidalloc)
-# (shared and static) and once through pkg-config (shared and static).
+# (shared and static) and once through pkg-config (shared and static), and
+# tests/install/consumer_cxx.cpp through find_package where a C++ compiler of
+# the C compiler's family is installed.
 #   run.sh <build dir> <C compiler> [C flags of that build]
 # The C flags carry sanitizer options over, so the consumer links the runtime
 # a sanitized library needs.
@@ -35,12 +37,30 @@ echo "SONAME $soname"
 
 export TIDALLOC_CONF=backend:host
 
+# The C++ compiler of the same family as the C one (the sanitizer flags of
+# the build must suit both), if there is one: the C++ consumer is built too.
+case $(basename "$cc") in
+  clang*) cxx=$(dirname "$cc")/clang++ ;;
+  gcc*) cxx=$(dirname "$cc")/g++ ;;
+  cc) cxx=$(dirname "$cc")/c++ ;;
+  *) cxx="" ;;
+esac
+[[ -n $cxx && ! -x $cxx ]] && cxx=$(command -v "$(basename "$cxx")" || true)
+cxx_args=(-DTIDE_CXX=OFF)
+[[ -n $cxx ]] && cxx_args=(-DTIDE_CXX=ON -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_CXX_FLAGS="$cflags")
+
 step "find_package(tidalloc)"
 cmake -S "$here" -B "$work/cmake-build" -DCMAKE_PREFIX_PATH="$prefix" \
-  -DCMAKE_C_COMPILER="$cc" -DCMAKE_C_FLAGS="$cflags" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+  -DCMAKE_C_COMPILER="$cc" -DCMAKE_C_FLAGS="$cflags" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  "${cxx_args[@]}"
 cmake --build "$work/cmake-build"
 "$work/cmake-build/consumer_shared"
 "$work/cmake-build/consumer_static"
+if [[ -n $cxx ]]; then
+  "$work/cmake-build/consumer_cxx"
+else
+  echo "no C++ compiler to match $cc: the C++ consumer is not built"
+fi
 # The shared consumer must load the installed library, not the build tree's.
 # (ldd's output is kept whole: grep -q quitting early would break the pipe.)
 deps=$(ldd "$work/cmake-build/consumer_shared")
