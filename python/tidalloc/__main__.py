@@ -2,7 +2,9 @@
 tidalloc as PyTorch's CUDA allocator (TIDALLOC_CONF honoured); --report FILE
 writes tidalloc's figures as JSON when the script ends, --memory-viz FILE a
 snapshot that PyTorch's memory_viz opens, --timeline FILE a PNG of allocated
-and reserved bytes over time."""
+and reserved bytes over time, --trace-csv FILE.csv.gz every allocation and
+free as a trace that `tidalloc replay` reads (the last three need the trace
+option, e.g. TIDALLOC_CONF=trace:1000000)."""
 import argparse
 import atexit
 import json
@@ -19,6 +21,8 @@ def main(argv=None):
     run.add_argument("--memory-viz", help="write a snapshot for PyTorch's memory_viz here at exit")
     run.add_argument("--timeline", help="write a PNG of allocated and reserved over time at exit "
                      "(needs the trace option, e.g. TIDALLOC_CONF=trace:1000000)")
+    run.add_argument("--trace-csv", help="write every allocation and free as a trace for "
+                     "`tidalloc replay` here at exit (gzip'd CSV; needs the trace option)")
     run.add_argument("script")
     run.add_argument("args", nargs=argparse.REMAINDER)
     a = parser.parse_args(argv)
@@ -30,7 +34,7 @@ def main(argv=None):
             with open(a.report, "w") as f:
                 json.dump(_lib.memory_stats(0), f, indent=1, sort_keys=True)
         atexit.register(report)
-    if a.memory_viz or a.timeline:
+    if a.memory_viz or a.timeline or a.trace_csv:
         from . import viz
 
         def pictures():
@@ -38,6 +42,8 @@ def main(argv=None):
                 viz.export_memory_viz(a.memory_viz)
             if a.timeline:
                 viz.timeline_png(a.timeline)
+            if a.trace_csv:
+                viz.write_replay_trace(a.trace_csv)
         atexit.register(pictures)
     sys.argv = [a.script] + a.args
     runpy.run_path(a.script, run_name="__main__")

@@ -7,7 +7,8 @@ torch.cuda.memory._snapshot(), which PyTorch's memory_viz page
 expandable segments) with their blocks, each growable buffer as a segment of
 its mapped pages, and, when tidalloc's trace ring is
 on (the `trace` option), the events as the device trace. timeline_png(path)
-draws allocated and reserved bytes over the traced events."""
+draws allocated and reserved bytes over the traced events, and
+write_replay_trace(path) writes them as a trace for `tidalloc replay`."""
 import ctypes
 import json
 import pickle
@@ -41,8 +42,9 @@ def snapshot_json(device=0):
         lib.tide_string_free(text)
 
 
-def trace(device=0, cap=1 << 20):
-    """The trace ring's events, oldest first (empty when tracing is off)."""
+def trace_events(device=0, cap=1 << 20):
+    """The trace ring's newest `cap` events, oldest first, and how many older
+    events the ring overwrote."""
     lib = _lib.lib()
     lib.tide_trace_read.argtypes = [ctypes.c_void_p, ctypes.POINTER(TraceEvent), ctypes.c_size_t,
                                     ctypes.POINTER(ctypes.c_size_t),
@@ -51,7 +53,41 @@ def trace(device=0, cap=1 << 20):
     n, dropped = ctypes.c_size_t(), ctypes.c_uint64()
     _lib.check(lib.tide_trace_read(_lib.device(device), out, cap, ctypes.byref(n),
                                    ctypes.byref(dropped)), "tide_trace_read")
-    return list(out[:n.value])
+    return list(out[:n.value]), dropped.value
+
+
+def trace(device=0, cap=1 << 20):
+    """The trace ring's events, oldest first (empty when tracing is off)."""
+    return trace_events(device, cap)[0]
+
+
+def write_replay_trace(path, device=0, cap=1 << 22):
+    """Write every allocation and free the trace ring holds as a trace that
+    `tidalloc replay` reads: gzip'd CSV, t_us,action,addr,size,stream, the
+    streams numbered in order of appearance. Refuses (TidallocError) when the
+    ring is empty or lost events, since a trace missing its beginning frees
+    blocks it never allocated. Returns the number of events written."""
+    import gzip
+    events, dropped = trace_events(device, cap)
+    if not events:
+        raise _lib.TidallocError("write_replay_trace: the trace ring is empty (set the trace "
+                                 "option, such as TIDALLOC_CONF=trace:1000000)")
+    if dropped or len(events) == cap:
+        raise _lib.TidallocError(
+            "write_replay_trace: the trace ring lost the oldest events (%d overwritten); set the "
+            "trace option above the program's count of events (each allocation, free, map and "
+            "unmap is one), such as trace:%d" % (dropped, 4 * (len(events) + dropped)))
+    streams, written = {}, 0
+    with gzip.open(path, "wt") as out:
+        out.write("t_us,action,addr,size,stream\n")
+        for e in events:
+            if e.kind not in (0, 1):  # allocations and frees; the rest is the allocator's own
+                continue
+            stream = streams.setdefault(e.stream or 0, len(streams))
+            out.write("%d,%s,%d,%d,%d\n" % (e.time_ns // 1000, ("alloc", "free")[e.kind], e.addr,
+                                           e.size, stream))
+            written += 1
+    return written
 
 
 def _segments(snap, device):

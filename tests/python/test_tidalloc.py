@@ -206,3 +206,55 @@ def test_install_default_after_first_use_warns(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False default"
     assert "capture_detection:True not applied" in r.stderr
+
+
+def test_replay_trace_round_trips(tmp_path):
+    """write_replay_trace writes what the allocator saw in `tidalloc replay`'s
+    format; where the tidalloc command was built beside the library, it
+    replays that file cleanly (every free matches an allocation)."""
+    import gzip
+    from tidalloc import viz
+    lib = _lib.lib()
+    before = tidalloc.memory_stats(0)["allocated_bytes.all.current"]
+    sizes = (512, 3 * MiB, 40 * MiB, 4096)
+    blocks = [lib.tide_torch_alloc(n, 0, None) for n in sizes]
+    assert all(blocks), _lib.last_error()
+    for p, n in zip(blocks[:3], sizes[:3]):
+        lib.tide_torch_free(p, n, 0, None)
+    path = tmp_path / "trace.csv.gz"
+    written = viz.write_replay_trace(str(path))
+    lines = gzip.open(path, "rt").read().splitlines()
+    assert lines[0] == "t_us,action,addr,size,stream"
+    assert len(lines) == written + 1
+    rows = [line.split(",") for line in lines[1:]]
+    assert all(r[1] in ("alloc", "free") and r[4] == "0" for r in rows)
+    # Each of our blocks ends with its allocation (of at least its size), then
+    # for the three freed ones their free.
+    for i, (p, n) in enumerate(zip(blocks, sizes)):
+        mine = [r for r in rows if int(r[2]) == p]
+        tail = ["alloc"] if i == 3 else ["alloc", "free"]
+        assert [r[1] for r in mine[-len(tail):]] == tail
+        assert int(mine[-len(tail)][3]) >= n
+    cli = os.path.join(os.path.dirname(os.environ.get("TIDALLOC_LIB", "")), "tidalloc")
+    if os.path.exists(cli):
+        out = subprocess.run([cli, "replay", str(path), "--conf", "backend:host"],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        keys = dict(line.split(None, 1) for line in out.stdout.splitlines() if " " in line)
+        assert int(keys["unknown_frees"]) == 0 and int(keys["malformed_lines"]) == 0
+    lib.tide_torch_free(blocks[3], sizes[3], 0, None)
+    assert tidalloc.memory_stats(0)["allocated_bytes.all.current"] == before
+
+
+def test_replay_trace_refuses_a_ring_that_lost_events(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "..", "python"),
+               TIDALLOC_CONF="backend:host,trace:16")
+    code = ("import tidalloc; from tidalloc import _lib, viz; lib = _lib.lib()\n"
+            "for _ in range(20):\n"
+            "    lib.tide_torch_free(lib.tide_torch_alloc(4096, 0, None), 4096, 0, None)\n"
+            "try: viz.write_replay_trace(%r)\n"
+            "except _lib.TidallocError as e: print(e)\n" % str(tmp_path / "t.csv.gz"))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "lost the oldest events" in r.stdout and "trace:" in r.stdout
+    assert not (tmp_path / "t.csv.gz").exists()

@@ -141,19 +141,9 @@ def main():
 
 
 def write_trace(path):
-    """The trace ring's allocations and frees in `tidalloc replay`'s CSV
-    (t_us,action,addr,size,stream; streams numbered in order of appearance)."""
-    import gzip
+    """The whole run's allocations and frees, for `tidalloc replay`."""
     from tidalloc import viz
-    streams = {}
-    with gzip.open(path, "wt") as out:
-        out.write("t_us,action,addr,size,stream\n")
-        for e in viz.trace(cap=4000000):
-            if e.kind not in (0, 1):
-                continue
-            stream = streams.setdefault(e.stream or 0, len(streams))
-            out.write("%d,%s,%d,%d,%d\n" % (e.time_ns // 1000, ("alloc", "free")[e.kind], e.addr,
-                                           e.size, stream))
+    viz.write_replay_trace(path)
 
 
 if __name__ == "__main__":
