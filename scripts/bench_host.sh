@@ -31,7 +31,7 @@ mkdir -p "$out"
 } >"$out/machine.txt"
 
 # Replays: each configuration's row, with the configuration in front.
-echo "conf,trace,events,peak_live_bytes,peak_allocated_bytes,peak_reserved_bytes,reserved_over_live,seconds" \
+echo "conf,trace,events,peak_live_bytes,peak_allocated_bytes,peak_reserved_bytes,reserved_over_live,seconds,mappings,unmappings" \
   >"$out/replay.csv"
 for conf in "expandable_segments:True" "expandable_segments:True,release_holes:False" \
   "expandable_segments:False"; do

@@ -123,10 +123,15 @@ expect_key unknown_frees 0 "replay streams"
 
 expect_status 0 "replay --csv" -- "$bin" replay --csv "$dir/simple.csv.gz"
 [ "$(head -n 1 "$dir/out")" = \
-  "trace,events,peak_live_bytes,peak_allocated_bytes,peak_reserved_bytes,reserved_over_live,seconds" ] ||
+  "trace,events,peak_live_bytes,peak_allocated_bytes,peak_reserved_bytes,reserved_over_live,seconds,mappings,unmappings" ] ||
   fail "replay --csv header is '$(head -n 1 "$dir/out")'"
 [ "$(tail -n +2 "$dir/out" | cut -d, -f1-3)" = "simple.csv.gz,4,3145728" ] ||
   fail "replay --csv row is '$(tail -n +2 "$dir/out")'"
+# Its mappings: at least one (the trace holds 3 MiB at once), as the key lines say.
+csv_maps=$(tail -n +2 "$dir/out" | cut -d, -f8)
+"$bin" replay "$dir/simple.csv.gz" >"$dir/out" 2>"$dir/err"
+[ "${csv_maps:-0}" -ge 1 ] && [ "$csv_maps" = "$(key_of mappings)" ] ||
+  fail "replay --csv mappings '$csv_maps', key lines '$(key_of mappings)'"
 
 # --- replay: what must fail --------------------------------------------------
 head -c 60 "$dir/simple.csv.gz" >"$dir/truncated.csv.gz"

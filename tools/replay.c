@@ -430,12 +430,16 @@ static void print_keys(const char *path, const trace *t, const replay_result *r)
   printf("size_mismatches %llu\n", (unsigned long long)r->size_mismatches);
 }
 
+/* The driver's work (mappings, unmappings) goes last: on a GPU the time of
+ * growth follows it. */
 static void print_csv(const char *path, const replay_result *r) {
   printf("trace,events,peak_live_bytes,peak_allocated_bytes,peak_reserved_bytes,"
-         "reserved_over_live,seconds\n");
-  printf("%s,%llu,%llu,%lld,%lld,%.4f,%.3f\n", base_name(path), (unsigned long long)r->events,
-         (unsigned long long)r->peak_live, (long long)r->stats.allocated_bytes[TIDE_POOL_ALL].peak,
-         (long long)r->stats.reserved_bytes[TIDE_POOL_ALL].peak, reserved_over_live(r), r->seconds);
+         "reserved_over_live,seconds,mappings,unmappings\n");
+  printf("%s,%llu,%llu,%lld,%lld,%.4f,%.3f,%llu,%llu\n", base_name(path),
+         (unsigned long long)r->events, (unsigned long long)r->peak_live,
+         (long long)r->stats.allocated_bytes[TIDE_POOL_ALL].peak,
+         (long long)r->stats.reserved_bytes[TIDE_POOL_ALL].peak, reserved_over_live(r), r->seconds,
+         (unsigned long long)r->stats.mappings, (unsigned long long)r->stats.unmappings);
 }
 
 /* ------------------------------------------------------------------------ */
