@@ -13,6 +13,8 @@
 #   ROUNDS     rounds (default 2)
 #   CONF       options for every run (default backend:cuda)
 #   TIDALLOC   the command (default build/tidalloc, built if missing)
+#   DRIVER_CSV also write every run's driver work (`tidalloc stream
+#              --driver-csv`: pages and handles mapped and unmapped) to this file
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -33,8 +35,13 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 # run LABEL CONF: one sweep, its rows (no header) on stdout, its table on stderr.
 run() {
-  "$cmd" stream --frames $frames --conf "$2" --label "$1" --csv "$tmp/run.csv" >&2
+  "$cmd" stream --frames $frames --conf "$2" --label "$1" --csv "$tmp/run.csv" \
+    --driver-csv "$tmp/driver.csv" >&2
   tail -n +2 "$tmp/run.csv"
+  if [[ -n ${DRIVER_CSV:-} ]]; then
+    [[ -s $DRIVER_CSV ]] || head -1 "$tmp/driver.csv" >"$DRIVER_CSV"
+    tail -n +2 "$tmp/driver.csv" >>"$DRIVER_CSV"
+  fi
 }
 # A first run warms the device and gives the header.
 "$cmd" stream --frames 64 --conf "$conf" --csv "$tmp/h.csv" >/dev/null

@@ -1,7 +1,7 @@
 #!/bin/sh
 # cli_smoke.sh: runs the built tidalloc command end to end: info, micro's CSV
 # shape, replay of small traces whose peaks are computed by hand, soak's
-# options and CSV row, and the failures that must exit non-zero (corrupt,
+# options and CSV row, stream's two CSVs, and the failures that must exit non-zero (corrupt,
 # malformed or inconsistent traces, bad options).
 # usage: cli_smoke.sh path/to/tidalloc
 set -u
@@ -171,6 +171,23 @@ grep -q '^soak: PASS$' "$dir/out" || fail "soak for 1 s did not print PASS: $(ta
 head -n 1 "$dir/soak.csv" | grep -q '^backend,device,seed,threads,' || fail "soak's CSV header"
 tail -n 1 "$dir/soak.csv" | grep -Eq '^host,"[^"]*",7,2,4,0\.250,.*,pass$' ||
   fail "soak's CSV row is '$(tail -n 1 "$dir/soak.csv")'"
+
+# --- stream: the benchmark's CSV and the driver's work beside it -----------
+expect_status 0 "stream of 4 frames" -- env TIDALLOC_CONF=backend:host \
+  "$bin" stream --frames 4 --label 'a,b' --csv "$dir/stream.csv" --driver-csv "$dir/driver.csv"
+[ "$(head -n 1 "$dir/stream.csv")" = \
+  "frames,status,requested_height,requested_width,effective_height,effective_width,backend,dtype,seconds,peak_allocated_gib,peak_reserved_gib,error" ] ||
+  fail "stream --csv header is '$(head -n 1 "$dir/stream.csv")'"
+[ "$(head -n 1 "$dir/driver.csv")" = \
+  "frames,status,backend,seconds,reserved_over_allocated,pages_mapped,pages_unmapped,mappings,unmappings" ] ||
+  fail "stream --driver-csv header is '$(head -n 1 "$dir/driver.csv")'"
+# One row each; the label with a comma quoted; mappings at least one, as the table says.
+[ "$(wc -l <"$dir/driver.csv")" -eq 2 ] || fail "stream --driver-csv does not hold one row"
+tail -n 1 "$dir/driver.csv" | grep -Eq '^4,ok,"a,b",[0-9.]+,1\.[0-9]+,[1-9][0-9]*,[0-9]+,[1-9][0-9]*,[0-9]+$' ||
+  fail "stream --driver-csv row is '$(tail -n 1 "$dir/driver.csv")'"
+table_maps=$(awk '$1 == 4 && $2 == "ok" { print $(NF - 1) }' "$dir/out")
+[ "$table_maps" = "$(tail -n 1 "$dir/driver.csv" | awk -F, '{ print $(NF - 1) }')" ] ||
+  fail "stream: the table's maps '$table_maps' differ from --driver-csv's"
 
 if [ "$failures" -ne 0 ]; then
   echo "cli_smoke: $failures failures" >&2

@@ -28,11 +28,18 @@ static const int default_sweep[] = {64, 128, 256, 512, 1024, 2048, 4096, 10000};
   "frames,status,requested_height,requested_width,effective_height,effective_width,"               \
   "backend,dtype,seconds,peak_allocated_gib,peak_reserved_gib,error"
 
+/* --driver-csv: the driver's work of each row, which the benchmark's own
+ * columns (above, kept as they are) do not carry. */
+#define DRIVER_CSV_HEADER                                                                          \
+  "frames,status,backend,seconds,reserved_over_allocated,pages_mapped,pages_unmapped,mappings,"    \
+  "unmappings"
+
 typedef struct stream_args {
   int frames[MAX_SWEEP];
   int sweep_length;
   const char *conf;
   const char *csv_path;
+  const char *driver_csv_path;
   const char *label;
   bool stop_on_oom;
   bool grow; /* --mode grow: the caches in growable buffers */
@@ -271,22 +278,38 @@ static void write_quoted(FILE *f, const char *text) {
   fputc('"', f);
 }
 
+/* A CSV field, quoted only where it must be. */
+static void write_field(FILE *f, const char *text) {
+  if (strpbrk(text, ",\"\r\n") != NULL) {
+    write_quoted(f, text);
+  } else {
+    fputs(text, f);
+  }
+}
+
 static void write_row(FILE *f, const stream_row *r) {
   fprintf(f, "%d,%s,%d,%d,%d,%d,", r->frames, r->oom ? "oom" : "ok", FRAME_HEIGHT, FRAME_WIDTH,
           FRAME_HEIGHT, FRAME_WIDTH);
-  if (strpbrk(r->backend, ",\"\r\n") != NULL) {
-    write_quoted(f, r->backend);
-  } else {
-    fputs(r->backend, f);
-  }
+  write_field(f, r->backend);
   fprintf(f, ",bf16,%.3f,%.4f,%.4f,", r->seconds, r->peak_allocated_gib, r->peak_reserved_gib);
   if (r->oom) write_quoted(f, r->error);
   fputc('\n', f);
 }
 
-/* Write every row so far to a file beside `path`, then rename it over
- * `path`: a reader never sees half a file. */
-static bool write_csv(const char *path, const stream_row *rows, int count) {
+static void write_driver_row(FILE *f, const stream_row *r) {
+  double ratio = r->peak_allocated_gib > 0 ? r->peak_reserved_gib / r->peak_allocated_gib : 0;
+  fprintf(f, "%d,%s,", r->frames, r->oom ? "oom" : "ok");
+  write_field(f, r->backend);
+  fprintf(f, ",%.3f,%.4f,%llu,%llu,%llu,%llu\n", r->seconds, ratio,
+          (unsigned long long)r->pages_mapped, (unsigned long long)r->pages_unmapped,
+          (unsigned long long)r->mappings, (unsigned long long)r->unmappings);
+}
+
+/* Write `header` and every row so far (through `write`) to a file beside
+ * `path`, then rename it over `path`: a reader never sees half a file. */
+static bool write_csv(const char *path, const char *header,
+                      void (*write)(FILE *, const stream_row *), const stream_row *rows,
+                      int count) {
   size_t len = strlen(path) + 5;
   char *tmp = malloc(len);
   if (tmp == NULL) {
@@ -297,8 +320,8 @@ static bool write_csv(const char *path, const stream_row *rows, int count) {
   FILE *f = fopen(tmp, "w");
   bool ok = f != NULL;
   if (ok) {
-    fprintf(f, "%s\n", CSV_HEADER);
-    for (int i = 0; i < count; i++) write_row(f, &rows[i]);
+    fprintf(f, "%s\n", header);
+    for (int i = 0; i < count; i++) write(f, &rows[i]);
     ok = fclose(f) == 0;
   }
   if (ok) ok = rename(tmp, path) == 0;
@@ -333,7 +356,8 @@ static void print_table(const stream_row *rows, int count) {
 
 static void print_help(void) {
   printf("usage: tidalloc stream [--frames N...] [--mode cat|grow] [--conf STR]\n"
-         "                       [--stop-on-oom] [--csv FILE] [--label NAME]\n"
+         "                       [--stop-on-oom] [--csv FILE] [--driver-csv FILE]\n"
+         "                       [--label NAME]\n"
          "\n"
          "Run a synthetic streaming-inference workload with the allocation pattern of\n"
          "LingBot-Map (518x378 frames, a ViT-L/14 encoder, 24 global layers whose K/V\n"
@@ -354,9 +378,12 @@ static void print_help(void) {
          "  --stop-on-oom   stop the sweep at the first frame count that runs out\n"
          "  --csv FILE      write the rows to FILE (rewritten after each row):\n"
          "                  %s\n"
+         "  --driver-csv FILE  the same rows' driver work (pages and handles mapped and\n"
+         "                  unmapped, which growth's time follows on a GPU) to FILE:\n"
+         "                  %s\n"
          "  --label NAME    the backend column (default: tidalloc-expandable or\n"
          "                  tidalloc-fixed, from expandable_segments)\n",
-         CSV_HEADER);
+         CSV_HEADER, DRIVER_CSV_HEADER);
 }
 
 /* --frames takes the numbers that follow it ("64 128" or "64,128"). */
@@ -409,6 +436,8 @@ static int parse_args(int argc, char **argv, stream_args *args) {
       args->conf = value;
     } else if (cli_option_value(argc, argv, &i, "--csv", &value, &bad)) {
       args->csv_path = value;
+    } else if (cli_option_value(argc, argv, &i, "--driver-csv", &value, &bad)) {
+      args->driver_csv_path = value;
     } else if (cli_option_value(argc, argv, &i, "--label", &value, &bad)) {
       args->label = value;
     } else if (strcmp(argv[i], "--stop-on-oom") == 0) {
@@ -442,7 +471,9 @@ int tide_cli_stream(int argc, char **argv) {
     if (!ok) break;
     count++;
     target.frames_before += (uint64_t)args.frames[i];
-    if (args.csv_path != NULL) ok = write_csv(args.csv_path, rows, count);
+    if (args.csv_path != NULL) ok = write_csv(args.csv_path, CSV_HEADER, write_row, rows, count);
+    if (ok && args.driver_csv_path != NULL)
+      ok = write_csv(args.driver_csv_path, DRIVER_CSV_HEADER, write_driver_row, rows, count);
     if (rows[count - 1].oom && args.stop_on_oom) break;
   }
   if (target.shown < 1.0) cli_progress("stream", 1.0); /* stopped early: end the bar's line */
