@@ -16,7 +16,8 @@ seconds,repeats,median_seconds,min_seconds,max_seconds,peak_reserved_all_mib
         greedy generation of 512 new tokens from a fixed 32-token prompt;
         the output is the generated token ids.
   vit:  timm vit_base_patch16_224 (random weights, seed 0), inference over
-        batch sizes 1, 8, 32, 64, 17, 3; the output is every logit.
+        batch sizes 1, 8, 32, 64, 17, 3 (inputs drawn once, before timing;
+        the copy to the GPU is timed); the output is every logit.
 
 The allocator: native (PyTorch's default; PYTORCH_CUDA_ALLOC_CONF is the
 caller's, e.g. expandable_segments:True), or tidalloc (installed before CUDA
@@ -24,7 +25,12 @@ starts; TIDALLOC_CONF is the caller's). Peaks are
 torch.cuda.max_memory_allocated/reserved, which under tidalloc report
 tidalloc's figures. Exits 1 if a repeat's output differs from the first run's.
 
-    python tests/torch/validate.py gpt2|vit native|tidalloc [--repeats N]"""
+On stderr: every run's seconds and, under tidalloc, the device maps and
+unmaps of each run. --trace-csv FILE (tidalloc) writes every allocation and
+free of the process as a trace for `tidalloc replay`.
+
+    python tests/torch/validate.py gpt2|vit native|tidalloc [--repeats N]
+                                   [--trace-csv FILE.csv.gz]"""
 import argparse
 import hashlib
 import os
