@@ -296,8 +296,13 @@ static void write_row(FILE *f, const stream_row *r) {
   fputc('\n', f);
 }
 
+/* Peak reserved over peak allocated (0 when nothing was allocated). */
+static double reserved_ratio(const stream_row *r) {
+  return r->peak_allocated_gib > 0 ? r->peak_reserved_gib / r->peak_allocated_gib : 0;
+}
+
 static void write_driver_row(FILE *f, const stream_row *r) {
-  double ratio = r->peak_allocated_gib > 0 ? r->peak_reserved_gib / r->peak_allocated_gib : 0;
+  double ratio = reserved_ratio(r);
   fprintf(f, "%d,%s,", r->frames, r->oom ? "oom" : "ok");
   write_field(f, r->backend);
   fprintf(f, ",%.3f,%.4f,%llu,%llu,%llu,%llu\n", r->seconds, ratio,
@@ -339,7 +344,7 @@ static void print_table(const stream_row *rows, int count) {
          "pages unmapped", "maps", "unmaps");
   for (int i = 0; i < count; i++) {
     const stream_row *r = &rows[i];
-    double ratio = r->peak_allocated_gib > 0 ? r->peak_reserved_gib / r->peak_allocated_gib : 0;
+    double ratio = reserved_ratio(r);
     printf("%8d  %-6s  %-20s  %9.3f  %14.3f  %13.3f  %9.3f  %12llu  %14llu  %8llu  %8llu\n",
            r->frames, r->oom ? "oom" : "ok", r->backend, r->seconds, r->peak_allocated_gib,
            r->peak_reserved_gib, ratio, (unsigned long long)r->pages_mapped,
