@@ -311,7 +311,10 @@ static int cache_open(cache *c, tide_allocator *alloc, const options *o, size_t 
       bo.capacity = round_up((size_t)o->window * row, granularity);
     } else {
       bo.capacity = round_up((size_t)o->frames * o->tokens * row, granularity);
-      bo.map_ahead = granularity; /* a page ahead, mapped off the critical path */
+      /* Eight frames' growth ahead, mapped off the critical path: the next
+       * page is mapped eight frames before the cache reaches it, and held
+       * only from then on. */
+      bo.map_ahead = 8 * (size_t)o->tokens * row;
       bo.async_map_ahead = 1;
     }
     if (tide_buf_create(alloc, &bo, &c->buf[i]) != TIDE_OK) return fail("tide_buf_create");

@@ -1130,7 +1130,10 @@ static void op_buf_create(world *w) {
   tide_buf_options_init(&o);
   o.capacity = capacities[fz_pick(&w->in, sizeof capacities / sizeof capacities[0])];
   o.ring = fz_pick(&w->in, 4) == 0;
-  o.map_ahead = fz_pick(&w->in, 3) * 2 * MiB;
+  /* map_ahead in bytes: none, below a page (the next page mapped only near
+   * it), one and two pages of the largest granularity. */
+  const size_t aheads[] = {0, 2 * MiB, 4 * MiB, 300 * KiB};
+  o.map_ahead = aheads[fz_pick(&w->in, sizeof aheads / sizeof aheads[0])];
   stream_kind kind;
   o.stream = pick_stream(w, &kind);
   if (captured(w, o.stream)) return; /* buffers are grown and shrunk outside captures */

@@ -310,7 +310,11 @@ TIDE_API tide_status tide_check(tide_allocator *alloc);
  *
  * map_ahead keeps that many bytes mapped beyond the length, so most growth
  * costs no backend call; with async_map_ahead a worker thread of the buffer
- * maps them after each growth, off the caller's thread. A shrink unmaps pages
+ * maps them after each growth, off the caller's thread. Pages are whole: the
+ * mapped pages are the fewest that cover length + map_ahead, so a map_ahead
+ * of a few growths' bytes maps the next page only as the length nears it
+ * (memory held beyond the length: the partial page, and the next one only
+ * then), where a map_ahead of a page keeps one to two pages beyond it. A shrink unmaps pages
  * only once the work queued on the stream passed to it is done (an event
  * decides; nothing waits).
  *
@@ -329,7 +333,7 @@ typedef struct tide_buf tide_buf;
 typedef struct tide_buf_options {
   size_t capacity;     /* bytes of address space (rounded up to the page); for a ring, W */
   int ring;            /* nonzero: a ring buffer, mapped twice */
-  size_t map_ahead;    /* bytes kept mapped beyond the length (0: none) */
+  size_t map_ahead;    /* bytes kept mapped beyond the length, at least (0: none) */
   int async_map_ahead; /* nonzero: a worker thread maps ahead */
   tide_stream stream;  /* whose figures the buffer joins, and the default for resizes */
 } tide_buf_options;

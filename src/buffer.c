@@ -28,7 +28,7 @@ struct tide_buf {
   pthread_mutex_t mutex; /* guards what follows, and the backend calls on pages */
   pthread_cond_t changed;
   size_t mapped, keep, busy; /* pages; busy: being mapped by the worker, after `mapped` */
-  size_t ahead_pages;        /* map_ahead, in pages */
+  size_t ahead;              /* map_ahead: bytes kept mapped beyond the length */
   _tide_event release_event; /* pages [keep, mapped) go once it completes */
   bool release_pending;
   /* The worker. */
@@ -266,11 +266,18 @@ static void *worker_main(void *arg) {
   return NULL;
 }
 
-/* After a growth to `pages`, the pages ahead: on the worker, or now. A
- * failure to map ahead is no failure of the growth; an asynchronous one is
+/* The pages that keep `ahead` bytes mapped beyond `length`, and no more: a
+ * page ahead is mapped only once the length comes within `ahead` bytes of the
+ * end of the mapped ones, so a small map_ahead costs little memory. */
+static size_t pages_with_ahead(const tide_buf *b, size_t length) {
+  return pages_for(length + b->ahead, b->page);
+}
+
+/* After a growth to `length` bytes, the pages ahead: on the worker, or now.
+ * A failure to map ahead is no failure of the growth; an asynchronous one is
  * reported by the next call. Under the mutex. */
-static void map_ahead(tide_buf *b, size_t pages) {
-  size_t total = b->capacity / b->page, target = pages + b->ahead_pages;
+static void map_ahead(tide_buf *b, size_t length) {
+  size_t total = b->capacity / b->page, target = pages_with_ahead(b, length);
   if (target > total) target = total;
   if (target <= b->mapped + b->busy) return;
   if (b->async) {
@@ -362,7 +369,7 @@ static int open_range(tide_buf *b, const tide_buf_options *o) {
   b->page = a->granularity;
   b->capacity = pages_for(o->capacity, b->page) * b->page;
   b->reserved_bytes = b->ring ? 2 * b->capacity : b->capacity;
-  b->ahead_pages = pages_for(o->map_ahead, b->page);
+  b->ahead = o->map_ahead;
   b->handles = calloc(b->capacity / b->page, sizeof *b->handles);
   if (!b->handles) return _tide_error_set(TIDE_ERR_OOM, "out of host memory for a buffer");
   const _tide_backend *be = &a->backend;
@@ -529,10 +536,10 @@ tide_status tide_buf_resize(tide_buf *b, size_t length, tide_stream stream) {
   size_t pages = pages_for(length, b->page);
   if (!rc && length > b->length) {
     rc = ensure_mapped(b, pages);
-    if (!rc) map_ahead(b, pages);
+    if (!rc) map_ahead(b, length);
   } else if (!rc && length < b->length) {
     rc = settle_release(b, false);
-    size_t keep = pages + b->ahead_pages;
+    size_t keep = pages_with_ahead(b, length);
     if (b->want > keep) b->want = keep; /* the worker maps ahead of this length, no more */
     if (!rc && keep < b->keep) {
       const _tide_backend *be = backend(b);

@@ -150,6 +150,35 @@ static void test_map_ahead_avoids_backend_calls(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* A map_ahead below a page maps the next page only once the length comes
+ * within map_ahead of the mapped end, and a map_ahead of a page keeps one
+ * to two pages beyond the length: the fewest pages covering length +
+ * map_ahead, for growth and shrink alike. */
+static void test_map_ahead_is_bytes_not_pages(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create(NULL);
+  const size_t ahead = 256 * TU_KiB;
+  tide_buf *b = make(a, 64 * TU_MiB, ahead, 0, 0);
+  for (size_t len = 32 * TU_KiB; len <= 16 * TU_MiB; len += 32 * TU_KiB) {
+    tu_assert_ok(tide_buf_resize(b, len, NULL));
+    size_t want = (len + ahead + PAGE - 1) / PAGE * PAGE;
+    if (tide_buf_mapped(b) != want)
+      fail_msg("length %zu: %zu bytes mapped, expected %zu", len, tide_buf_mapped(b), want);
+  }
+  tu_assert_ok(tide_buf_resize(b, 5 * TU_MiB, NULL)); /* a shrink keeps as much ahead */
+  tu_assert_ok(tide_check(a));
+  assert_int_equal(tide_buf_mapped(b), 6 * TU_MiB);
+  tu_assert_ok(tide_buf_destroy(b));
+  b = make(a, 64 * TU_MiB, PAGE, 0, 0);
+  tu_assert_ok(tide_buf_resize(b, 3 * TU_MiB, NULL)); /* partial page + one ahead */
+  assert_int_equal(tide_buf_mapped(b), 3 * PAGE);
+  tu_assert_ok(tide_buf_resize(b, 4 * TU_MiB, NULL)); /* two whole pages + one ahead */
+  assert_int_equal(tide_buf_mapped(b), 3 * PAGE);
+  tu_assert_ok(tide_buf_destroy(b));
+  assert_int_equal(reserved(a), 0);
+  tu_assert_ok(tide_destroy(a));
+}
+
 static void test_worker_maps_ahead(void **state) {
   (void)state;
   tide_allocator *a = tu_create(NULL);
@@ -421,6 +450,7 @@ int main(void) {
       cmocka_unit_test(test_shrink_waits_for_the_stream),
       cmocka_unit_test(test_regrowth_cancels_pending_release),
       cmocka_unit_test(test_map_ahead_avoids_backend_calls),
+      cmocka_unit_test(test_map_ahead_is_bytes_not_pages),
       cmocka_unit_test(test_worker_maps_ahead),
       cmocka_unit_test(test_worker_after_pending_release),
       cmocka_unit_test(test_check_while_buffers_change),

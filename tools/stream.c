@@ -119,10 +119,11 @@ static int target_copy(void *ctx, void *dst, size_t dst_offset, const void *src,
 static void *target_buf_create(void *ctx, size_t capacity, stream_model_kind kind, void **data) {
   (void)kind;
   tide_target *t = ctx;
+  tide_info info;
   tide_buf_options o;
   tide_buf_options_init(&o);
   o.capacity = capacity;
-  o.map_ahead = 1; /* one page */
+  o.map_ahead = tide_get_info(t->alloc, &info) == TIDE_OK ? info.granularity : 2u << 20;
   tide_buf *b = NULL;
   if (tide_buf_create(t->alloc, &o, &b) != TIDE_OK) {
     keep_first_failure(&t->alloc_status, t->alloc_error);

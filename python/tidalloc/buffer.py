@@ -101,7 +101,11 @@ class GrowableTensor:
     address never changes) and each append returns a narrowed view of it, so
     an append costs one library call (the resize) and a copy of the new rows.
     On the host backend (an emulated device, no GPU) the rows are host memory
-    and the tensors are CPU tensors."""
+    and the tensors are CPU tensors.
+
+    `map_ahead_rows`: rows kept mapped beyond the length, mapped by the
+    buffer's worker thread; the next page is mapped once fewer rows than that
+    are left in the mapped ones, so a few appends' worth holds little memory."""
 
     def __init__(self, row_shape, dtype, capacity_rows, device=0, map_ahead_rows=0):
         import torch
