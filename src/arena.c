@@ -460,15 +460,20 @@ int _tide_arena_settle_stale(_tide_arena *arena, uintptr_t lo, uintptr_t hi, boo
 }
 
 /* Unmap free pages of the candidates (oldest first) until `need` bytes are
- * released. Returns the bytes. */
+ * released. A handle is unmapped whole, so a candidate asked for less than
+ * one of its handles gives nothing, unless `whole`: then it gives one (more
+ * than asked: for room outside the segments, which would otherwise never be
+ * made where handles are larger than the request). Returns the bytes. */
 static size_t release_candidates(_tide_arena *arena, _tide_block **candidates, size_t n,
-                                 size_t need) {
+                                 size_t need, bool whole) {
   struct tide_allocator *a = arena->alloc;
   size_t released = 0;
   for (size_t i = 0; i < n && released < need; i++) {
-    size_t before = arena->nspare_pages;
+    size_t before = arena->nspare_pages, limit = need - released;
+    size_t handle = a->page_size * candidates[i]->segment->handle_pages;
+    if (whole && limit < handle) limit = handle;
     int64_t held = atomic_load(&a->reserved.cur);
-    if (_tide_release_block(arena, candidates[i], need - released)) break;
+    if (_tide_release_block(arena, candidates[i], limit)) break;
     for (size_t k = before; k < arena->nspare_pages; k++) released += arena->spare_pages[k].size;
     released += (size_t)(held - atomic_load(&a->reserved.cur));
   }
@@ -491,9 +496,13 @@ static bool next_to_growth(const _tide_block *b, const _tide_growth *g, size_t p
  * Below the ceiling nothing is unmapped: the pages stay cached for reuse,
  * and every page unmapped would likely be mapped again (the peak is what
  * the caller pays for). The free blocks the growth extends are left
- * alone. */
+ * alone. `for_segment`: the room is for a segment's growth, which maps the
+ * handles again (unmapping may be deferred, and a request below a handle
+ * releases none: the growth's own handles are whole); otherwise for memory
+ * outside the segments (growable buffers), released at once, a handle at
+ * least. */
 static void release_for(_tide_arena *arena, size_t need, const _tide_growth *growth,
-                        bool may_defer) {
+                        bool for_segment) {
   struct tide_allocator *a = arena->alloc;
   const _tide_growth g = *growth;
   if (arena->nstale) _tide_arena_settle_stale(arena, 0, UINTPTR_MAX, false);
@@ -525,17 +534,17 @@ static void release_for(_tide_arena *arena, size_t need, const _tide_growth *gro
      * idle). */
     arena->keep_spare_pages = true;
     bool marks = idle_marks_usable(arena); /* under capture_detection, a driver query */
-    if (may_defer && marks && arena->pool_id == 0) {
+    if (for_segment && marks && arena->pool_id == 0) {
       /* Pages are taken out of their segment at once but stay mapped at
        * their old address until the stream is past the work queued before
        * their free: growth maps their handles again meanwhile, stream
        * order keeping the old readers first, and nothing waits. */
       arena->defer_unmap = true;
-      release_candidates(arena, candidates, n, need);
+      release_candidates(arena, candidates, n, need, !for_segment);
       arena->defer_unmap = false;
     } else if (settle_stream(arena) == TIDE_OK) {
       stream_settled(arena);
-      release_candidates(arena, candidates, n, need);
+      release_candidates(arena, candidates, n, need, !for_segment);
     }
     arena->keep_spare_pages = false;
     add_idle_mark(arena, marks);
