@@ -1,0 +1,40 @@
+#!/bin/sh
+# stream_ratio.sh: the streaming workload (`tidalloc stream`) on the host
+# backend with the default options, its caches grown by concatenation (cat)
+# and in growable buffers (grow), at 64 and 256 frames: each run must hold
+# at most 1.02 x its peak allocated bytes, the goal for expandable segments.
+# Catches a default that costs one mode memory while the other looks fine
+# (4 MiB handles once left grow mode at 1.19).
+# usage: stream_ratio.sh path/to/tidalloc
+set -u
+
+bin=${1:?usage: stream_ratio.sh path/to/tidalloc}
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT INT TERM
+failures=0
+for mode in cat grow; do
+  if ! env TIDALLOC_CONF=backend:host "$bin" stream --frames 64 256 --mode "$mode" \
+    --csv "$dir/$mode.csv" --driver-csv "$dir/$mode.driver.csv" >"$dir/$mode.out" 2>&1; then
+    echo "FAIL: stream --mode $mode failed: $(tail -3 "$dir/$mode.out")" >&2
+    failures=$((failures + 1))
+    continue
+  fi
+  # Columns: frames,status,backend,seconds,reserved_over_allocated,...
+  rows=$(tail -n +2 "$dir/$mode.driver.csv" | wc -l)
+  if [ "$rows" -ne 2 ]; then
+    echo "FAIL: stream --mode $mode wrote $rows rows, not 2" >&2
+    failures=$((failures + 1))
+    continue
+  fi
+  while IFS=, read -r frames status _ _ ratio _; do
+    if [ "$status" = ok ] && awk -v r="$ratio" 'BEGIN { exit !(r != "" && r + 0 <= 1.02) }'; then
+      echo "PASS: $mode, $frames frames: reserved $ratio x allocated"
+    else
+      echo "FAIL: $mode, $frames frames: status '$status', reserved '$ratio' x allocated" >&2
+      failures=$((failures + 1))
+    fi
+  done <<ROWS
+$(tail -n +2 "$dir/$mode.driver.csv")
+ROWS
+done
+[ "$failures" -eq 0 ] || exit 1
