@@ -243,9 +243,10 @@ typedef struct tide_stats {
   uint64_t num_device_free;      /* backend calls that released it */
   uint64_t oversize_allocations; /* live allocations of at least max_split_size */
   uint64_t memory_limit;         /* bytes reserved memory may reach (0: the device's) */
-  /* Physical handles mapped into expandable segments and unmapped from them:
-   * the driver's work is per mapping (a map and an access change each, or an
-   * unmap), whatever its size; see handle_size_mb. */
+  /* Physical handles mapped into expandable segments and growable buffers
+   * and unmapped from them (a ring's pages count twice: they are mapped at
+   * two addresses): the driver's work is per mapping (a map and an access
+   * change each, or an unmap), whatever its size; see handle_size_mb. */
   uint64_t mappings;
   uint64_t unmappings;
   uint64_t reserved_u64[6]; /* for future use; zero */

@@ -51,6 +51,7 @@ static void count_page(tide_buf *b) {
   _tide_lock_acquire(&arena->lock);
   _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, _TIDE_LARGE, (int64_t)b->page);
   arena->stats.counters[_TIDE_CT_PAGES_MAPPED]++;
+  arena->stats.counters[_TIDE_CT_MAPPINGS] += b->ring ? 2 : 1; /* a ring maps it twice */
   arena->stats.counters[_TIDE_CT_DEVICE_ALLOC]++;
   _tide_lock_release(&arena->lock);
 }
@@ -88,6 +89,7 @@ static void drop_page(tide_buf *b, size_t i) {
   _tide_arena *arena = b->arena;
   _tide_lock_acquire(&arena->lock);
   arena->stats.counters[_TIDE_CT_PAGES_UNMAPPED]++;
+  arena->stats.counters[_TIDE_CT_UNMAPPINGS] += (unsigned)first + (unsigned)(b->ring && second);
   if (released) {
     _tide_budget_give(b->alloc, b->page);
     _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, _TIDE_LARGE, -(int64_t)b->page);

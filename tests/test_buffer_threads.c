@@ -203,6 +203,24 @@ static void test_buffer_growth_releases_larger_handles(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* A buffer's pages are driver mappings like a segment's handles: they count
+ * in the mappings and unmappings figures (a ring's twice). */
+static void test_buffer_pages_count_as_mappings(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create(NULL);
+  tide_stats before = tu_stats(a);
+  tide_buf *b = make(a, 16 * TU_MiB, 0, 0, 0);
+  tu_assert_ok(tide_buf_resize(b, 3 * PAGE, NULL));
+  assert_int_equal(tu_stats(a).mappings - before.mappings, 3);
+  tu_assert_ok(tide_buf_destroy(b));
+  assert_int_equal(tu_stats(a).unmappings - before.unmappings, 3);
+  tide_buf *ring = make(a, 2 * PAGE, 0, 0, 1);
+  assert_int_equal(tu_stats(a).mappings - before.mappings, 3 + 4);
+  tu_assert_ok(tide_buf_destroy(ring));
+  assert_int_equal(tu_stats(a).unmappings - before.unmappings, 3 + 4);
+  tu_assert_ok(tide_destroy(a));
+}
+
 static void test_worker_maps_ahead(void **state) {
   (void)state;
   tide_allocator *a = tu_create(NULL);
@@ -476,6 +494,7 @@ int main(void) {
       cmocka_unit_test(test_map_ahead_avoids_backend_calls),
       cmocka_unit_test(test_map_ahead_is_bytes_not_pages),
       cmocka_unit_test(test_buffer_growth_releases_larger_handles),
+      cmocka_unit_test(test_buffer_pages_count_as_mappings),
       cmocka_unit_test(test_worker_maps_ahead),
       cmocka_unit_test(test_worker_after_pending_release),
       cmocka_unit_test(test_check_while_buffers_change),
