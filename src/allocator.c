@@ -487,15 +487,19 @@ static void out_of_memory(tide_allocator *a, tide_stream stream, size_t size, si
       atomic_load(&a->limit) < a->total_memory ? "raise memory_fraction/memory_limit; " : "");
 }
 
-static void *malloc_retry(tide_allocator *a, _tide_arena *arena, size_t size, size_t rounded,
-                          tide_stream stream) {
-  char cause[512];
-  snprintf(cause, sizeof cause, "%s", tide_last_error());
+void _tide_reclaim_for_retry(tide_allocator *a) {
   atomic_fetch_add(&a->num_alloc_retries, 1);
   atomic_fetch_add(&a->num_sync_all_streams, 1);
   pthread_mutex_lock(&a->reclaim_mutex);
   release_all_cached(a);
   pthread_mutex_unlock(&a->reclaim_mutex);
+}
+
+static void *malloc_retry(tide_allocator *a, _tide_arena *arena, size_t size, size_t rounded,
+                          tide_stream stream) {
+  char cause[512];
+  snprintf(cause, sizeof cause, "%s", tide_last_error());
+  _tide_reclaim_for_retry(a);
   void *ptr = NULL;
   _tide_lock_acquire(&arena->lock);
   int rc = _tide_arena_malloc(arena, size, rounded, &ptr);

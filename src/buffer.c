@@ -189,6 +189,17 @@ static int map_pages(tide_buf *b, size_t first, size_t count) {
   return rc;
 }
 
+/* map_pages, and when memory runs out, once more after the allocator gave
+ * its cached memory back, as tide_malloc does before it fails: free blocks
+ * of the segments must not make a buffer's growth fail. Holding no arena
+ * lock (the buffer's mutex may be held: its order is before them). */
+static int map_pages_or_reclaim(tide_buf *b, size_t first, size_t count) {
+  int rc = map_pages(b, first, count);
+  if (rc != TIDE_ERR_OOM) return rc;
+  _tide_reclaim_for_retry(b->alloc);
+  return map_pages(b, first, count);
+}
+
 /* No shrink waits any more: the worker, which never maps while one does,
  * may have been asked for pages meanwhile. Under the mutex. */
 static void release_done(tide_buf *b) {
@@ -233,7 +244,7 @@ static int ensure_mapped(tide_buf *b, size_t pages) {
   }
   /* Pages waiting for release sit below the ones to map: keep them all. */
   want_mapped(b, b->mapped);
-  int rc = map_pages(b, b->mapped, pages - b->mapped);
+  int rc = map_pages_or_reclaim(b, b->mapped, pages - b->mapped);
   if (!rc) b->keep = b->mapped = pages;
   return rc;
 }
@@ -405,7 +416,15 @@ tide_status tide_buf_create(tide_allocator *a, const tide_buf_options *o, tide_b
   pthread_mutex_lock(&a->bufs_mutex);
   if (b->ring) {
     size_t pages = b->capacity / b->page;
-    if ((rc = map_pages(b, 0, pages))) {
+    if ((rc = map_pages(b, 0, pages)) == TIDE_ERR_OOM) {
+      /* All undone: again once the cache is given back, which waits for
+       * streams (not holding the list's mutex meanwhile). */
+      pthread_mutex_unlock(&a->bufs_mutex);
+      _tide_reclaim_for_retry(a);
+      pthread_mutex_lock(&a->bufs_mutex);
+      rc = map_pages(b, 0, pages);
+    }
+    if (rc) {
       pthread_mutex_unlock(&a->bufs_mutex);
       destroy_parts(b);
       return (tide_status)rc;

@@ -221,6 +221,29 @@ static void test_buffer_pages_count_as_mappings(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* At the memory limit, free blocks cached in the segments are given back
+ * before a buffer's growth (or a ring's creation) fails, as tide_malloc
+ * does; release_slack:1 keeps growth itself from unmapping them. */
+static void test_buffer_at_the_limit_takes_cached_memory(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create("host_capacity:64MiB,release_slack:1");
+  void *p = tide_malloc(a, 48 * TU_MiB, NULL);
+  assert_non_null(p);
+  tu_assert_ok(tide_free(a, p, NULL)); /* 48 MiB cached */
+  tide_buf *b = make(a, 60 * TU_MiB, 0, 0, 0);
+  tu_assert_ok(tide_buf_resize(b, 40 * TU_MiB, NULL));
+  assert_true(tu_stats(a).num_alloc_retries >= 1);
+  tu_assert_ok(tide_buf_destroy(b));
+  p = tide_malloc(a, 48 * TU_MiB, NULL);
+  assert_non_null(p);
+  tu_assert_ok(tide_free(a, p, NULL));
+  tide_buf *ring = make(a, 24 * TU_MiB, 0, 0, 1);
+  assert_non_null(ring);
+  tu_assert_ok(tide_check(a));
+  tu_assert_ok(tide_buf_destroy(ring));
+  tu_assert_ok(tide_destroy(a));
+}
+
 static void test_worker_maps_ahead(void **state) {
   (void)state;
   tide_allocator *a = tu_create(NULL);
@@ -495,6 +518,7 @@ int main(void) {
       cmocka_unit_test(test_map_ahead_is_bytes_not_pages),
       cmocka_unit_test(test_buffer_growth_releases_larger_handles),
       cmocka_unit_test(test_buffer_pages_count_as_mappings),
+      cmocka_unit_test(test_buffer_at_the_limit_takes_cached_memory),
       cmocka_unit_test(test_worker_maps_ahead),
       cmocka_unit_test(test_worker_after_pending_release),
       cmocka_unit_test(test_check_while_buffers_change),
