@@ -171,7 +171,8 @@ TIDE_API tide_status tide_block_info(tide_allocator *alloc, const void *ptr, voi
                                      size_t *size, tide_stream *stream);
 
 /* Return every cached free page and segment to the device. Blocks waiting on
- * other streams are waited for first. */
+ * other streams are waited for first, and so are the streams of growable
+ * buffers' shrinks, whose pages then go too. */
 TIDE_API tide_status tide_empty_cache(tide_allocator *alloc);
 
 /* Limit reserved memory to a fraction (0, 1] of the device's total memory, or

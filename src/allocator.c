@@ -499,6 +499,7 @@ static void *malloc_retry(tide_allocator *a, _tide_arena *arena, size_t size, si
                           tide_stream stream) {
   char cause[512];
   snprintf(cause, sizeof cause, "%s", tide_last_error());
+  _tide_bufs_release_pending(a);
   _tide_reclaim_for_retry(a);
   void *ptr = NULL;
   _tide_lock_acquire(&arena->lock);
@@ -836,6 +837,7 @@ tide_status tide_block_info(tide_allocator *a, const void *ptr, void **base, siz
 tide_status tide_empty_cache(tide_allocator *a) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   _tide_capture_settle(a); /* frees no capture defers now can be given back */
+  _tide_bufs_release_pending(a);
   pthread_mutex_lock(&a->reclaim_mutex);
   int rc = release_all_cached(a);
   pthread_mutex_unlock(&a->reclaim_mutex);

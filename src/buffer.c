@@ -532,6 +532,19 @@ size_t _tide_bufs_list(tide_allocator *a, _tide_buf_info *out, size_t cap) {
   return n;
 }
 
+void _tide_bufs_release_pending(tide_allocator *a) {
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
+  pthread_mutex_lock(&a->bufs_mutex);
+  for (tide_buf *b = a->bufs; b; b = b->next) {
+    pthread_mutex_lock(&b->mutex);
+    settle_release(b, true); /* a stream that cannot be waited for keeps its pages */
+    pthread_mutex_unlock(&b->mutex);
+  }
+  pthread_mutex_unlock(&a->bufs_mutex);
+  _tide_error_restore(&saved);
+}
+
 /* A failure of the worker since the last call, as this call's error. */
 static int worker_failure(tide_buf *b) {
   if (b->worker_failed.status == TIDE_OK) return TIDE_OK;

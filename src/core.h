@@ -694,6 +694,11 @@ typedef struct _tide_buf_figures {
 void _tide_bufs_figures(struct tide_allocator *a, _tide_arena *const *arenas, size_t n,
                         _tide_buf_figures *out);
 void _tide_bufs_figures_end(struct tide_allocator *a);
+/* Give back every buffer's pages let go by shrinks, waiting for their
+ * streams to be past them (tide_empty_cache, and before an allocation
+ * fails); best effort. Call it holding no lock: it takes the list's mutex,
+ * then each buffer's. */
+void _tide_bufs_release_pending(struct tide_allocator *a);
 /* The growable buffers now, for the snapshot: up to `cap` into `out`;
  * returns how many there are. */
 typedef struct _tide_buf_info {

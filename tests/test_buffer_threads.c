@@ -244,6 +244,34 @@ static void test_buffer_at_the_limit_takes_cached_memory(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* Pages a shrink let go wait for its stream; once it is past them,
+ * tide_empty_cache gives them back without another call on the buffer. */
+static void test_empty_cache_takes_pages_a_shrink_let_go(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create(NULL);
+  tide_stream s;
+  tu_assert_ok(tide_stream_create(a, &s));
+  tide_buf_options o;
+  tide_buf_options_init(&o);
+  o.capacity = 64 * TU_MiB;
+  o.stream = s;
+  tide_buf *b = NULL;
+  tu_assert_ok(tide_buf_create(a, &o, &b));
+  tu_assert_ok(tide_buf_resize(b, 32 * TU_MiB, s));
+  tu_assert_ok(tide_host_stream_hold(a, s));
+  tu_assert_ok(tide_buf_resize(b, 0, s)); /* the pages wait for s */
+  assert_int_equal(reserved(a), 32 * TU_MiB);
+  tu_assert_ok(tide_empty_cache(a)); /* s is held: they keep waiting */
+  assert_int_equal(reserved(a), 32 * TU_MiB);
+  tu_assert_ok(tide_host_stream_release(a, s));
+  tu_assert_ok(tide_empty_cache(a));
+  assert_int_equal(reserved(a), 0);
+  assert_int_equal(tide_buf_mapped(b), 0);
+  tu_assert_ok(tide_buf_destroy(b));
+  tu_assert_ok(tide_stream_destroy(a, s));
+  tu_assert_ok(tide_destroy(a));
+}
+
 static void test_worker_maps_ahead(void **state) {
   (void)state;
   tide_allocator *a = tu_create(NULL);
@@ -519,6 +547,7 @@ int main(void) {
       cmocka_unit_test(test_buffer_growth_releases_larger_handles),
       cmocka_unit_test(test_buffer_pages_count_as_mappings),
       cmocka_unit_test(test_buffer_at_the_limit_takes_cached_memory),
+      cmocka_unit_test(test_empty_cache_takes_pages_a_shrink_let_go),
       cmocka_unit_test(test_worker_maps_ahead),
       cmocka_unit_test(test_worker_after_pending_release),
       cmocka_unit_test(test_check_while_buffers_change),
