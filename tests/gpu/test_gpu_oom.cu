@@ -6,6 +6,9 @@
  * all, allocating succeeds again, and after tide_empty_cache the device has
  * its memory back. Run for expandable and fixed segments.
  *
+ * Then, with the device full of cached blocks, a growable buffer grows over
+ * them (each growth at the limit gets the cache back) and keeps its data.
+ *
  * TIDE_GPU_OOM_LIMIT_GIB=N puts the limit at N GiB with tide_set_memory_limit
  * instead (the memcheck run does, so that the sanitizer keeps device memory
  * for itself): then exactly N blocks must fit. */
@@ -18,6 +21,32 @@ static int limit_gib(void) {
   const char *env = getenv("TIDE_GPU_OOM_LIMIT_GIB");
   int n = env ? atoi(env) : 0;
   return n > 0 && n < MAX_BLOCKS ? n : 0;
+}
+
+/* With the device full of cached free blocks, a growable buffer grows a
+ * GiB at a time to `gib` GiB: each growth that finds no memory left must
+ * get the cache back and succeed, and the buffer keeps its data. */
+static void buffer_takes_the_cache(tide_allocator *a, int gib, counter bad, const char *mode) {
+  if (gib < 1) return;
+  tide_buf_options o;
+  tide_buf_options_init(&o);
+  o.capacity = (size_t)gib * GPU_GiB;
+  tide_buf *b = NULL;
+  tide_status st = tide_buf_create(a, &o, &b);
+  check(st == TIDE_OK, "%s: a buffer of %d GiB is created: %s", mode, gib, tide_last_error());
+  if (st != TIDE_OK) return;
+  int grown = 0;
+  while (grown < gib && tide_buf_resize(b, (size_t)(grown + 1) * GPU_GiB, NULL) == TIDE_OK) grown++;
+  check(grown == gib, "%s: the buffer grows to %d GiB over the cached blocks (%d GiB: %s)", mode,
+        gib, grown, grown == gib ? "" : tide_last_error());
+  if (grown) {
+    fill(tide_buf_data(b), (size_t)grown * GPU_GiB, 11, NULL);
+    queue_check(tide_buf_data(b), (size_t)grown * GPU_GiB, 11, bad.dev, NULL);
+    unsigned long long wrong = counter_take(bad);
+    check(wrong == 0, "%s: the buffer holds its data (%llu word(s) wrong)", mode, wrong);
+  }
+  printf("  %s: a buffer grew to %d GiB over the cached blocks\n", mode, grown);
+  TIDE_OK_OR_DIE(tide_buf_destroy(b));
 }
 
 static void one_mode(const char *conf, const char *mode) {
@@ -74,6 +103,7 @@ static void one_mode(const char *conf, const char *mode) {
         "%s: a second run to the limit gets %d GiB (first: %d) and ends in TIDE_ERR_OOM", mode, m,
         n);
   for (int i = 0; i < m; i++) TIDE_OK_OR_DIE(tide_free(a, p[i], NULL));
+  buffer_takes_the_cache(a, m - 1, bad, mode);
   TIDE_OK_OR_DIE(tide_empty_cache(a));
   size_t free1 = 0;
   CUDA_OK(cudaMemGetInfo(&free1, &total));
