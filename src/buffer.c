@@ -189,17 +189,6 @@ static int map_pages(tide_buf *b, size_t first, size_t count) {
   return rc;
 }
 
-/* map_pages, and when memory runs out, once more after the allocator gave
- * its cached memory back, as tide_malloc does before it fails: free blocks
- * of the segments must not make a buffer's growth fail. Holding no arena
- * lock (the buffer's mutex may be held: its order is before them). */
-static int map_pages_or_reclaim(tide_buf *b, size_t first, size_t count) {
-  int rc = map_pages(b, first, count);
-  if (rc != TIDE_ERR_OOM) return rc;
-  _tide_reclaim_for_retry(b->alloc);
-  return map_pages(b, first, count);
-}
-
 /* No shrink waits any more: the worker, which never maps while one does,
  * may have been asked for pages meanwhile. Under the mutex. */
 static void release_done(tide_buf *b) {
@@ -244,9 +233,24 @@ static int ensure_mapped(tide_buf *b, size_t pages) {
   }
   /* Pages waiting for release sit below the ones to map: keep them all. */
   want_mapped(b, b->mapped);
-  int rc = map_pages_or_reclaim(b, b->mapped, pages - b->mapped);
+  int rc = map_pages(b, b->mapped, pages - b->mapped);
   if (!rc) b->keep = b->mapped = pages;
   return rc;
+}
+
+/* ensure_mapped, and when memory runs out, once more after the allocator
+ * gave its cached memory back, as tide_malloc does before it fails: free
+ * blocks of the segments must not make a buffer's growth fail. The mutex is
+ * let go meanwhile: giving the cache back takes the arena table's mutex,
+ * which comes before the buffers' (tide_check holds it while it waits for
+ * them). Under the mutex. */
+static int ensure_mapped_or_reclaim(tide_buf *b, size_t pages) {
+  int rc = ensure_mapped(b, pages);
+  if (rc != TIDE_ERR_OOM) return rc;
+  pthread_mutex_unlock(&b->mutex);
+  _tide_reclaim_for_retry(b->alloc);
+  pthread_mutex_lock(&b->mutex);
+  return ensure_mapped(b, pages);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -266,7 +270,14 @@ static void *worker_main(void *arg) {
     int rc = map_pages(b, first, count);
     pthread_mutex_lock(&b->mutex);
     b->busy = 0;
-    if (rc) {
+    if (rc == TIDE_ERR_OOM) {
+      /* Mapping ahead is a bet, not a request: out of memory, it stops, and
+       * the growth that needs those pages maps them itself, giving the cache
+       * back first if it must (which the worker cannot: tide_check waits for
+       * it holding the arena table). */
+      if (b->want > b->mapped) b->want = b->mapped;
+      tide_clear_error();
+    } else if (rc) {
       _tide_error_save(&b->worker_failed);
     } else {
       /* A shrink meanwhile lowered keep: the new pages then wait with the rest. */
@@ -446,7 +457,9 @@ static void stop_worker(tide_buf *b) {
   pthread_cond_broadcast(&b->changed);
   pthread_mutex_unlock(&b->mutex);
   pthread_join(b->worker, NULL);
+  pthread_mutex_lock(&b->mutex); /* tide_check reads it under the mutex */
   b->async = false;
+  pthread_mutex_unlock(&b->mutex);
 }
 
 /* Everything back, and off the allocator's list if `listed`. */
@@ -569,7 +582,7 @@ tide_status tide_buf_resize(tide_buf *b, size_t length, tide_stream stream) {
   int rc = worker_failure(b);
   size_t pages = pages_for(length, b->page);
   if (!rc && length > b->length) {
-    rc = ensure_mapped(b, pages);
+    rc = ensure_mapped_or_reclaim(b, pages);
     if (!rc) map_ahead(b, length);
   } else if (!rc && length < b->length) {
     rc = settle_release(b, false);
@@ -614,7 +627,7 @@ tide_status tide_buf_reserve_ahead(tide_buf *b, size_t length) {
                                         length, b->capacity);
   pthread_mutex_lock(&b->mutex);
   int rc = worker_failure(b);
-  if (!rc) rc = ensure_mapped(b, pages_for(length, b->page));
+  if (!rc) rc = ensure_mapped_or_reclaim(b, pages_for(length, b->page));
   pthread_mutex_unlock(&b->mutex);
   return (tide_status)rc;
 }

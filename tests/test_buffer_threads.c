@@ -241,6 +241,21 @@ static void test_buffer_at_the_limit_takes_cached_memory(void **state) {
   assert_non_null(ring);
   tu_assert_ok(tide_check(a));
   tu_assert_ok(tide_buf_destroy(ring));
+  /* The worker mapping ahead into a full device stops without failing the
+   * next resize; the growth that needs the pages gets the cache back. */
+  b = make(a, 60 * TU_MiB, 8 * TU_MiB, 1, 0);
+  tu_assert_ok(tide_buf_resize(b, 40 * TU_MiB, NULL));
+  tu_assert_ok(tide_check(a)); /* the worker is idle: 48 MiB mapped */
+  p = tide_malloc(a, 16 * TU_MiB, NULL);
+  assert_non_null(p);
+  tu_assert_ok(tide_free(a, p, NULL));                 /* 64 MiB reserved: the limit */
+  tu_assert_ok(tide_buf_resize(b, 42 * TU_MiB, NULL)); /* the worker wants 50 MiB */
+  tu_assert_ok(tide_check(a));
+  tu_assert_ok(tide_buf_resize(b, 44 * TU_MiB, NULL));
+  tu_assert_ok(tide_buf_resize(b, 50 * TU_MiB, NULL)); /* past the mapped pages */
+  tu_assert_ok(tide_check(a));
+  assert_true(tide_buf_mapped(b) >= 50 * TU_MiB);
+  tu_assert_ok(tide_buf_destroy(b));
   tu_assert_ok(tide_destroy(a));
 }
 
@@ -407,6 +422,50 @@ static void test_check_while_buffers_change(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* One thread grows and shrinks a buffer at the memory limit, with a block
+ * cached each round so that growth must give the cache back, while another
+ * runs tide_check: the giving back must not deadlock with the check (which
+ * holds the arena table and waits for buffers), and every call succeeds. */
+static void *limit_churn_main(void *arg) {
+  churn *c = arg;
+  tide_buf *b = NULL;
+  tide_buf_options o;
+  tide_buf_options_init(&o);
+  o.capacity = 48 * TU_MiB;
+  o.map_ahead = 8 * TU_MiB;
+  o.async_map_ahead = 1;
+  if (!churn_ok(c, tide_buf_create(c->a, &o, &b))) return NULL;
+  for (int round = 0; round < 200 && c->failed == TIDE_OK; round++) {
+    void *p = tide_malloc(c->a, 16 * TU_MiB, NULL);
+    if (!p) {
+      churn_ok(c, tide_last_status());
+      break;
+    }
+    churn_ok(c, tide_free(c->a, p, NULL));
+    churn_ok(c, tide_buf_resize(b, (size_t)(round % 5 + 1) * 8 * TU_MiB, NULL));
+    churn_ok(c, tide_buf_resize(b, 0, NULL));
+  }
+  churn_ok(c, tide_buf_destroy(b));
+  atomic_store(&c->stop, true);
+  return NULL;
+}
+
+static void test_check_while_buffers_reclaim(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create("host_capacity:64MiB,release_slack:1");
+  churn c = {.a = a, .rng = 3};
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, limit_churn_main, &c), 0);
+  tide_status checked = TIDE_OK;
+  char why[512] = "";
+  while (!atomic_load(&c.stop) && checked == TIDE_OK)
+    if ((checked = tide_check(a)) != TIDE_OK) snprintf(why, sizeof why, "%s", tide_last_error());
+  assert_int_equal(pthread_join(t, NULL), 0);
+  if (checked != TIDE_OK) fail_msg("%s", why);
+  if (c.failed != TIDE_OK) fail_msg("a call failed: %s", c.why);
+  tu_assert_ok(tide_destroy(a));
+}
+
 static void test_ring_maps_pages_twice(void **state) {
   (void)state;
   tide_allocator *a = tu_create(NULL);
@@ -551,6 +610,7 @@ int main(void) {
       cmocka_unit_test(test_worker_maps_ahead),
       cmocka_unit_test(test_worker_after_pending_release),
       cmocka_unit_test(test_check_while_buffers_change),
+      cmocka_unit_test(test_check_while_buffers_reclaim),
       cmocka_unit_test(test_ring_maps_pages_twice),
       cmocka_unit_test(test_limit_and_capacity),
       cmocka_unit_test(test_bad_input),
