@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # run_stream.sh: the main benchmark. Runs the streaming-inference workload of
-# `tidalloc stream` twice, with fixed and with expandable segments, on an
+# `tidalloc stream` three times, with fixed and with expandable segments (the
+# KV caches grown by concatenation, as the model does), and with expandable
+# segments and the caches in growable buffers (--mode grow), on an
 # emulated device the size of an H200 unless told otherwise, merges both CSV
 # files into out/stream.csv and prints how much memory each mode reserved for
 # what it allocated.
@@ -27,22 +29,25 @@ mkdir -p "$out"
 
 # One sweep per mode; the mode's name goes into the CSV's backend column.
 run_mode() {
-  local mode=$1 expandable=$2
+  local mode=$1 expandable=$2 caches=${3:-cat}
   local csv=$out/stream_$mode.csv
   rm -f "$csv"
-  printf '\n== tidalloc-%s: expandable_segments:%s, frames %s\n' "$mode" "$expandable" "$frames"
+  printf '\n== tidalloc-%s: expandable_segments:%s, caches by %s, frames %s\n' "$mode" \
+    "$expandable" "$caches" "$frames"
   # shellcheck disable=SC2086 # one argument per frame count
-  "$tidalloc" stream --frames $frames --conf "expandable_segments:$expandable,$conf" \
-    --label "tidalloc-$mode" --csv "$csv" ||
+  "$tidalloc" stream --frames $frames --mode "$caches" \
+    --conf "expandable_segments:$expandable,$conf" --label "tidalloc-$mode" --csv "$csv" ||
     die "tidalloc stream failed for $mode segments (exit $?)"
   [[ -s $csv ]] || die "tidalloc stream wrote no $csv"
 }
 
 run_mode fixed False
 run_mode expandable True
+run_mode expandable-grow True grow
 
-python3 - "$out/stream_fixed.csv" "$out/stream_expandable.csv" "$out/stream.csv" <<'PY'
-"""Merge the two sweeps (same columns) into one CSV and print the comparison."""
+python3 - "$out/stream_fixed.csv" "$out/stream_expandable.csv" "$out/stream_expandable-grow.csv" \
+  "$out/stream.csv" <<'PY'
+"""Merge the sweeps (same columns) into one CSV and print the comparison."""
 import csv
 import sys
 
@@ -75,14 +80,14 @@ def number(text):
     except ValueError:
         return None
 
-rows.sort(key=lambda r: int(r["frames"]))  # stable: fixed before expandable
-print(f"\n{'frames':>7}  {'mode':<20} {'status':<6} {'peak alloc GiB':>14} "
+rows.sort(key=lambda r: int(r["frames"]))  # stable: the modes in the order run
+print(f"\n{'frames':>7}  {'mode':<24} {'status':<6} {'peak alloc GiB':>14} "
       f"{'peak reserved GiB':>17} {'reserved/allocated':>18}")
 for r in rows:
     alloc, reserved = number(r["peak_allocated_gib"]), number(r["peak_reserved_gib"])
     ratio = f"{reserved / alloc:.3f}" if alloc and reserved is not None else "-"
     show = lambda v: f"{v:.2f}" if v is not None else "-"
-    print(f"{r['frames']:>7}  {r['backend']:<20} {r['status']:<6} {show(alloc):>14} "
+    print(f"{r['frames']:>7}  {r['backend']:<24} {r['status']:<6} {show(alloc):>14} "
           f"{show(reserved):>17} {ratio:>18}")
 print(f"\nwrote {merged_path} ({len(rows)} rows)")
 PY
