@@ -352,8 +352,11 @@ TIDE_API tide_status tide_buf_create(tide_allocator *alloc, const tide_buf_optio
  * buffer is kept as it was. Work queued that still reads the buffer must be
  * done first, as with any free. */
 TIDE_API tide_status tide_buf_destroy(tide_buf *buf);
-/* Set the length. Growing maps the pages missing (TIDE_ERR_OOM past the
- * device or memory limit, with a message; the length then stays as it was);
+/* Set the length. Growing maps the pages missing, giving the allocator's
+ * cached memory back first if memory runs out (TIDE_ERR_OOM past the device
+ * or memory limit even then, with a message; the length then stays as it
+ * was); a failure of the worker mapping ahead, other than running out of
+ * memory, is the next call's error;
  * shrinking lets pages go once the work queued on `stream` is done. Data
  * below min(old, new) length is kept. TIDE_ERR_INVALID beyond the capacity
  * or for a ring. */
