@@ -5,6 +5,7 @@ import ctypes
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -102,6 +103,21 @@ def test_growable_buffer_keeps_address_and_data():
     assert b.mapped == 2 * MiB
     b.close()
     assert tidalloc.memory_stats(0)["allocated_bytes.all.current"] == before - 3 * MiB
+
+
+def test_growable_buffer_maps_ahead_by_bytes():
+    """map_ahead is bytes: the next page is mapped once the length comes within
+    that much of it, by the buffer's worker thread."""
+    b = tidalloc.Buffer(64 * MiB, map_ahead=256 * 1024)
+    b.resize(1 * MiB)
+    b.resize(MiB + MiB // 2)  # + 256 KiB still fits the first page
+    assert b.mapped == 2 * MiB
+    b.resize(2 * MiB - 128 * 1024)  # + 256 KiB passes it: the worker maps the next
+    deadline = time.monotonic() + 5
+    while b.mapped < 4 * MiB and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert b.mapped == 4 * MiB
+    b.close()
 
 
 def test_memory_viz_snapshot_has_pytorchs_shape(tmp_path):
