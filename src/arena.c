@@ -480,6 +480,23 @@ static size_t release_candidates(_tide_arena *arena, _tide_block **candidates, s
   return released;
 }
 
+/* Release at once (unmapping now) up to `need` bytes of the candidates,
+ * oldest first. The oldest may be idle already, freed before an idle mark
+ * that the stream has passed: those go without waiting; the stream is
+ * synchronized only if they are not enough (after which every free block is
+ * idle). A growable buffer's worker makes room this way while the program
+ * keeps launching work: a synchronization would stall it for the queue. */
+static void release_now(_tide_arena *arena, _tide_block **candidates, size_t n, size_t need,
+                        bool for_segment, bool marks) {
+  size_t idle = 0, released = 0;
+  if (marks) poll_idle_marks(arena);
+  while (idle < n && candidates[idle]->stamp < arena->idle_before) idle++;
+  if (idle) released = release_candidates(arena, candidates, idle, need, !for_segment);
+  if (released >= need || idle == n || settle_stream(arena) != TIDE_OK) return;
+  stream_settled(arena);
+  release_candidates(arena, candidates + idle, n - idle, need - released, !for_segment);
+}
+
 /* Whether growth `g` extends free block b: the pages it maps join b, on the
  * side of the unmapped block where they start or end. A free block at the
  * other end of a large hole is not extended and may be released. */
@@ -542,9 +559,8 @@ static void release_for(_tide_arena *arena, size_t need, const _tide_growth *gro
       arena->defer_unmap = true;
       release_candidates(arena, candidates, n, need, !for_segment);
       arena->defer_unmap = false;
-    } else if (settle_stream(arena) == TIDE_OK) {
-      stream_settled(arena);
-      release_candidates(arena, candidates, n, need, !for_segment);
+    } else {
+      release_now(arena, candidates, n, need, for_segment, marks);
     }
     arena->keep_spare_pages = false;
     add_idle_mark(arena, marks);

@@ -203,6 +203,42 @@ static void test_buffer_growth_releases_larger_handles(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* A buffer's growth makes room from free blocks the stream is known to be
+ * past (freed before a completed idle mark) without waiting for the stream:
+ * here the stream is held, so a synchronization could never end, and the
+ * room still comes from the cache instead of piling pages on top of it. */
+static void test_buffer_room_from_idle_blocks_does_not_wait(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create("handle_size_mb:2,release_slack:0");
+  tide_stream s;
+  tu_assert_ok(tide_stream_create(a, &s));
+  void *p = tide_malloc(a, 8 * TU_MiB, s);
+  assert_non_null(p);
+  tu_assert_ok(tide_free(a, p, s)); /* 8 MiB cached, the reserved peak */
+  tide_buf_options o;
+  tide_buf_options_init(&o);
+  o.capacity = 8 * TU_MiB;
+  o.stream = s;
+  tide_buf *b = NULL;
+  tu_assert_ok(tide_buf_create(a, &o, &b));
+  /* The first page's room waits for the stream once; everything freed
+   * before is idle from then on. */
+  tu_assert_ok(tide_buf_resize(b, PAGE, s));
+  assert_int_equal(reserved(a), 8 * TU_MiB);
+  uint64_t waits = tide_host_call_count(a, TIDE_OP_STREAM_SYNCHRONIZE);
+  uint64_t unmapped = tu_stats(a).pages_unmapped;
+  tu_assert_ok(tide_host_stream_hold(a, s));
+  tu_assert_ok(tide_buf_resize(b, 3 * PAGE, s));
+  assert_int_equal(reserved(a), 8 * TU_MiB);
+  assert_int_equal(tu_stats(a).pages_unmapped - unmapped, 2);
+  assert_int_equal(tide_host_call_count(a, TIDE_OP_STREAM_SYNCHRONIZE), waits);
+  tu_assert_ok(tide_check(a));
+  tu_assert_ok(tide_host_stream_release(a, s));
+  tu_assert_ok(tide_buf_destroy(b));
+  tu_assert_ok(tide_stream_destroy(a, s));
+  tu_assert_ok(tide_destroy(a));
+}
+
 /* A buffer's pages are driver mappings like a segment's handles: they count
  * in the mappings and unmappings figures (a ring's twice). */
 static void test_buffer_pages_count_as_mappings(void **state) {
@@ -604,6 +640,7 @@ int main(void) {
       cmocka_unit_test(test_map_ahead_avoids_backend_calls),
       cmocka_unit_test(test_map_ahead_is_bytes_not_pages),
       cmocka_unit_test(test_buffer_growth_releases_larger_handles),
+      cmocka_unit_test(test_buffer_room_from_idle_blocks_does_not_wait),
       cmocka_unit_test(test_buffer_pages_count_as_mappings),
       cmocka_unit_test(test_buffer_at_the_limit_takes_cached_memory),
       cmocka_unit_test(test_empty_cache_takes_pages_a_shrink_let_go),
