@@ -28,6 +28,18 @@ static tide_buf *make(tide_allocator *a, size_t capacity, size_t ahead, int asyn
   return b;
 }
 
+/* A linear buffer whose figures join stream `s`'s arena. */
+static tide_buf *make_on(tide_allocator *a, size_t capacity, tide_stream s) {
+  tide_buf_options o;
+  tide_buf_options_init(&o);
+  o.capacity = capacity;
+  o.stream = s;
+  tide_buf *b = NULL;
+  tu_assert_ok(tide_buf_create(a, &o, &b));
+  assert_non_null(b);
+  return b;
+}
+
 /* One byte per 4 KiB, at offsets that are multiples of 4 KiB. */
 static size_t first_mark(size_t from) { return (from + 4095) / 4096 * 4096; }
 
@@ -215,12 +227,7 @@ static void test_buffer_room_from_idle_blocks_does_not_wait(void **state) {
   void *p = tide_malloc(a, 8 * TU_MiB, s);
   assert_non_null(p);
   tu_assert_ok(tide_free(a, p, s)); /* 8 MiB cached, the reserved peak */
-  tide_buf_options o;
-  tide_buf_options_init(&o);
-  o.capacity = 8 * TU_MiB;
-  o.stream = s;
-  tide_buf *b = NULL;
-  tu_assert_ok(tide_buf_create(a, &o, &b));
+  tide_buf *b = make_on(a, 8 * TU_MiB, s);
   /* The first page's room waits for the stream once; everything freed
    * before is idle from then on. */
   tu_assert_ok(tide_buf_resize(b, PAGE, s));
@@ -302,12 +309,7 @@ static void test_empty_cache_takes_pages_a_shrink_let_go(void **state) {
   tide_allocator *a = tu_create(NULL);
   tide_stream s;
   tu_assert_ok(tide_stream_create(a, &s));
-  tide_buf_options o;
-  tide_buf_options_init(&o);
-  o.capacity = 64 * TU_MiB;
-  o.stream = s;
-  tide_buf *b = NULL;
-  tu_assert_ok(tide_buf_create(a, &o, &b));
+  tide_buf *b = make_on(a, 64 * TU_MiB, s);
   tu_assert_ok(tide_buf_resize(b, 32 * TU_MiB, s));
   tu_assert_ok(tide_host_stream_hold(a, s));
   tu_assert_ok(tide_buf_resize(b, 0, s)); /* the pages wait for s */
