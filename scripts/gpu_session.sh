@@ -213,11 +213,17 @@ if [[ ${GPU_BENCH:-1} == 1 && -x build/tidalloc ]]; then
   for mode in True False; do
     step "stream expandable=$mode" "$bench_log" 150 \
       build/tidalloc stream --frames ${STREAM_FRAMES:-64 128 256 512 1024} \
-      --conf backend:cuda,expandable_segments:$mode --csv "build/stream_$mode.csv"
+      --conf backend:cuda,expandable_segments:$mode --csv "build/stream_$mode.csv" \
+      --driver-csv "build/stream_driver_$mode.csv"
   done
   step "stream grow" "$bench_log" 150 \
     build/tidalloc stream --frames ${STREAM_FRAMES:-64 128 256 512 1024} --mode grow \
-    --conf backend:cuda --csv "build/stream_grow.csv"
+    --conf backend:cuda --csv "build/stream_grow.csv" --driver-csv "build/stream_driver_grow.csv"
+  # The sweeps' driver work and ratio throughout the run (max_running_ratio)
+  # go to bench.log: stream.csv keeps the benchmark's columns.
+  { echo "stream driver csv:"; head -1 build/stream_driver_True.csv 2>/dev/null
+    tail -q -n +2 build/stream_driver_True.csv build/stream_driver_False.csv \
+      build/stream_driver_grow.csv 2>/dev/null; echo "end of stream driver csv"; } >>"$bench_log"
   # A/B in the same session: OLD_TREE, a source tarball of an earlier
   # commit (git archive), built and run through the same expandable sweep.
   if [[ -n ${OLD_TREE:-} && -f ${OLD_TREE:-} ]]; then
