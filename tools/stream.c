@@ -32,7 +32,7 @@ static const int default_sweep[] = {64, 128, 256, 512, 1024, 2048, 4096, 10000};
  * columns (above, kept as they are) do not carry. */
 #define DRIVER_CSV_HEADER                                                                          \
   "frames,status,backend,seconds,reserved_over_allocated,pages_mapped,pages_unmapped,mappings,"    \
-  "unmappings,max_running_ratio,max_running_ratio_frame"
+  "unmappings,max_running_ratio,max_running_ratio_frame,median_frame_ms,p90_frame_ms,max_frame_ms"
 
 typedef struct stream_args {
   int frames[MAX_SWEEP];
@@ -42,7 +42,8 @@ typedef struct stream_args {
   const char *driver_csv_path;
   const char *label;
   bool stop_on_oom;
-  bool grow; /* --mode grow: the caches in growable buffers */
+  bool grow;        /* --mode grow: the caches in growable buffers */
+  bool sync_frames; /* --sync-frames: each frame ends when the device is done */
 } stream_args;
 
 /* One line of the results. */
@@ -60,6 +61,10 @@ typedef struct stream_row {
    * throughout the run, which the final one alone does not show. */
   double max_running_ratio;
   int max_running_ratio_frame;
+  /* The single-frame steps' wall times (not the scale frames' batch): the
+   * cost of a frame once the run streams, which the total, with its set-up,
+   * hides. Milliseconds; 0 when no single frame ran. */
+  double median_frame_ms, p90_frame_ms, max_frame_ms;
   char error[ERROR_LEN]; /* why it ran out of memory; "" when ok */
 } stream_row;
 
@@ -83,6 +88,12 @@ typedef struct tide_target {
   /* The run's ratio throughout (stream_row's max_running_ratio). */
   double max_running_ratio;
   int max_running_ratio_frame;
+  /* Frame times: when the last step ended, and each single frame's. */
+  bool sync_frames;
+  uint64_t step_end_ns;
+  int frames_seen;
+  double *frame_ms;
+  int frame_count;
 } tide_target;
 
 /* The first failure of a kind, with its message: later ones would only
@@ -170,10 +181,25 @@ static void track_running_ratio(tide_target *t, int frames_done) {
   }
 }
 
+/* A step's wall time, kept when the step was one frame. With sync_frames a
+ * step ends when the device has done its copies, else when the calling
+ * thread has issued them. */
+static void track_frame_time(tide_target *t, int frames_done) {
+  if (t->sync_frames && t->copies && tide_stream_synchronize(t->alloc, NULL) != TIDE_OK)
+    keep_first_failure(&t->copy_status, t->copy_error);
+  uint64_t now = cli_now_ns();
+  if (frames_done - t->frames_seen == 1 && t->frame_ms != NULL)
+    t->frame_ms[t->frame_count++] = (double)(now - t->step_end_ns) / 1e6;
+  t->frames_seen = frames_done;
+  t->step_end_ns = now;
+}
+
 static void target_progress(void *ctx, int frames_done, int frames_total) {
   (void)frames_total;
   tide_target *t = ctx;
+  track_frame_time(t, frames_done);
   track_running_ratio(t, frames_done);
+  t->step_end_ns = cli_now_ns(); /* the statistics read is not the next frame's */
   t->shown = (double)(t->frames_before + (uint64_t)frames_done) / (double)t->frames_total;
   cli_progress("stream", t->shown);
 }
@@ -200,6 +226,22 @@ static bool backend_name(const tide_config *config, const char *label, bool grow
   snprintf(buf, len, "%s%s", expandable ? "tidalloc-expandable" : "tidalloc-fixed",
            grow ? "-grow" : "");
   return true;
+}
+
+static int compare_doubles(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* The median, 90th percentile and largest of the frame times (sorts them). */
+static void summarise_frames(tide_target *t, stream_row *row) {
+  int n = t->frame_count;
+  if (n == 0) return;
+  qsort(t->frame_ms, (size_t)n, sizeof *t->frame_ms, compare_doubles);
+  row->median_frame_ms =
+      n % 2 ? t->frame_ms[n / 2] : (t->frame_ms[n / 2 - 1] + t->frame_ms[n / 2]) / 2;
+  row->p90_frame_ms = t->frame_ms[(int)((double)(n - 1) * 0.9)];
+  row->max_frame_ms = t->frame_ms[n - 1];
 }
 
 /* Copies run on a real device only (see target_copy). */
@@ -237,6 +279,10 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
   target->alloc_error[0] = target->free_error[0] = '\0';
   target->max_running_ratio = 0;
   target->max_running_ratio_frame = 0;
+  target->sync_frames = args->sync_frames;
+  target->frames_seen = 0;
+  target->frame_count = 0;
+  target->frame_ms = malloc((size_t)frames * sizeof *target->frame_ms);
   stream_model_ops ops = {
       target,          target_alloc,      target_free,       target_copy,
       target_progress, target_buf_create, target_buf_resize, target_buf_destroy};
@@ -245,6 +291,7 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
   params.grow = args->grow;
   stream_model_result result;
   uint64_t start = cli_now_ns();
+  target->step_end_ns = start;
   stream_model_status status = stream_model_run(&params, &ops, &result);
   /* Copies are asynchronous: the time counts until the device is done. */
   if (target->copies && tide_stream_synchronize(alloc, NULL) != TIDE_OK)
@@ -263,6 +310,9 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
   row->unmappings = ok ? stats.unmappings : 0;
   row->max_running_ratio = target->max_running_ratio;
   row->max_running_ratio_frame = target->max_running_ratio_frame;
+  summarise_frames(target, row);
+  free(target->frame_ms);
+  target->frame_ms = NULL;
   if (tide_destroy(alloc) != TIDE_OK) {
     cli_report_tide_error("stream: destroying the allocator");
     ok = false;
@@ -336,10 +386,10 @@ static void write_driver_row(FILE *f, const stream_row *r) {
   double ratio = reserved_ratio(r);
   fprintf(f, "%d,%s,", r->frames, r->oom ? "oom" : "ok");
   write_field(f, r->backend);
-  fprintf(f, ",%.3f,%.4f,%llu,%llu,%llu,%llu,%.4f,%d\n", r->seconds, ratio,
+  fprintf(f, ",%.3f,%.4f,%llu,%llu,%llu,%llu,%.4f,%d,%.3f,%.3f,%.3f\n", r->seconds, ratio,
           (unsigned long long)r->pages_mapped, (unsigned long long)r->pages_unmapped,
           (unsigned long long)r->mappings, (unsigned long long)r->unmappings, r->max_running_ratio,
-          r->max_running_ratio_frame);
+          r->max_running_ratio_frame, r->median_frame_ms, r->p90_frame_ms, r->max_frame_ms);
 }
 
 /* Write `header` and every row so far (through `write`) to a file beside
@@ -394,7 +444,7 @@ static void print_table(const stream_row *rows, int count) {
 static void print_help(void) {
   printf("usage: tidalloc stream [--frames N...] [--mode cat|grow] [--conf STR]\n"
          "                       [--stop-on-oom] [--csv FILE] [--driver-csv FILE]\n"
-         "                       [--label NAME]\n"
+         "                       [--label NAME] [--sync-frames]\n"
          "\n"
          "Run a synthetic streaming-inference workload with the allocation pattern of\n"
          "LingBot-Map (518x378 frames, a ViT-L/14 encoder, 24 global layers whose K/V\n"
@@ -419,7 +469,10 @@ static void print_help(void) {
          "                  unmapped, which growth's time follows on a GPU) to FILE:\n"
          "                  %s\n"
          "  --label NAME    the backend column (default: tidalloc-expandable or\n"
-         "                  tidalloc-fixed, from expandable_segments)\n",
+         "                  tidalloc-fixed, from expandable_segments)\n"
+         "  --sync-frames   end each frame when the device is done with it, so that the\n"
+         "                  driver CSV's frame times (one-frame steps: median, 90th\n"
+         "                  percentile, max) are the device's, not the issuing thread's\n",
          CSV_HEADER, DRIVER_CSV_HEADER);
 }
 
@@ -479,6 +532,8 @@ static int parse_args(int argc, char **argv, stream_args *args) {
       args->label = value;
     } else if (strcmp(argv[i], "--stop-on-oom") == 0) {
       args->stop_on_oom = true;
+    } else if (strcmp(argv[i], "--sync-frames") == 0) {
+      args->sync_frames = true;
     } else {
       cli_error("stream: unknown argument '%s' (try `tidalloc stream --help`)", argv[i]);
       return CLI_EXIT_USAGE;
