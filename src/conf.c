@@ -510,6 +510,21 @@ static void format_release_slack(const _tide_conf_values *v, char *buf, size_t l
     format_decimal(v->release_slack, buf, len);
 }
 
+static bool parse_release_limit(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  double value;
+  if (!parse_decimal(s, &value, why, why_len)) return false;
+  if (value > 1.0) return set_why(why, why_len, "above 1"), false;
+  v->release_limit = value;
+  return true;
+}
+
+static void format_release_limit(const _tide_conf_values *v, char *buf, size_t len) {
+  if (v->release_limit == 0.0)
+    snprintf(buf, len, "0");
+  else
+    format_decimal(v->release_limit, buf, len);
+}
+
 #define TRACE_MAX ((uint64_t)1 << 24)
 
 static bool parse_trace(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
@@ -639,6 +654,12 @@ static const option options[] = {
      "reserved memory stays within this fraction above the allocated peak; larger trades "
      "memory for fewer page operations",
      "a fraction from 0 to 1, such as 0.015", parse_release_slack, format_release_slack},
+    {"release_limit", "0.0175",
+     "with release_holes, when growth would take reserved memory past this fraction above the "
+     "allocated peak, the free pages unmapped to make room come in whole physical handles, "
+     "even where that is more than the growth needs, so that handles larger than a page do "
+     "not let reserved memory creep upward",
+     "a fraction from 0 to 1, such as 0.0175", parse_release_limit, format_release_limit},
     {"peer_access", "True",
      "CUDA: every other GPU that can access this one's memory (cuDeviceCanAccessPeer) may read "
      "and write the allocator's blocks, so kernels on several GPUs can share them; the host "

@@ -61,6 +61,7 @@ static const char *const all_keys[] = {
     "memory_limit",
     "release_holes",
     "release_slack",
+    "release_limit",
     "peer_access",
     "capture_detection",
     "trace",
@@ -100,6 +101,7 @@ static void test_defaults(void **state) {
   assert_string_equal(get(config, "host_granularity"), "2MiB");
   assert_string_equal(get(config, "release_holes"), "True");
   assert_string_equal(get(config, "release_slack"), "0.015");
+  assert_string_equal(get(config, "release_limit"), "0.0175");
   tide_config_free(config);
 }
 
@@ -201,6 +203,8 @@ static void test_good_values(void **state) {
       {"release_slack", "0", "0"},
       {"release_slack", "0.015", "0.015"},
       {"release_slack", "1", "1.0"},
+      {"release_limit", "0", "0"},
+      {"release_limit", "0.02", "0.02"},
       {"trace", "0", "0"},
       {"trace", "16777216", "16777216"},
       {"host_capacity", "4KiB", "4KiB"},
@@ -233,15 +237,16 @@ static void test_good_values(void **state) {
 static void test_values_reach_the_struct(void **state) {
   (void)state;
   tide_config *config = new_config();
-  assert_int_equal(tide_config_parse(config,
-                                     "backend:host,expandable_segments:False,page_size_mb:20,"
-                                     "handle_size_mb:40,handle_threshold_mb:64,"
-                                     "max_split_size_mb:200,garbage_collection_threshold:0.75,"
-                                     "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
-                                     "release_slack:0.05,peer_access:False,capture_detection:True,"
-                                     "trace:100,host_capacity:8GiB,host_granularity:64KiB,"
-                                     "host_devices:4,roundup_power2_divisions:8"),
-                   TIDE_OK);
+  assert_int_equal(
+      tide_config_parse(
+          config, "backend:host,expandable_segments:False,page_size_mb:20,"
+                  "handle_size_mb:40,handle_threshold_mb:64,"
+                  "max_split_size_mb:200,garbage_collection_threshold:0.75,"
+                  "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
+                  "release_slack:0.05,release_limit:0.25,peer_access:False,capture_detection:True,"
+                  "trace:100,host_capacity:8GiB,host_granularity:64KiB,"
+                  "host_devices:4,roundup_power2_divisions:8"),
+      TIDE_OK);
   const _tide_conf_values *v = _tide_config_values(config);
   assert_int_equal(v->backend, TIDE_BACKEND_HOST);
   assert_false(v->expandable_segments);
@@ -254,6 +259,7 @@ static void test_values_reach_the_struct(void **state) {
   assert_int_equal(v->memory_limit, 3 * TIDE_GiB);
   assert_false(v->release_holes);
   assert_true(v->release_slack == 0.05);
+  assert_true(v->release_limit == 0.25);
   assert_false(v->peer_access);
   assert_true(v->capture_detection);
   assert_int_equal(v->trace_capacity, 100);
@@ -327,6 +333,8 @@ static void test_bad_values(void **state) {
       {"release_holes", "maybe"},
       {"release_slack", "1.5"},
       {"release_slack", "-0.01"},
+      {"release_limit", "2"},
+      {"release_limit", "-1"},
       {"trace", "16777217"},
       {"trace", "-1"},
       {"trace", "1k"},

@@ -12,6 +12,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -255,6 +256,48 @@ static void test_large_handles_after_unmapped_pages(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* Growth that passes release_limit makes its room in whole handles: a
+ * small pool's page (2 MiB) asks for less than the large pool's 4 MiB
+ * handles hold, which below the limit releases nothing and raises reserved
+ * memory (and with it, for good, the ceiling: its own peak). */
+static tide_stats small_growth_beside_a_free_handle(const char *limit) {
+  char conf[160];
+  snprintf(conf, sizeof conf,
+           "host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0,release_slack:0,"
+           "release_limit:%s",
+           limit);
+  tide_allocator *a = tu_create(conf);
+  void *first = tide_malloc(a, 16 * TU_MiB, NULL), *second = tide_malloc(a, 16 * TU_MiB, NULL);
+  assert_non_null(first);
+  assert_non_null(second);
+  assert_int_equal(tu_stats(a).reserved_bytes[TIDE_POOL_ALL].current, 32 * TU_MiB);
+  tu_assert_ok(tide_free(a, first, NULL));
+  void *small = tide_malloc(a, 512 * 1024, NULL); /* the small pool's first page */
+  assert_non_null(small);
+  tu_assert_ok(tide_check(a));
+  tide_stats st = tu_stats(a);
+  tu_assert_ok(tide_free(a, small, NULL));
+  tu_assert_ok(tide_free(a, second, NULL));
+  tu_assert_ok(tide_empty_cache(a));
+  assert_int_equal(tide_host_bytes_in_use(a), 0);
+  tu_assert_ok(tide_destroy(a));
+  return st;
+}
+
+static void test_release_limit_releases_whole_handles(void **state) {
+  (void)state;
+  /* Past the limit (0: the allocated peak itself), one 4 MiB handle of the
+   * free block goes for the 2 MiB page: reserved stays at its peak. */
+  tide_stats st = small_growth_beside_a_free_handle("0");
+  assert_int_equal(st.unmappings, 1);
+  assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].current, 30 * TU_MiB);
+  assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].peak, 32 * TU_MiB);
+  /* Without it (1: never past), nothing is released and the page adds. */
+  st = small_growth_beside_a_free_handle("1");
+  assert_int_equal(st.unmappings, 0);
+  assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].peak, 34 * TU_MiB);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_prestate(test_no_synchronization, CONF),
@@ -265,6 +308,7 @@ int main(void) {
       cmocka_unit_test(test_large_handles),
       cmocka_unit_test(test_large_handles_after_threshold),
       cmocka_unit_test(test_large_handles_after_unmapped_pages),
+      cmocka_unit_test(test_release_limit_releases_whole_handles),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
