@@ -511,6 +511,38 @@ static void release_now(_tide_arena *arena, _tide_block **candidates, size_t n, 
   release_candidates(arena, candidates + idle, n - idle, need - released, whole);
 }
 
+/* The pages per handle of the segment growth `g` maps into; 0 when the
+ * growth makes a new segment (not known yet). Read before any release: a
+ * release may merge the growth's unmapped block into another. */
+static unsigned growth_handle_pages(const _tide_growth *g) {
+  return g->unmapped ? g->unmapped->segment->handle_pages : 0;
+}
+
+/* Release up to `need` bytes of the candidates for a segment's growth,
+ * oldest first, without waiting for the stream where it can: pages whose
+ * handles the growth maps again stay mapped at their old address until the
+ * stream is past them (deferred); any other page would stay reserved there
+ * beside the growth's new handles, so it is unmapped at once, after a
+ * stream synchronization if work queued before its free may still read it
+ * (one at most: after it, every free block is idle). Skipping such pages
+ * instead, for younger ones, made 30-60% more mappings on the streaming
+ * workload. */
+static void release_deferred(_tide_arena *arena, _tide_block **candidates, size_t n, size_t need,
+                             bool whole, unsigned handle_pages) {
+  poll_idle_marks(arena);
+  size_t released = 0;
+  for (size_t i = 0; i < n && released < need; i++) {
+    bool deferred = candidates[i]->segment->handle_pages == handle_pages;
+    if (!deferred && candidates[i]->stamp >= arena->idle_before) {
+      if (settle_stream(arena) != TIDE_OK) continue; /* it stays cached */
+      stream_settled(arena);
+    }
+    arena->defer_unmap = deferred;
+    released += release_candidates(arena, candidates + i, 1, need - released, whole);
+    arena->defer_unmap = false;
+  }
+}
+
 /* Whether growth `g` extends free block b: the pages it maps join b, on the
  * side of the unmapped block where they start or end. A free block at the
  * other end of a large hole is not extended and may be released. */
@@ -570,10 +602,11 @@ static void release_for(_tide_arena *arena, size_t need, const _tide_growth *gro
       /* Pages are taken out of their segment at once but stay mapped at
        * their old address until the stream is past the work queued before
        * their free: growth maps their handles again meanwhile, stream
-       * order keeping the old readers first, and nothing waits. */
-      arena->defer_unmap = true;
-      release_candidates(arena, candidates, n, need, whole);
-      arena->defer_unmap = false;
+       * order keeping the old readers first, and nothing waits. Only
+       * handles of the growth's size can be mapped again; any other stays
+       * reserved at its old address until then, beside the growth's new
+       * ones, so those are released at once. */
+      release_deferred(arena, candidates, n, need, whole, growth_handle_pages(&g));
     } else {
       release_now(arena, candidates, n, need, whole, marks);
     }
