@@ -14,7 +14,10 @@
  *   The same handle may be mapped at several addresses: the views share bytes.
  * - Streams complete their work at once unless held; a held stream keeps
  *   every event recorded on it pending until it is released (as if a long
- *   kernel ran). Ids of streams and events are slot numbers plus generations.
+ *   kernel ran). With host_queue_depth N, an event completes only once N
+ *   more have been recorded on its stream, or the stream (or the event) is
+ *   waited for: a GPU's queue, whose work completes behind the CPU. Ids of streams and events are
+ * slot numbers plus generations.
  * - Graph capture is emulated (tide_host_capture_*): a stream being captured
  *   has a capture id, which streams joined to it share; waiting for it is
  *   refused as the driver refuses it, and an event recorded on it belongs to
@@ -168,6 +171,7 @@ typedef struct host_device {
   int memfd;
   size_t capacity;
   size_t granularity;
+  uint64_t queue_depth; /* host_queue_depth */
   size_t units;
   uint64_t *unit_bits; /* 1: used; bits past `units` are set so scans stop there */
   size_t bytes_in_use;
@@ -933,7 +937,10 @@ static int host_stream_destroy(void *ctx, tide_stream stream) {
   d->streams[slot].alive = false;
   /* As on a GPU, destroying a stream does not cancel its queued work: a held
    * stream's events stay pending until it is released. */
-  if (!d->streams[slot].held) stream_retire(d, slot);
+  if (!d->streams[slot].held) {
+    d->streams[slot].completed = d->streams[slot].submitted; /* its queue runs out */
+    stream_retire(d, slot);
+  }
   unlock(d);
   return TIDE_OK;
 }
@@ -949,6 +956,7 @@ static int host_stream_synchronize(void *ctx, tide_stream stream) {
     return TIDE_ERR_INVALID;
   }
   bool held = d->streams[slot].held, capturing = d->streams[slot].capture_id != 0;
+  if (!held && !capturing) d->streams[slot].completed = d->streams[slot].submitted;
   unlock(d);
   char text[48];
   if (capturing)
@@ -1064,6 +1072,13 @@ static int host_event_destroy(void *ctx, _tide_event event) {
   return TIDE_OK;
 }
 
+/* A stream that is not held completes its work queue_depth events behind
+ * its submissions. */
+static void stream_progress(const host_device *d, host_stream *s) {
+  uint64_t done = s->submitted > d->queue_depth ? s->submitted - d->queue_depth : 0;
+  if (done > s->completed) s->completed = done;
+}
+
 static int host_event_record(void *ctx, _tide_event event, tide_stream stream) {
   host_device *d = ctx;
   int rc = ENTER(d, TIDE_OP_EVENT_RECORD);
@@ -1082,7 +1097,7 @@ static int host_event_record(void *ctx, _tide_event event, tide_stream stream) {
   e->captured = s->capture_id != 0; /* a node of the graph, not work of the stream */
   if (!e->captured) {
     e->ticket = ++s->submitted;
-    if (!s->held) s->completed = s->submitted;
+    if (!s->held) stream_progress(d, s);
   }
   unlock(d);
   return TIDE_OK;
@@ -1117,6 +1132,11 @@ static int host_event_synchronize(void *ctx, _tide_event event) {
     return TIDE_ERR_INVALID;
   }
   host_event *e = &d->events[slot];
+  /* Waiting for an event of a stream that is not held lets its queue run
+   * up to it. */
+  if (!e->captured && e->recorded && !d->streams[e->stream].held &&
+      d->streams[e->stream].completed < e->ticket)
+    d->streams[e->stream].completed = e->ticket;
   bool done = event_done(d, e), captured = e->captured;
   tide_stream stream = done ? NULL : stream_id(d, e->stream);
   unlock(d);
@@ -1339,6 +1359,7 @@ int _tide_host_open(const _tide_conf_values *conf, int device, _tide_backend *ou
   d->device_count = conf->host_devices;
   d->capacity = conf->host_capacity;
   d->granularity = conf->host_granularity;
+  d->queue_depth = conf->host_queue_depth;
   d->units = d->capacity / d->granularity;
   size_t words = (d->units + 63) / 64;
   pthread_mutex_init(&d->lock, NULL);

@@ -580,6 +580,19 @@ static void format_host_devices(const _tide_conf_values *v, char *buf, size_t le
   snprintf(buf, len, "%d", v->host_devices);
 }
 
+#define HOST_MAX_QUEUE_DEPTH 1000000
+
+static bool parse_host_queue_depth(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  uint64_t n;
+  if (!parse_uint(s, HOST_MAX_QUEUE_DEPTH, &n, why, why_len)) return false;
+  v->host_queue_depth = (unsigned)n;
+  return true;
+}
+
+static void format_host_queue_depth(const _tide_conf_values *v, char *buf, size_t len) {
+  snprintf(buf, len, "%u", v->host_queue_depth);
+}
+
 static bool parse_peer_access(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
   return parse_bool(s, &v->peer_access, why, why_len);
 }
@@ -679,6 +692,11 @@ static const option options[] = {
      format_host_granularity},
     {"host_devices", "1", "emulated devices of the host backend", "a whole number from 1 to 64",
      parse_host_devices, format_host_devices},
+    {"host_queue_depth", "0",
+     "host backend: an event completes only once this many more have been recorded on its "
+     "stream (or the stream is waited for), as work queued on a GPU completes behind the CPU; "
+     "0: at once",
+     "a whole number from 0 to 1000000", parse_host_queue_depth, format_host_queue_depth},
 };
 
 #define OPTION_COUNT (sizeof options / sizeof options[0])

@@ -130,17 +130,18 @@ typedef struct _tide_conf_values {
   size_t max_split_size;    /* SIZE_MAX: no limit */
   unsigned roundup_divisions[TIDE_ROUNDUP_INTERVALS]; /* 0 or 1: plain 512 B rounding */
   double gc_threshold;                                /* garbage_collection_threshold, 0: off */
-  double memory_fraction;  /* (0, 1]; 1.0 (default): the whole device; treat 0 alike */
-  size_t memory_limit;     /* bytes, 0: no limit */
-  bool release_holes;      /* recycle free pages inside segments when growing */
-  double release_slack;    /* free pages stay cached up to this fraction above the peak */
-  double release_limit;    /* past this fraction above the peak, room comes in whole handles */
-  size_t trace_capacity;   /* trace ring events, 0: off */
-  size_t host_capacity;    /* bytes of the emulated device */
-  size_t host_granularity; /* the emulated device's mapping granularity */
-  int host_devices;        /* emulated devices */
-  bool peer_access;        /* CUDA: every GPU that can reach ours may use it */
-  bool capture_detection;  /* every allocation asks whether its stream is being captured */
+  double memory_fraction;    /* (0, 1]; 1.0 (default): the whole device; treat 0 alike */
+  size_t memory_limit;       /* bytes, 0: no limit */
+  bool release_holes;        /* recycle free pages inside segments when growing */
+  double release_slack;      /* free pages stay cached up to this fraction above the peak */
+  double release_limit;      /* past this fraction above the peak, room comes in whole handles */
+  size_t trace_capacity;     /* trace ring events, 0: off */
+  size_t host_capacity;      /* bytes of the emulated device */
+  size_t host_granularity;   /* the emulated device's mapping granularity */
+  int host_devices;          /* emulated devices */
+  unsigned host_queue_depth; /* events a host stream's completion lags behind, 0: none */
+  bool peer_access;          /* CUDA: every GPU that can reach ours may use it */
+  bool capture_detection;    /* every allocation asks whether its stream is being captured */
 } _tide_conf_values;
 
 /* The values of a config (tide_config is opaque outside conf.c). */

@@ -68,6 +68,7 @@ static const char *const all_keys[] = {
     "host_capacity",
     "host_granularity",
     "host_devices",
+    "host_queue_depth",
 };
 #define KEY_COUNT (sizeof all_keys / sizeof all_keys[0])
 
@@ -99,6 +100,7 @@ static void test_defaults(void **state) {
   assert_string_equal(get(config, "memory_fraction"), "1.0");
   assert_string_equal(get(config, "host_capacity"), "24GiB");
   assert_string_equal(get(config, "host_granularity"), "2MiB");
+  assert_string_equal(get(config, "host_queue_depth"), "0");
   assert_string_equal(get(config, "release_holes"), "True");
   assert_string_equal(get(config, "release_slack"), "0.015");
   assert_string_equal(get(config, "release_limit"), "0.0175");
@@ -205,6 +207,8 @@ static void test_good_values(void **state) {
       {"release_slack", "1", "1.0"},
       {"release_limit", "0", "0"},
       {"release_limit", "0.02", "0.02"},
+      {"host_queue_depth", "0", "0"},
+      {"host_queue_depth", "64", "64"},
       {"trace", "0", "0"},
       {"trace", "16777216", "16777216"},
       {"host_capacity", "4KiB", "4KiB"},
@@ -245,7 +249,7 @@ static void test_values_reach_the_struct(void **state) {
                   "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
                   "release_slack:0.05,release_limit:0.25,peer_access:False,capture_detection:True,"
                   "trace:100,host_capacity:8GiB,host_granularity:64KiB,"
-                  "host_devices:4,roundup_power2_divisions:8"),
+                  "host_devices:4,host_queue_depth:3,roundup_power2_divisions:8"),
       TIDE_OK);
   const _tide_conf_values *v = _tide_config_values(config);
   assert_int_equal(v->backend, TIDE_BACKEND_HOST);
@@ -266,6 +270,7 @@ static void test_values_reach_the_struct(void **state) {
   assert_int_equal(v->host_capacity, 8 * TIDE_GiB);
   assert_int_equal(v->host_granularity, 64 * TIDE_KiB);
   assert_int_equal(v->host_devices, 4);
+  assert_int_equal(v->host_queue_depth, 3);
   for (int i = 0; i < TIDE_ROUNDUP_INTERVALS; i++) assert_int_equal(v->roundup_divisions[i], 8);
   assert_int_equal(changed_from_defaults(config), KEY_COUNT);
   tide_config_free(config);
@@ -335,6 +340,8 @@ static void test_bad_values(void **state) {
       {"release_slack", "-0.01"},
       {"release_limit", "2"},
       {"release_limit", "-1"},
+      {"host_queue_depth", "-1"},
+      {"host_queue_depth", "1000001"},
       {"trace", "16777217"},
       {"trace", "-1"},
       {"trace", "1k"},
