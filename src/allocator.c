@@ -488,6 +488,10 @@ static void out_of_memory(tide_allocator *a, tide_stream stream, size_t size, si
 }
 
 void _tide_reclaim_for_retry(tide_allocator *a) {
+  /* Pages growable buffers' shrinks let go come back once their streams
+   * are waited for: for tide_malloc's retry and for a buffer's own growth
+   * alike. */
+  _tide_bufs_release_pending(a);
   atomic_fetch_add(&a->num_alloc_retries, 1);
   atomic_fetch_add(&a->num_sync_all_streams, 1);
   pthread_mutex_lock(&a->reclaim_mutex);
@@ -499,7 +503,6 @@ static void *malloc_retry(tide_allocator *a, _tide_arena *arena, size_t size, si
                           tide_stream stream) {
   char cause[512];
   snprintf(cause, sizeof cause, "%s", tide_last_error());
-  _tide_bufs_release_pending(a);
   _tide_reclaim_for_retry(a);
   void *ptr = NULL;
   _tide_lock_acquire(&arena->lock);

@@ -737,9 +737,11 @@ int _tide_validate(struct tide_allocator *a, char *why, size_t len);
 
 /* Arenas of an allocator: a stable copy of the table for iteration. */
 size_t _tide_arenas_snapshot(struct tide_allocator *a, _tide_arena ***out);
-/* Before a request fails for lack of memory: wait for pending frees and give
- * every arena's cached pages back (what PyTorch does before it gives up),
- * counted as a retry. Takes the arena locks: call it holding none. */
+/* Before a request fails for lack of memory: wait for pending frees, for
+ * the streams of pages growable buffers' shrinks let go (and give those
+ * back), and give every arena's cached pages back (what PyTorch does before
+ * it gives up), counted as a retry. Takes the arena locks and the buffers':
+ * call it holding none. */
 void _tide_reclaim_for_retry(struct tide_allocator *a);
 /* The arena of `stream` in capture pool `pool`, made on first use (an
  * unused arena is taken again first). */

@@ -325,6 +325,27 @@ static void test_empty_cache_takes_pages_a_shrink_let_go(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* A buffer that grows at the memory limit gets the pages another buffer's
+ * shrink let go, once their stream is waited for, as tide_malloc does
+ * (host_queue_depth: the stream's work completes only when waited for). */
+static void test_growth_at_the_limit_takes_pages_a_shrink_let_go(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create("host_capacity:64MiB,host_queue_depth:1000000");
+  tide_stream s;
+  tu_assert_ok(tide_stream_create(a, &s));
+  tide_buf *shrunk = make_on(a, 64 * TU_MiB, s), *grown = make_on(a, 64 * TU_MiB, s);
+  tu_assert_ok(tide_buf_resize(shrunk, 48 * TU_MiB, s));
+  tu_assert_ok(tide_buf_resize(shrunk, 0, s)); /* its pages wait for s */
+  assert_int_equal(reserved(a), 48 * TU_MiB);
+  tu_assert_ok(tide_buf_resize(grown, 48 * TU_MiB, s)); /* 16 MiB free without them */
+  assert_int_equal(tide_buf_mapped(shrunk), 0);
+  assert_int_equal(reserved(a), 48 * TU_MiB);
+  tu_assert_ok(tide_buf_destroy(grown));
+  tu_assert_ok(tide_buf_destroy(shrunk));
+  tu_assert_ok(tide_stream_destroy(a, s));
+  tu_assert_ok(tide_destroy(a));
+}
+
 static void test_worker_maps_ahead(void **state) {
   (void)state;
   tide_allocator *a = tu_create(NULL);
@@ -646,6 +667,7 @@ int main(void) {
       cmocka_unit_test(test_buffer_pages_count_as_mappings),
       cmocka_unit_test(test_buffer_at_the_limit_takes_cached_memory),
       cmocka_unit_test(test_empty_cache_takes_pages_a_shrink_let_go),
+      cmocka_unit_test(test_growth_at_the_limit_takes_pages_a_shrink_let_go),
       cmocka_unit_test(test_worker_maps_ahead),
       cmocka_unit_test(test_worker_after_pending_release),
       cmocka_unit_test(test_check_while_buffers_change),
