@@ -456,11 +456,25 @@ static bool parse_gc(const char *s, _tide_conf_values *v, char *why, size_t why_
   return true;
 }
 
-static void format_gc(const _tide_conf_values *v, char *buf, size_t len) {
-  if (v->gc_threshold == 0.0)
+/* 0 as "0", any other value as format_decimal writes it. */
+static void format_zero_or_decimal(double value, char *buf, size_t len) {
+  if (value == 0.0)
     snprintf(buf, len, "0");
   else
-    format_decimal(v->gc_threshold, buf, len);
+    format_decimal(value, buf, len);
+}
+
+/* A fraction from 0 to 1, both included; *out is set only when it is one. */
+static bool parse_zero_to_one(const char *s, double *out, char *why, size_t why_len) {
+  double value;
+  if (!parse_decimal(s, &value, why, why_len)) return false;
+  if (value > 1.0) return set_why(why, why_len, "above 1"), false;
+  *out = value;
+  return true;
+}
+
+static void format_gc(const _tide_conf_values *v, char *buf, size_t len) {
+  format_zero_or_decimal(v->gc_threshold, buf, len);
 }
 
 static bool parse_fraction(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
@@ -496,33 +510,19 @@ static void format_release_holes(const _tide_conf_values *v, char *buf, size_t l
 }
 
 static bool parse_release_slack(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  double value;
-  if (!parse_decimal(s, &value, why, why_len)) return false;
-  if (value > 1.0) return set_why(why, why_len, "above 1"), false;
-  v->release_slack = value;
-  return true;
+  return parse_zero_to_one(s, &v->release_slack, why, why_len);
 }
 
 static void format_release_slack(const _tide_conf_values *v, char *buf, size_t len) {
-  if (v->release_slack == 0.0)
-    snprintf(buf, len, "0");
-  else
-    format_decimal(v->release_slack, buf, len);
+  format_zero_or_decimal(v->release_slack, buf, len);
 }
 
 static bool parse_release_limit(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  double value;
-  if (!parse_decimal(s, &value, why, why_len)) return false;
-  if (value > 1.0) return set_why(why, why_len, "above 1"), false;
-  v->release_limit = value;
-  return true;
+  return parse_zero_to_one(s, &v->release_limit, why, why_len);
 }
 
 static void format_release_limit(const _tide_conf_values *v, char *buf, size_t len) {
-  if (v->release_limit == 0.0)
-    snprintf(buf, len, "0");
-  else
-    format_decimal(v->release_limit, buf, len);
+  format_zero_or_decimal(v->release_limit, buf, len);
 }
 
 #define TRACE_MAX ((uint64_t)1 << 24)
