@@ -191,7 +191,6 @@ static void track_frame_time(tide_target *t, int frames_done) {
   if (frames_done - t->frames_seen == 1 && t->frame_ms != NULL)
     t->frame_ms[t->frame_count++] = (double)(now - t->step_end_ns) / 1e6;
   t->frames_seen = frames_done;
-  t->step_end_ns = now;
 }
 
 static void target_progress(void *ctx, int frames_done, int frames_total) {
@@ -199,7 +198,7 @@ static void target_progress(void *ctx, int frames_done, int frames_total) {
   tide_target *t = ctx;
   track_frame_time(t, frames_done);
   track_running_ratio(t, frames_done);
-  t->step_end_ns = cli_now_ns(); /* the statistics read is not the next frame's */
+  t->step_end_ns = cli_now_ns(); /* the next frame starts here: the statistics read is neither's */
   t->shown = (double)(t->frames_before + (uint64_t)frames_done) / (double)t->frames_total;
   cli_progress("stream", t->shown);
 }
