@@ -16,8 +16,8 @@
  *   every event recorded on it pending until it is released (as if a long
  *   kernel ran). With host_queue_depth N, an event completes only once N
  *   more have been recorded on its stream, or the stream (or the event) is
- *   waited for: a GPU's queue, whose work completes behind the CPU. Ids of streams and events are
- * slot numbers plus generations.
+ *   waited for: a GPU's queue, whose work completes behind the CPU. Ids of
+ *   streams and events are slot numbers plus generations.
  * - Graph capture is emulated (tide_host_capture_*): a stream being captured
  *   has a capture id, which streams joined to it share; waiting for it is
  *   refused as the driver refuses it, and an event recorded on it belongs to

@@ -15,6 +15,14 @@
 
 #define PAGE (2 * TU_MiB)
 
+/* A buffer of options `o`, which must be made. */
+static tide_buf *create(tide_allocator *a, const tide_buf_options *o) {
+  tide_buf *b = NULL;
+  tu_assert_ok(tide_buf_create(a, o, &b));
+  assert_non_null(b);
+  return b;
+}
+
 static tide_buf *make(tide_allocator *a, size_t capacity, size_t ahead, int async, int ring) {
   tide_buf_options o;
   tide_buf_options_init(&o);
@@ -22,10 +30,7 @@ static tide_buf *make(tide_allocator *a, size_t capacity, size_t ahead, int asyn
   o.map_ahead = ahead;
   o.async_map_ahead = async;
   o.ring = ring;
-  tide_buf *b = NULL;
-  tu_assert_ok(tide_buf_create(a, &o, &b));
-  assert_non_null(b);
-  return b;
+  return create(a, &o);
 }
 
 /* A linear buffer whose figures join stream `s`'s arena. */
@@ -34,10 +39,7 @@ static tide_buf *make_on(tide_allocator *a, size_t capacity, tide_stream s) {
   tide_buf_options_init(&o);
   o.capacity = capacity;
   o.stream = s;
-  tide_buf *b = NULL;
-  tu_assert_ok(tide_buf_create(a, &o, &b));
-  assert_non_null(b);
-  return b;
+  return create(a, &o);
 }
 
 /* One byte per 4 KiB, at offsets that are multiples of 4 KiB. */
