@@ -250,7 +250,12 @@ typedef struct tide_stats {
    * change each, or an unmap), whatever its size; see handle_size_mb. */
   uint64_t mappings;
   uint64_t unmappings;
-  uint64_t reserved_u64[6]; /* for future use; zero */
+  /* Times the allocator blocked the calling thread until a stream or an
+   * event was done, to unmap memory queued work may still read or to reuse
+   * a block another stream used: each one drains that stream's queue while
+   * the CPU waits. */
+  uint64_t stream_waits;
+  uint64_t reserved_u64[5]; /* for future use; zero */
 } tide_stats;
 
 TIDE_API tide_status tide_get_stats(tide_allocator *alloc, tide_stats *out);

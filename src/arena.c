@@ -473,6 +473,32 @@ int _tide_arena_settle_stale(_tide_arena *arena, uintptr_t lo, uintptr_t hi, boo
                                   (void *)lo, (void *)hi);
 }
 
+/* Block until a block freed at `stamp` is idle: wait for the oldest idle
+ * mark recorded after its free, not for the whole stream, so that the work
+ * queued since that mark keeps the device busy while the CPU goes on (on
+ * the H200 a stream synchronization a frame made the streaming workload's
+ * frames 1-2% slower). Without such a mark, the stream is waited for. */
+static int wait_until_idle(_tide_arena *arena, uint64_t stamp) {
+  poll_idle_marks(arena);
+  if (stamp < arena->idle_before) return TIDE_OK;
+  const _tide_backend *be = &arena->alloc->backend;
+  for (unsigned i = 0; i < arena->nidle_marks; i++) {
+    if (arena->idle_marks[i].clock <= stamp) continue;
+    _tide_note_stream_wait(arena->alloc);
+    _tide_saved_error saved;
+    _tide_error_save(&saved);
+    int rc = be->ops->event_synchronize(be->ctx, arena->idle_marks[i].event);
+    _tide_error_restore(&saved);
+    if (rc != TIDE_OK) break;
+    poll_idle_marks(arena);
+    if (stamp < arena->idle_before) return TIDE_OK;
+    break;
+  }
+  int rc = settle_stream(arena);
+  if (rc == TIDE_OK) stream_settled(arena);
+  return rc;
+}
+
 /* Unmap free pages of the candidates (oldest first) until `need` bytes are
  * released. A handle is unmapped whole, so a candidate asked for less than
  * one of its handles gives nothing, unless `whole`: then it gives one (more
@@ -496,19 +522,25 @@ static size_t release_candidates(_tide_arena *arena, _tide_block **candidates, s
 
 /* Release at once (unmapping now) up to `need` bytes of the candidates,
  * oldest first. The oldest may be idle already, freed before an idle mark
- * that the stream has passed: those go without waiting; the stream is
- * synchronized only if they are not enough (after which every free block is
- * idle). A growable buffer's worker makes room this way while the program
- * keeps launching work: a synchronization would stall it for the queue. */
+ * that the stream has passed: those go without waiting; only if they are
+ * not enough is the stream waited for, as far as the next candidate's free
+ * (an idle mark after it) where marks are `usable`, else whole. A growable
+ * buffer's worker makes room this way while the program keeps launching
+ * work: a synchronization would stall it for the queue. */
 static void release_now(_tide_arena *arena, _tide_block **candidates, size_t n, size_t need,
                         bool whole, bool marks) {
   size_t idle = 0, released = 0;
   if (marks) poll_idle_marks(arena);
   while (idle < n && candidates[idle]->stamp < arena->idle_before) idle++;
   if (idle) released = release_candidates(arena, candidates, idle, need, whole);
-  if (released >= need || idle == n || settle_stream(arena) != TIDE_OK) return;
-  stream_settled(arena);
-  release_candidates(arena, candidates + idle, n - idle, need - released, whole);
+  for (size_t i = idle; i < n && released < need; i++) {
+    if (candidates[i]->stamp >= arena->idle_before) {
+      int rc = marks ? wait_until_idle(arena, candidates[i]->stamp) : settle_stream(arena);
+      if (rc != TIDE_OK) return;
+      if (!marks) stream_settled(arena);
+    }
+    released += release_candidates(arena, candidates + i, 1, need - released, whole);
+  }
 }
 
 /* The pages per handle of the segment growth `g` maps into; 0 when the
@@ -534,10 +566,9 @@ static void release_deferred(_tide_arena *arena, _tide_block **candidates, size_
   bool cannot_wait = false;
   for (size_t i = 0; i < n && released < need; i++) {
     bool deferred = candidates[i]->segment->handle_pages == handle_pages;
-    if (!deferred && candidates[i]->stamp >= arena->idle_before) {
-      if (cannot_wait || (cannot_wait = settle_stream(arena) != TIDE_OK)) continue;
-      stream_settled(arena);
-    }
+    if (!deferred && candidates[i]->stamp >= arena->idle_before &&
+        (cannot_wait || (cannot_wait = wait_until_idle(arena, candidates[i]->stamp) != TIDE_OK)))
+      continue; /* it stays cached */
     arena->defer_unmap = deferred;
     released += release_candidates(arena, candidates + i, 1, need - released, whole);
     arena->defer_unmap = false;
@@ -627,6 +658,9 @@ void _tide_arena_make_room(_tide_arena *arena, size_t bytes) {
   const struct tide_allocator *a = arena->alloc;
   if (!a->conf.release_holes || !a->conf.expandable_segments) return;
   const _tide_growth none = {0};
+  /* The blocks freed last wait whole for a request of their size (quick
+   * reuse), outside the bins where room is looked for. */
+  _tide_arena_flush_quick(arena);
   /* Not deferred: the pages' handles are not mapped again here, so only
    * unmapping them now makes room. */
   release_for(arena, bytes, &none, false);
@@ -759,6 +793,7 @@ static tide_stream recorded_stream(const _tide_block *b, unsigned i) {
  * longer exists, for the default stream (its queued work came before). */
 static int wait_instead(_tide_arena *arena, tide_stream s) {
   const _tide_backend *be = &arena->alloc->backend;
+  _tide_note_stream_wait(arena->alloc);
   if (be->ops->stream_synchronize(be->ctx, s) == TIDE_OK) return TIDE_OK;
   if (tide_last_status() != TIDE_ERR_INVALID) return tide_last_status();
   return be->ops->stream_synchronize(be->ctx, NULL);
@@ -869,6 +904,7 @@ int _tide_arena_process_events(_tide_arena *arena, bool wait) {
   _tide_first_error first = {0};
   for (size_t i = 0; i < arena->npending; i++) {
     _tide_pending p = arena->pending[i];
+    if (wait) _tide_note_stream_wait(arena->alloc);
     int rc = wait ? be->ops->event_synchronize(be->ctx, p.event)
                   : be->ops->event_query(be->ctx, p.event);
     if (rc != TIDE_OK) {
@@ -902,6 +938,7 @@ static int settle_stream(_tide_arena *arena) {
   const _tide_backend *be = &arena->alloc->backend;
   /* A destroyed stream's work is ordered before the default stream's. */
   tide_stream s = arena->stream_gone ? NULL : arena->stream;
+  _tide_note_stream_wait(arena->alloc);
   int rc = be->ops->stream_synchronize(be->ctx, s);
   if (rc) _tide_error_prefix("cannot return cached memory of stream %p yet", (void *)arena->stream);
   return rc;

@@ -205,6 +205,7 @@ static int settle_release(tide_buf *b, bool wait) {
   /* Pages the worker is mapping land after `mapped`: let it finish first. */
   while (b->busy) pthread_cond_wait(&b->changed, &b->mutex);
   const _tide_backend *be = backend(b);
+  if (wait) _tide_note_stream_wait(b->alloc);
   int rc = wait ? be->ops->event_synchronize(be->ctx, b->release_event)
                 : be->ops->event_query(be->ctx, b->release_event);
   if (rc == TIDE_ERR_NOT_READY && !wait) return TIDE_OK;

@@ -652,6 +652,7 @@ struct tide_allocator {
   _Atomic uint64_t num_alloc_retries;
   _Atomic uint64_t num_ooms;
   _Atomic uint64_t num_sync_all_streams;
+  _Atomic uint64_t stream_waits; /* tide_stats.stream_waits */
   _tide_trace_ring trace;
   struct _tide_pinned *pinned;   /* the pinned host memory pool (pinned.c) */
   pthread_mutex_t bufs_mutex;    /* guards the list of growable buffers */
@@ -660,6 +661,11 @@ struct tide_allocator {
   pthread_mutex_t imports_mutex; /* guards the list of imported memory */
   struct _tide_import *imports;  /* memory of other processes mapped here (share.c) */
 };
+
+/* The calling thread is about to block until a stream or event is done. */
+static inline void _tide_note_stream_wait(struct tide_allocator *a) {
+  atomic_fetch_add_explicit(&a->stream_waits, 1, memory_order_relaxed);
+}
 
 /* A live allocator: not NULL, aligned as allocators are (a stray pointer
  * must not be read at a misaligned address), and with its magic number. */

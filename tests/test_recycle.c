@@ -56,6 +56,7 @@ static void test_no_synchronization(void **state) {
   tide_stats st = tu_stats(a);
   assert_true(st.pages_unmapped > 0); /* pages were recycled */
   assert_int_equal(tide_host_call_count(a, TIDE_OP_STREAM_SYNCHRONIZE), 0);
+  assert_int_equal(st.stream_waits, 0);
   check_cache(cache, grow, 40);
   tu_assert_ok(tide_free(a, cache, NULL));
   for (int i = 0; i < 40; i++) tu_assert_ok(tide_free(a, pins[i], NULL));
@@ -321,12 +322,55 @@ static void test_release_of_other_handles_is_not_deferred(void **state) {
   assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].peak, 32 * TU_MiB);
   assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].current, 30 * TU_MiB);
   assert_int_equal(tide_host_call_count(a, TIDE_OP_STREAM_SYNCHRONIZE), 1);
+  assert_int_equal(st.stream_waits, 1); /* the statistics say so too */
   tu_assert_ok(tide_check(a));
   tu_assert_ok(tide_free(a, small, s));
   tu_assert_ok(tide_free(a, second, s));
   tu_assert_ok(tide_empty_cache(a));
   assert_int_equal(tide_host_bytes_in_use(a), 0);
   tu_assert_ok(tide_stream_destroy(a, s));
+  tu_assert_ok(tide_destroy(a));
+}
+
+/* A growable buffer making room at the ceiling takes free pages that queued
+ * work may still read: it waits, but only as far as the idle mark recorded
+ * after their free (an event), not for the whole stream, whose later work
+ * then keeps the device busy. The stream's work never completes here
+ * unless waited for (host_queue_depth). */
+static void test_room_waits_for_the_mark_not_the_stream(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create("backend:host,host_capacity:1GiB,release_slack:0,"
+                                "release_limit:0,host_queue_depth:1000000");
+  void *x = tide_malloc(a, 8 * TU_MiB, NULL), *y = tide_malloc(a, 8 * TU_MiB, NULL);
+  assert_non_null(x);
+  assert_non_null(y);
+  tide_buf_options o;
+  tide_buf_options_init(&o);
+  o.capacity = 64 * TU_MiB;
+  tide_buf *b;
+  tu_assert_ok(tide_buf_create(a, &o, &b));
+  tu_assert_ok(tide_free(a, x, NULL));
+  /* x's first page: x is not idle and no mark follows its free, so the
+   * stream is waited for. */
+  tu_assert_ok(tide_buf_resize(b, 2 * TU_MiB, NULL));
+  assert_int_equal(tide_host_call_count(a, TIDE_OP_STREAM_SYNCHRONIZE), 1);
+  tu_assert_ok(tide_free(a, y, NULL));
+  /* x's other pages, idle since that wait; each release records a mark,
+   * the first of them after y's free. */
+  for (size_t mib = 4; mib <= 8; mib += 2) tu_assert_ok(tide_buf_resize(b, mib * TU_MiB, NULL));
+  assert_int_equal(tide_host_call_count(a, TIDE_OP_STREAM_SYNCHRONIZE), 1);
+  assert_int_equal(tide_host_call_count(a, TIDE_OP_EVENT_SYNCHRONIZE), 0);
+  /* y's page: the wait is for that mark. */
+  tu_assert_ok(tide_buf_resize(b, 10 * TU_MiB, NULL));
+  assert_int_equal(tide_host_call_count(a, TIDE_OP_STREAM_SYNCHRONIZE), 1);
+  assert_int_equal(tide_host_call_count(a, TIDE_OP_EVENT_SYNCHRONIZE), 1);
+  tide_stats st = tu_stats(a);
+  assert_int_equal(st.stream_waits, 2);
+  assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].peak, 16 * TU_MiB);
+  tu_assert_ok(tide_check(a));
+  tu_assert_ok(tide_buf_destroy(b));
+  tu_assert_ok(tide_empty_cache(a));
+  assert_int_equal(tide_host_bytes_in_use(a), 0);
   tu_assert_ok(tide_destroy(a));
 }
 
@@ -342,6 +386,7 @@ int main(void) {
       cmocka_unit_test(test_large_handles_after_unmapped_pages),
       cmocka_unit_test(test_release_limit_releases_whole_handles),
       cmocka_unit_test(test_release_of_other_handles_is_not_deferred),
+      cmocka_unit_test(test_room_waits_for_the_mark_not_the_stream),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

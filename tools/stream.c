@@ -32,7 +32,9 @@ static const int default_sweep[] = {64, 128, 256, 512, 1024, 2048, 4096, 10000};
  * columns (above, kept as they are) do not carry. */
 #define DRIVER_CSV_HEADER                                                                          \
   "frames,status,backend,seconds,reserved_over_allocated,pages_mapped,pages_unmapped,mappings,"    \
-  "unmappings,max_running_ratio,max_running_ratio_frame,median_frame_ms,p90_frame_ms,max_frame_ms"
+  "unmappings,max_running_ratio,max_running_ratio_frame,median_frame_ms,p90_frame_ms,max_frame_"   \
+  "ms,"                                                                                            \
+  "stream_waits"
 
 typedef struct stream_args {
   int frames[MAX_SWEEP];
@@ -65,6 +67,8 @@ typedef struct stream_row {
    * cost of a frame once the run streams, which the total, with its set-up,
    * hides. Milliseconds; 0 when no single frame ran. */
   double median_frame_ms, p90_frame_ms, max_frame_ms;
+  /* Times the allocator blocked until the stream was done (tide_stats). */
+  uint64_t stream_waits;
   char error[ERROR_LEN]; /* why it ran out of memory; "" when ok */
 } stream_row;
 
@@ -307,6 +311,7 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
   row->pages_unmapped = ok ? stats.pages_unmapped : 0;
   row->mappings = ok ? stats.mappings : 0;
   row->unmappings = ok ? stats.unmappings : 0;
+  row->stream_waits = ok ? stats.stream_waits : 0;
   row->max_running_ratio = target->max_running_ratio;
   row->max_running_ratio_frame = target->max_running_ratio_frame;
   summarise_frames(target, row);
@@ -385,10 +390,11 @@ static void write_driver_row(FILE *f, const stream_row *r) {
   double ratio = reserved_ratio(r);
   fprintf(f, "%d,%s,", r->frames, r->oom ? "oom" : "ok");
   write_field(f, r->backend);
-  fprintf(f, ",%.3f,%.4f,%llu,%llu,%llu,%llu,%.4f,%d,%.3f,%.3f,%.3f\n", r->seconds, ratio,
+  fprintf(f, ",%.3f,%.4f,%llu,%llu,%llu,%llu,%.4f,%d,%.3f,%.3f,%.3f,%llu\n", r->seconds, ratio,
           (unsigned long long)r->pages_mapped, (unsigned long long)r->pages_unmapped,
           (unsigned long long)r->mappings, (unsigned long long)r->unmappings, r->max_running_ratio,
-          r->max_running_ratio_frame, r->median_frame_ms, r->p90_frame_ms, r->max_frame_ms);
+          r->max_running_ratio_frame, r->median_frame_ms, r->p90_frame_ms, r->max_frame_ms,
+          (unsigned long long)r->stream_waits);
 }
 
 /* Write `header` and every row so far (through `write`) to a file beside

@@ -19,13 +19,13 @@ _STAT_FIELDS = ("allocated_bytes", "requested_bytes", "active_bytes", "inactive_
 _COUNTERS = ("num_allocs", "num_frees", "pages_mapped", "pages_unmapped", "segments_created",
              "segments_released", "num_alloc_retries", "num_ooms", "num_sync_all_streams",
              "num_device_alloc", "num_device_free", "oversize_allocations", "memory_limit",
-             "mappings", "unmappings")
+             "mappings", "unmappings", "stream_waits")
 
 
 class Stats(ctypes.Structure):
     _fields_ = ([(name, Stat * _KINDS) for name in _STAT_FIELDS] +
                 [(name, ctypes.c_uint64) for name in _COUNTERS] +
-                [("reserved_u64", ctypes.c_uint64 * 6)])
+                [("reserved_u64", ctypes.c_uint64 * 5)])
 
 
 class BufOptions(ctypes.Structure):
@@ -167,6 +167,8 @@ def memory_stats(index=0):
     # Not PyTorch's: the driver's work is per mapping (see handle_size_mb).
     result["num_device_map"] = st.mappings
     result["num_device_unmap"] = st.unmappings
+    # Not PyTorch's: how often the allocator waited for a stream's queue.
+    result["num_stream_waits"] = st.stream_waits
     return result
 
 
