@@ -210,6 +210,11 @@ if [[ ${GPU_BENCH:-1} == 1 && -x build/tidalloc ]]; then
   step "vmm costs" "$bench_log" 60 bash -c "cc -std=c11 -D_POSIX_C_SOURCE=200809L -O2 \
     bench/gpu/vmm_costs.c -I$cuda_home/include -L$cuda_home/lib64/stubs -lcuda \
     -o build/vmm_costs && build/vmm_costs | tee build/vmm_costs.csv"
+  # Whether those calls wait for the GPU or slow its copies, how fast memory
+  # in handles of each size copies, and whether threads spread the calls
+  # (bench/gpu/vmm_overlap.cu).
+  step "vmm overlap" "$bench_log" 120 bash -c "nvcc -O2 bench/gpu/vmm_overlap.cu -lcuda -lpthread \
+    -o build/vmm_overlap && build/vmm_overlap | tee build/vmm_overlap.csv"
   for mode in True False; do
     step "stream expandable=$mode" "$bench_log" 150 \
       build/tidalloc stream --frames ${STREAM_FRAMES:-64 128 256 512 1024} \
