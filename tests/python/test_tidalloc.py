@@ -54,11 +54,15 @@ def test_empty_cache_and_fraction():
     lib.tide_torch_free(p, 8 * MiB, 0, None)
     assert tidalloc.memory_stats(0)["reserved_bytes.all.current"] > 0
     maps = tidalloc.memory_stats(0)["num_device_map"]
+    waits = tidalloc.memory_stats(0)["num_stream_waits"]
     assert maps >= 4  # 8 MiB of 2 MiB pages, one mapping each
     assert lib.tide_torch_empty_cache(0) == 0
     st = tidalloc.memory_stats(0)
     assert st["reserved_bytes.all.current"] == 0
     assert st["num_device_unmap"] >= 4 and st["num_device_map"] == maps
+    # Giving the cache back waits for the stream first (and the count is read
+    # from the right field of the C structure, not its neighbours).
+    assert waits + 1 <= st["num_stream_waits"] <= waits + 4
     assert lib.tide_torch_set_memory_fraction(0.5, 0) == 0
     assert lib.tide_torch_set_memory_fraction(2.0, 0) != 0
 
