@@ -120,6 +120,9 @@ expect_status 0 "replay streams" -- "$bin" replay "$dir/streams.csv.gz"
 expect_key streams 2 "replay streams"
 expect_key peak_live_bytes 8512 "replay streams"
 expect_key unknown_frees 0 "replay streams"
+# Nothing in it makes the allocator wait, and the host backend saw no wait either.
+expect_key stream_waits 0 "replay streams"
+expect_key stream_synchronizations 0 "replay streams"
 
 expect_status 0 "replay --csv" -- "$bin" replay --csv "$dir/simple.csv.gz"
 [ "$(head -n 1 "$dir/out")" = \

@@ -422,6 +422,8 @@ static void print_keys(const char *path, const trace *t, const replay_result *r)
   printf("unmappings %llu\n", (unsigned long long)r->stats.unmappings);
   /* Counted by the host backend's emulated device; 0 on another backend. */
   printf("stream_synchronizations %llu\n", (unsigned long long)r->synchronizations);
+  /* The allocator's own count, on any backend: how often it waited. */
+  printf("stream_waits %llu\n", (unsigned long long)r->stats.stream_waits);
   printf("seconds %.3f\n", r->seconds);
   printf("ns_per_event %.1f\n", r->events ? r->seconds * 1e9 / (double)r->events : 0.0);
   printf("malformed_lines %llu\n", (unsigned long long)t->malformed_lines);
