@@ -374,6 +374,40 @@ static void test_room_waits_for_the_mark_not_the_stream(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* The same for a segment's growth (release_deferred): the small pool grows
+ * at the ceiling and takes 4 MiB handles of the large pool, which it cannot
+ * map again, so they are unmapped at once, after waiting for their readers:
+ * x's after a stream synchronization (no mark follows its free), y's after
+ * the idle mark that the releases of x's pages recorded after y's free. */
+static void test_growth_waits_for_the_mark_not_the_stream(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create("backend:host,host_capacity:1GiB,handle_size_mb:4,"
+                                "handle_threshold_mb:0,release_slack:0,release_limit:0,"
+                                "host_queue_depth:1000000");
+  void *x = tide_malloc(a, 16 * TU_MiB, NULL), *y = tide_malloc(a, 16 * TU_MiB, NULL);
+  assert_non_null(x);
+  assert_non_null(y);
+  tu_assert_ok(tide_free(a, x, NULL));
+  enum { SMALL = 17 };
+  void *small[SMALL];
+  assert_non_null(small[0] = tide_malloc(a, TU_MiB, NULL));
+  assert_int_equal(tide_host_call_count(a, TIDE_OP_STREAM_SYNCHRONIZE), 1);
+  tu_assert_ok(tide_free(a, y, NULL));
+  /* x's other three handles go first (idle since that wait), two small
+   * pages each; then y's first. */
+  for (int i = 1; i < SMALL; i++) assert_non_null(small[i] = tide_malloc(a, TU_MiB, NULL));
+  assert_int_equal(tide_host_call_count(a, TIDE_OP_STREAM_SYNCHRONIZE), 1);
+  assert_int_equal(tide_host_call_count(a, TIDE_OP_EVENT_SYNCHRONIZE), 1);
+  tide_stats st = tu_stats(a);
+  assert_int_equal(st.stream_waits, 2);
+  assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].peak, 32 * TU_MiB);
+  tu_assert_ok(tide_check(a));
+  for (int i = 0; i < SMALL; i++) tu_assert_ok(tide_free(a, small[i], NULL));
+  tu_assert_ok(tide_empty_cache(a));
+  assert_int_equal(tide_host_bytes_in_use(a), 0);
+  tu_assert_ok(tide_destroy(a));
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_prestate(test_no_synchronization, CONF),
@@ -387,6 +421,7 @@ int main(void) {
       cmocka_unit_test(test_release_limit_releases_whole_handles),
       cmocka_unit_test(test_release_of_other_handles_is_not_deferred),
       cmocka_unit_test(test_room_waits_for_the_mark_not_the_stream),
+      cmocka_unit_test(test_growth_waits_for_the_mark_not_the_stream),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
