@@ -464,7 +464,6 @@ int _tide_arena_settle_stale(_tide_arena *arena, uintptr_t lo, uintptr_t hi, boo
   if (left && !failed) {
     int rc = settle_stream(arena);
     if (rc) return rc == TIDE_ERR_BACKEND ? rc : TIDE_ERR_NOT_READY;
-    stream_settled(arena);
     left = _tide_stale_unmap(arena, lo, hi, arena->idle_before, &failed);
   }
   if (!left) return TIDE_OK;
@@ -481,22 +480,19 @@ int _tide_arena_settle_stale(_tide_arena *arena, uintptr_t lo, uintptr_t hi, boo
 static int wait_until_idle(_tide_arena *arena, uint64_t stamp) {
   poll_idle_marks(arena);
   if (stamp < arena->idle_before) return TIDE_OK;
-  const _tide_backend *be = &arena->alloc->backend;
-  for (unsigned i = 0; i < arena->nidle_marks; i++) {
-    if (arena->idle_marks[i].clock <= stamp) continue;
+  unsigned i = 0;
+  while (i < arena->nidle_marks && arena->idle_marks[i].clock <= stamp) i++;
+  if (i < arena->nidle_marks) {
+    const _tide_backend *be = &arena->alloc->backend;
     _tide_note_stream_wait(arena->alloc);
     _tide_saved_error saved;
     _tide_error_save(&saved);
     int rc = be->ops->event_synchronize(be->ctx, arena->idle_marks[i].event);
     _tide_error_restore(&saved);
-    if (rc != TIDE_OK) break;
-    poll_idle_marks(arena);
+    if (rc == TIDE_OK) poll_idle_marks(arena);
     if (stamp < arena->idle_before) return TIDE_OK;
-    break;
   }
-  int rc = settle_stream(arena);
-  if (rc == TIDE_OK) stream_settled(arena);
-  return rc;
+  return settle_stream(arena);
 }
 
 /* Unmap free pages of the candidates (oldest first) until `need` bytes are
@@ -537,7 +533,6 @@ static void release_now(_tide_arena *arena, _tide_block **candidates, size_t n, 
     if (candidates[i]->stamp >= arena->idle_before) {
       int rc = marks ? wait_until_idle(arena, candidates[i]->stamp) : settle_stream(arena);
       if (rc != TIDE_OK) return;
-      if (!marks) stream_settled(arena);
     }
     released += release_candidates(arena, candidates + i, 1, need - released, whole);
   }
@@ -554,11 +549,11 @@ static unsigned growth_handle_pages(const _tide_growth *g) {
  * oldest first, without waiting for the stream where it can: pages whose
  * handles the growth maps again stay mapped at their old address until the
  * stream is past them (deferred); any other page would stay reserved there
- * beside the growth's new handles, so it is unmapped at once, after a
- * stream synchronization if work queued before its free may still read it
- * (one at most: after it, every free block is idle; if it fails, such pages
- * stay cached). Skipping such pages instead, for younger ones, made 30-60%
- * more mappings on the streaming workload. */
+ * beside the growth's new handles, so it is unmapped at once, after waiting
+ * for work queued before its free that may still read it (wait_until_idle;
+ * once the stream itself was waited for, every free block is idle; if a
+ * wait fails, such pages stay cached). Skipping such pages instead, for
+ * younger ones, made 30-60% more mappings on the streaming workload. */
 static void release_deferred(_tide_arena *arena, _tide_block **candidates, size_t n, size_t need,
                              bool whole, unsigned handle_pages) {
   poll_idle_marks(arena);
@@ -933,15 +928,20 @@ static bool holds_cache(const _tide_arena *arena) {
 }
 
 /* Work queued on the stream may still touch free blocks (a block freed on
- * its own stream is free at once): unmapping must wait for it. */
+ * its own stream is free at once): unmapping must wait for it. Once it has
+ * been waited for, everything freed so far is idle. */
 static int settle_stream(_tide_arena *arena) {
   const _tide_backend *be = &arena->alloc->backend;
   /* A destroyed stream's work is ordered before the default stream's. */
   tide_stream s = arena->stream_gone ? NULL : arena->stream;
   _tide_note_stream_wait(arena->alloc);
   int rc = be->ops->stream_synchronize(be->ctx, s);
-  if (rc) _tide_error_prefix("cannot return cached memory of stream %p yet", (void *)arena->stream);
-  return rc;
+  if (rc) {
+    _tide_error_prefix("cannot return cached memory of stream %p yet", (void *)arena->stream);
+    return rc;
+  }
+  stream_settled(arena);
+  return TIDE_OK;
 }
 
 int _tide_arena_release_cached(_tide_arena *arena) {
@@ -949,7 +949,6 @@ int _tide_arena_release_cached(_tide_arena *arena) {
   if (!holds_cache(arena)) return TIDE_OK;
   int rc = settle_stream(arena);
   if (rc) return rc;
-  stream_settled(arena);
   int refused;
   _tide_stale_unmap(arena, 0, UINTPTR_MAX, arena->idle_before, &refused); /* kept to retry */
   /* Orphans first: a range may be unreserved only once nothing is mapped in it. */
@@ -993,7 +992,6 @@ int _tide_arena_collect_garbage(_tide_arena *arena, size_t target) {
         if (b->state == _TIDE_FREE && releasable(b, a->page_size) && n < cap) candidates[n++] = b;
   int rc = n || arena->nstale ? settle_stream(arena) : TIDE_OK;
   if (!rc && arena->nstale) {
-    stream_settled(arena);
     int refused;
     _tide_stale_unmap(arena, 0, UINTPTR_MAX, arena->idle_before, &refused); /* kept to retry */
   }
