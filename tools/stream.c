@@ -32,9 +32,8 @@ static const int default_sweep[] = {64, 128, 256, 512, 1024, 2048, 4096, 10000};
  * columns (above, kept as they are) do not carry. */
 #define DRIVER_CSV_HEADER                                                                          \
   "frames,status,backend,seconds,reserved_over_allocated,pages_mapped,pages_unmapped,mappings,"    \
-  "unmappings,max_running_ratio,max_running_ratio_frame,median_frame_ms,p90_frame_ms,max_frame_"   \
-  "ms,"                                                                                            \
-  "stream_waits"
+  "unmappings,max_running_ratio,max_running_ratio_frame,median_frame_ms,p90_frame_ms,"             \
+  "max_frame_ms,stream_waits"
 
 typedef struct stream_args {
   int frames[MAX_SWEEP];
