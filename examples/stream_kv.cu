@@ -13,7 +13,11 @@
  *
  *   stream_kv [--frames N] [--tokens T] [--dim D] [--span S] [--window W]
  *             [--mode buf|cat] [--exec graph|eager] [--offload] [--no-check]
- *             [--csv FILE]
+ *             [--ahead-frames A] [--ahead-fraction F] [--csv FILE]
+ *
+ * A growable buffer maps A frames' growth ahead (default 8) on its worker
+ * thread, but at most the fraction F of its length (default 0.01), so that
+ * a short cache holds no pages it does not use yet.
  *
  * With --exec graph (the default on a GPU) or a ring, the run is repeated
  * eagerly over a plain growable buffer and the outputs of every frame are
@@ -37,12 +41,14 @@
 
 typedef struct options {
   int frames;
-  int tokens; /* appended per frame; also the queries per frame */
-  int dim;    /* floats per key, value, query */
-  int span;   /* keys each query attends to (the most recent); 0: all */
-  int window; /* ring mode: tokens kept; 0: keep all (linear buffer) */
-  int cat;    /* grow by allocate-copy-free instead of a growable buffer */
-  int graph;  /* capture once and replay */
+  int tokens;            /* appended per frame; also the queries per frame */
+  int dim;               /* floats per key, value, query */
+  int span;              /* keys each query attends to (the most recent); 0: all */
+  int window;            /* ring mode: tokens kept; 0: keep all (linear buffer) */
+  int ahead_frames;      /* frames' growth mapped ahead */
+  double ahead_fraction; /* ... at most this fraction of the length */
+  int cat;               /* grow by allocate-copy-free instead of a growable buffer */
+  int graph;             /* capture once and replay */
   int offload;
   int check;
   const char *csv;
@@ -52,7 +58,7 @@ static void usage(void) {
   fprintf(stderr,
           "usage: stream_kv [--frames N] [--tokens T] [--dim D] [--span S] [--window W]\n"
           "                 [--mode buf|cat] [--exec graph|eager] [--offload] [--no-check]\n"
-          "                 [--csv FILE]\n");
+          "                 [--ahead-frames A] [--ahead-fraction F] [--csv FILE]\n");
 }
 
 static int parse_int(const char *s, int *out) {
@@ -64,16 +70,27 @@ static int parse_int(const char *s, int *out) {
 }
 
 static int parse_options(int argc, char **argv, options *o, int have_gpu) {
-  *o = (options){256, 64, 128, 4096, 0, 0, have_gpu, 0, 1, NULL};
+  *o = (options){256, 64, 128, 4096, 0, 8, 0.01, 0, have_gpu, 0, 1, NULL};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     int ok = 1;
-    if (!strcmp(a, "--frames") && v) ok = parse_int(argv[++i], &o->frames);
-    else if (!strcmp(a, "--tokens") && v) ok = parse_int(argv[++i], &o->tokens);
-    else if (!strcmp(a, "--dim") && v) ok = parse_int(argv[++i], &o->dim);
-    else if (!strcmp(a, "--span") && v) ok = parse_int(argv[++i], &o->span);
-    else if (!strcmp(a, "--window") && v) ok = parse_int(argv[++i], &o->window);
-    else if (!strcmp(a, "--mode") && v) {
+    if (!strcmp(a, "--frames") && v)
+      ok = parse_int(argv[++i], &o->frames);
+    else if (!strcmp(a, "--tokens") && v)
+      ok = parse_int(argv[++i], &o->tokens);
+    else if (!strcmp(a, "--dim") && v)
+      ok = parse_int(argv[++i], &o->dim);
+    else if (!strcmp(a, "--span") && v)
+      ok = parse_int(argv[++i], &o->span);
+    else if (!strcmp(a, "--window") && v)
+      ok = parse_int(argv[++i], &o->window);
+    else if (!strcmp(a, "--ahead-frames") && v)
+      ok = parse_int(argv[++i], &o->ahead_frames);
+    else if (!strcmp(a, "--ahead-fraction") && v) {
+      char *end;
+      o->ahead_fraction = strtod(argv[++i], &end);
+      ok = *end == '\0' && o->ahead_fraction >= 0 && o->ahead_fraction <= 1;
+    } else if (!strcmp(a, "--mode") && v) {
       o->cat = !strcmp(v, "cat");
       ok = o->cat || !strcmp(v, "buf");
       i++;
@@ -81,10 +98,14 @@ static int parse_options(int argc, char **argv, options *o, int have_gpu) {
       o->graph = !strcmp(v, "graph");
       ok = o->graph || !strcmp(v, "eager");
       i++;
-    } else if (!strcmp(a, "--offload")) o->offload = 1;
-    else if (!strcmp(a, "--no-check")) o->check = 0;
-    else if (!strcmp(a, "--csv") && v) o->csv = argv[++i];
-    else ok = 0;
+    } else if (!strcmp(a, "--offload"))
+      o->offload = 1;
+    else if (!strcmp(a, "--no-check"))
+      o->check = 0;
+    else if (!strcmp(a, "--csv") && v)
+      o->csv = argv[++i];
+    else
+      ok = 0;
     if (!ok) return usage(), 0;
   }
   if (o->frames < 1 || o->tokens < 1 || o->dim < 1 || o->dim > 1024) return usage(), 0;
@@ -240,7 +261,8 @@ static void cpu_step(const step_args *a) {
   long first, count;
   attended(s, a, &first, &count);
   long base = slot_of(first, a->window);
-  float *scores = (float *)malloc(sizeof(float) * chunk), *acc = (float *)malloc(sizeof(float) * dim);
+  float *scores = (float *)malloc(sizeof(float) * chunk),
+        *acc = (float *)malloc(sizeof(float) * dim);
   for (int q = 0; q < a->tokens; q++) {
     const float *query = a->queries + (long)q * dim;
     float scale = 1.0f / sqrtf((float)dim), m = -INFINITY, sum = 0.0f;
@@ -280,10 +302,10 @@ static void cpu_step(const step_args *a) {
 /* ------------------------------------------------------------------------ */
 
 typedef struct cache {
-  tide_buf *buf[2];  /* keys, values (buffer mode) */
-  void *block[2];    /* keys, values (cat mode) */
-  size_t length;     /* bytes in use per cache */
-  size_t copied;     /* bytes copied by the last growth (cat mode) */
+  tide_buf *buf[2]; /* keys, values (buffer mode) */
+  void *block[2];   /* keys, values (cat mode) */
+  size_t length;    /* bytes in use per cache */
+  size_t copied;    /* bytes copied by the last growth (cat mode) */
 } cache;
 
 static int fail(const char *what) {
@@ -311,10 +333,12 @@ static int cache_open(cache *c, tide_allocator *alloc, const options *o, size_t 
       bo.capacity = round_up((size_t)o->window * row, granularity);
     } else {
       bo.capacity = round_up((size_t)o->frames * o->tokens * row, granularity);
-      /* Eight frames' growth ahead, mapped off the critical path: the next
-       * page is mapped eight frames before the cache reaches it, and held
-       * only from then on. */
-      bo.map_ahead = 8 * (size_t)o->tokens * row;
+      /* A few frames' growth ahead, mapped off the critical path: the next
+       * page is mapped that many frames before the cache reaches it, and held
+       * only from then on; never more than a fraction of the cache, so that
+       * the memory held beyond the length stays a small part of it. */
+      bo.map_ahead = (size_t)o->ahead_frames * o->tokens * row;
+      bo.map_ahead_fraction = o->ahead_fraction;
       bo.async_map_ahead = 1;
     }
     if (tide_buf_create(alloc, &bo, &c->buf[i]) != TIDE_OK) return fail("tide_buf_create");
@@ -386,8 +410,10 @@ static double mib(int64_t bytes) { return (double)bytes / 1048576.0; }
 static void read_stats(tide_allocator *alloc, int64_t *allocated, int64_t *reserved, int peak) {
   tide_stats st;
   if (tide_get_stats(alloc, &st) != TIDE_OK) return;
-  *allocated = peak ? st.allocated_bytes[TIDE_POOL_ALL].peak : st.allocated_bytes[TIDE_POOL_ALL].current;
-  *reserved = peak ? st.reserved_bytes[TIDE_POOL_ALL].peak : st.reserved_bytes[TIDE_POOL_ALL].current;
+  *allocated =
+      peak ? st.allocated_bytes[TIDE_POOL_ALL].peak : st.allocated_bytes[TIDE_POOL_ALL].current;
+  *reserved =
+      peak ? st.reserved_bytes[TIDE_POOL_ALL].peak : st.reserved_bytes[TIDE_POOL_ALL].current;
 }
 
 typedef struct device {
@@ -425,7 +451,8 @@ static int run(const device *dev, const options *o, run_result *r) {
   a.state = (step_state *)tide_malloc(alloc, sizeof(step_state), stream);
   if (!a.queries || !a.outputs || !a.state) return fail("tide_malloc");
   step_state zero = {0, 0};
-  if (tide_memcpy(alloc, a.state, &zero, sizeof zero, stream) != TIDE_OK) return fail("tide_memcpy");
+  if (tide_memcpy(alloc, a.state, &zero, sizeof zero, stream) != TIDE_OK)
+    return fail("tide_memcpy");
   cache c;
   if (!cache_open(&c, alloc, o, dev->granularity)) return 0;
   float *pinned = NULL;
@@ -567,7 +594,9 @@ int main(int argc, char **argv) {
   options o;
   if (!parse_options(argc, argv, &o, dev.gpu)) return 2;
   printf("%d frames x %d tokens, dim %d, span %d, %s, %s%s\n", o.frames, o.tokens, o.dim, o.span,
-         o.cat ? "cat growth" : o.window ? "ring buffer" : "growable buffer",
+         o.cat      ? "cat growth"
+         : o.window ? "ring buffer"
+                    : "growable buffer",
          o.graph ? "graph replay" : "eager", o.offload ? ", offload to pinned memory" : "");
   run_result r;
   if (!run(&dev, &o, &r)) return 1;

@@ -1134,6 +1134,10 @@ static void op_buf_create(world *w) {
    * it), one and two pages of the largest granularity. */
   const size_t aheads[] = {0, 2 * MiB, 4 * MiB, 300 * KiB};
   o.map_ahead = aheads[fz_pick(&w->in, sizeof aheads / sizeof aheads[0])];
+  /* Bounded by the length (a little, or below a page until the buffer is
+   * long), or not. */
+  const double fractions[] = {0, 0.01, 0.5};
+  if (o.map_ahead) o.map_ahead_fraction = fractions[fz_pick(&w->in, 3)];
   stream_kind kind;
   o.stream = pick_stream(w, &kind);
   if (captured(w, o.stream)) return; /* buffers are grown and shrunk outside captures */

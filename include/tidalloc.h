@@ -321,7 +321,12 @@ TIDE_API tide_status tide_check(tide_allocator *alloc);
  * mapped pages are the fewest that cover length + map_ahead, so a map_ahead
  * of a few growths' bytes maps the next page only as the length nears it
  * (memory held beyond the length: the partial page, and the next one only
- * then), where a map_ahead of a page keeps one to two pages beyond it. A shrink unmaps pages
+ * then), where a map_ahead of a page keeps one to two pages beyond it.
+ * map_ahead_fraction bounds map_ahead by the length: with 0.01, the pages
+ * mapped beyond the last one the length touches are whole pages within 1% of
+ * the length (so a short buffer maps only what it needs, and the memory held
+ * beyond its length stays a fraction of it, however large a step map_ahead
+ * covers); 0 leaves map_ahead as it is. A shrink unmaps pages
  * only once the work queued on the stream passed to it is done (an event
  * decides; nothing waits).
  *
@@ -338,11 +343,12 @@ TIDE_API tide_status tide_check(tide_allocator *alloc);
 typedef struct tide_buf tide_buf;
 
 typedef struct tide_buf_options {
-  size_t capacity;     /* bytes of address space (rounded up to the page); for a ring, W */
-  int ring;            /* nonzero: a ring buffer, mapped twice */
-  size_t map_ahead;    /* bytes kept mapped beyond the length, at least (0: none) */
-  int async_map_ahead; /* nonzero: a worker thread maps ahead */
-  tide_stream stream;  /* whose figures the buffer joins, and the default for resizes */
+  size_t capacity;           /* bytes of address space (rounded up to the page); for a ring, W */
+  int ring;                  /* nonzero: a ring buffer, mapped twice */
+  size_t map_ahead;          /* bytes kept mapped beyond the length, at least (0: none) */
+  int async_map_ahead;       /* nonzero: a worker thread maps ahead */
+  tide_stream stream;        /* whose figures the buffer joins, and the default for resizes */
+  double map_ahead_fraction; /* nonzero: map ahead at most this fraction of the length */
 } tide_buf_options;
 
 /* Defaults: everything zero. */

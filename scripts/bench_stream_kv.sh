@@ -8,6 +8,10 @@
 # to stdout.
 #
 #   scripts/bench_stream_kv.sh BUILD_DIR OUTDIR [FRAMES...]
+#
+# STREAM_KV_ARGS, if set, goes to every run (e.g. "--tokens 1024 --dim 512"
+# for a cache that grows 2 MiB a frame, as one layer of a streaming
+# reconstruction model does).
 set -euo pipefail
 build=${1:?build directory}
 out=${2:?output directory}
@@ -22,7 +26,9 @@ for n in "${frames[@]}"; do
     set -- $config
     tag="$1_$2_$n"
     echo "== stream_kv --frames $n --mode $1 --exec $2"
-    if ! "$bin" --frames "$n" --mode "$1" --exec "$2" --csv "$out/raw/frames_$tag.csv"; then
+    # shellcheck disable=SC2086
+    if ! "$bin" --frames "$n" --mode "$1" --exec "$2" ${STREAM_KV_ARGS:-} \
+      --csv "$out/raw/frames_$tag.csv"; then
       echo "stream_kv failed: $tag"
       status=1
     fi

@@ -24,6 +24,10 @@ def summarise(rows):
     alloc = max(int(r["allocated"]) for r in rows)
     res = max(int(r["reserved"]) for r in rows)
     copied = sum(int(r["bytes_copied"]) for r in rows) / len(rows)
+    # Reserved over allocated after each frame, the most of it: the ratio
+    # throughout the run, not only at its peaks.
+    frame_ratio = max(int(r["reserved"]) / int(r["allocated"]) for r in rows
+                      if int(r["allocated"]) > 0)
     ms_sorted = sorted(ms)
     return {
         "mode": rows[0]["mode"], "exec": rows[0]["exec"], "frames": len(rows),
@@ -34,6 +38,7 @@ def summarise(rows):
         "copied_mib_per_frame": f"{copied / 2**20:.2f}",
         "peak_allocated_mib": f"{alloc / 2**20:.1f}", "peak_reserved_mib": f"{res / 2**20:.1f}",
         "reserved_over_allocated": f"{res / alloc:.4f}" if alloc else "",
+        "max_frame_ratio": f"{frame_ratio:.4f}",
     }
 
 

@@ -29,6 +29,7 @@ struct tide_buf {
   pthread_cond_t changed;
   size_t mapped, keep, busy; /* pages; busy: being mapped by the worker, after `mapped` */
   size_t ahead;              /* map_ahead: bytes kept mapped beyond the length */
+  double ahead_fraction;     /* map_ahead_fraction: at most this much of the length, if nonzero */
   _tide_event release_event; /* pages [keep, mapped) go once it completes */
   bool release_pending;
   /* The worker. */
@@ -293,9 +294,17 @@ static void *worker_main(void *arg) {
 
 /* The pages that keep `ahead` bytes mapped beyond `length`, and no more: a
  * page ahead is mapped only once the length comes within `ahead` bytes of the
- * end of the mapped ones, so a small map_ahead costs little memory. */
+ * end of the mapped ones, so a small map_ahead costs little memory. With a
+ * fraction, `ahead` is at most that much of the length and only pages wholly
+ * inside it are mapped ahead: beyond the last page the length touches, the
+ * buffer holds at most that fraction of its length, so a short buffer holds
+ * no pages it does not use yet. */
 static size_t pages_with_ahead(const tide_buf *b, size_t length) {
-  return pages_for(length + b->ahead, b->page);
+  if (b->ahead_fraction <= 0) return pages_for(length + b->ahead, b->page);
+  double bound = b->ahead_fraction * (double)length;
+  size_t ahead = bound < (double)b->ahead ? (size_t)bound : b->ahead;
+  size_t whole = (length + ahead) / b->page, needed = pages_for(length, b->page);
+  return whole > needed ? whole : needed;
 }
 
 /* After a growth to `length` bytes, the pages ahead: on the worker, or now.
@@ -357,6 +366,10 @@ static int check_options(tide_allocator *a, const tide_buf_options *o) {
   if (o->map_ahead > TIDE_MAX_ALLOC)
     return _tide_error_set(TIDE_ERR_INVALID, "tide_buf_create: map_ahead %zu bytes is too large",
                            o->map_ahead);
+  if (!(o->map_ahead_fraction >= 0 && o->map_ahead_fraction <= 1))
+    return _tide_error_set(TIDE_ERR_INVALID,
+                           "tide_buf_create: map_ahead_fraction %g (it must be from 0 to 1)",
+                           o->map_ahead_fraction);
   return TIDE_OK;
 }
 
@@ -395,6 +408,7 @@ static int open_range(tide_buf *b, const tide_buf_options *o) {
   b->capacity = pages_for(o->capacity, b->page) * b->page;
   b->reserved_bytes = b->ring ? 2 * b->capacity : b->capacity;
   b->ahead = o->map_ahead;
+  b->ahead_fraction = o->map_ahead_fraction;
   b->handles = calloc(b->capacity / b->page, sizeof *b->handles);
   if (!b->handles) return _tide_error_set(TIDE_ERR_OOM, "out of host memory for a buffer");
   const _tide_backend *be = &a->backend;

@@ -193,6 +193,44 @@ static void test_map_ahead_is_bytes_not_pages(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* map_ahead_fraction bounds map_ahead by the length: a short buffer maps
+ * only the pages its length needs, a long one the whole pages within the
+ * fraction of its length ahead, and never more than map_ahead; growth and
+ * shrink alike. */
+static void test_map_ahead_fraction_bounds_it_by_the_length(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create(NULL);
+  tide_buf_options o;
+  tide_buf_options_init(&o);
+  o.capacity = 2048 * TU_MiB;
+  o.map_ahead = 32 * TU_MiB;
+  o.map_ahead_fraction = 0.01;
+  tide_buf *b = create(a, &o);
+  for (size_t len = 4 * TU_MiB; len <= 2048 * TU_MiB; len += 4 * TU_MiB) {
+    tu_assert_ok(tide_buf_resize(b, len, NULL));
+    size_t ahead = len / 100 < o.map_ahead ? len / 100 : o.map_ahead;
+    size_t want = (len + ahead) / PAGE * PAGE; /* whole pages ahead only */
+    if (want < len) want = (len + PAGE - 1) / PAGE * PAGE;
+    if (want > o.capacity) want = o.capacity;
+    if (tide_buf_mapped(b) != want)
+      fail_msg("length %zu: %zu bytes mapped, expected %zu", len, tide_buf_mapped(b), want);
+  }
+  tu_assert_ok(tide_buf_resize(b, 100 * TU_MiB, NULL)); /* 1 MiB ahead: no whole page */
+  tu_assert_ok(tide_check(a));
+  assert_int_equal(tide_buf_mapped(b), 100 * TU_MiB);
+  tu_assert_ok(tide_buf_resize(b, 99 * TU_MiB, NULL)); /* the partial page, no more */
+  assert_int_equal(tide_buf_mapped(b), 100 * TU_MiB);
+  tu_assert_ok(tide_buf_resize(b, 1020 * TU_MiB, NULL)); /* 10.2 MiB ahead: 5 pages */
+  assert_int_equal(tide_buf_mapped(b), 1030 * TU_MiB);
+  tu_assert_ok(tide_buf_destroy(b));
+  o.map_ahead_fraction = -0.5;
+  assert_int_equal(tide_buf_create(a, &o, &b), TIDE_ERR_INVALID);
+  o.map_ahead_fraction = 1.5;
+  assert_int_equal(tide_buf_create(a, &o, &b), TIDE_ERR_INVALID);
+  assert_int_equal(reserved(a), 0);
+  tu_assert_ok(tide_destroy(a));
+}
+
 /* A buffer growing a page at a time next to cached free memory in segments
  * of 4 MiB handles: each growth releases a cached handle (two pages) rather
  * than none, so reserved memory stays at its ceiling instead of adding the
@@ -664,6 +702,7 @@ int main(void) {
       cmocka_unit_test(test_regrowth_cancels_pending_release),
       cmocka_unit_test(test_map_ahead_avoids_backend_calls),
       cmocka_unit_test(test_map_ahead_is_bytes_not_pages),
+      cmocka_unit_test(test_map_ahead_fraction_bounds_it_by_the_length),
       cmocka_unit_test(test_buffer_growth_releases_larger_handles),
       cmocka_unit_test(test_buffer_room_from_idle_blocks_does_not_wait),
       cmocka_unit_test(test_buffer_pages_count_as_mappings),

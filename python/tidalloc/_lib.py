@@ -31,7 +31,7 @@ class Stats(ctypes.Structure):
 class BufOptions(ctypes.Structure):
     _fields_ = [("capacity", ctypes.c_size_t), ("ring", ctypes.c_int),
                 ("map_ahead", ctypes.c_size_t), ("async_map_ahead", ctypes.c_int),
-                ("stream", ctypes.c_void_p)]
+                ("stream", ctypes.c_void_p), ("map_ahead_fraction", ctypes.c_double)]
 
 
 class Info(ctypes.Structure):

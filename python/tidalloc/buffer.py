@@ -15,10 +15,11 @@ class Buffer:
     the buffer waits for the work queued there that may still read it."""
 
     def __init__(self, capacity, device=0, map_ahead=0, ring=False, stream=None,
-                 release_stream=None):
+                 release_stream=None, map_ahead_fraction=0.0):
         lib = _lib.lib()
         o = _lib.BufOptions(capacity=capacity, ring=int(ring), map_ahead=map_ahead,
-                            async_map_ahead=int(map_ahead > 0 and not ring), stream=stream)
+                            async_map_ahead=int(map_ahead > 0 and not ring), stream=stream,
+                            map_ahead_fraction=map_ahead_fraction)
         handle = ctypes.c_void_p()
         _lib.check(lib.tide_buf_create(_lib.device(device), ctypes.byref(o), ctypes.byref(handle)),
                    "tide_buf_create(%d bytes)" % capacity)
@@ -105,9 +106,12 @@ class GrowableTensor:
 
     `map_ahead_rows`: rows kept mapped beyond the length, mapped by the
     buffer's worker thread; the next page is mapped once fewer rows than that
-    are left in the mapped ones, so a few appends' worth holds little memory."""
+    are left in the mapped ones, so a few appends' worth holds little memory.
+    `map_ahead_fraction` (e.g. 0.01): map ahead at most that fraction of the
+    rows in use, so a short tensor holds no pages it does not use yet."""
 
-    def __init__(self, row_shape, dtype, capacity_rows, device=0, map_ahead_rows=0):
+    def __init__(self, row_shape, dtype, capacity_rows, device=0, map_ahead_rows=0,
+                 map_ahead_fraction=0.0):
         import torch
         self._torch = torch
         self.row_shape = tuple(row_shape)
@@ -126,6 +130,7 @@ class GrowableTensor:
         # the work queued on it, as PyTorch frees a block on its stream.
         self._buf = Buffer(capacity_rows * self.row_bytes, device,
                            map_ahead=map_ahead_rows * self.row_bytes,
+                           map_ahead_fraction=map_ahead_fraction,
                            release_stream=self._current_stream())
         self._full = self._over_buffer(self._host)
         # The hot path: the bound C function and the raw handle, no wrappers.

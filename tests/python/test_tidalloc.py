@@ -124,6 +124,24 @@ def test_growable_buffer_maps_ahead_by_bytes():
     b.close()
 
 
+def test_growable_buffer_map_ahead_fraction_bounds_it():
+    """map_ahead_fraction reaches the C options: a short buffer maps only its
+    length, a long one at most that fraction of it ahead."""
+    b = tidalloc.Buffer(1024 * MiB, map_ahead=64 * MiB, map_ahead_fraction=0.01)
+    b.resize(3 * MiB)
+    time.sleep(0.01)
+    assert b.mapped == 4 * MiB  # 31 KiB ahead fits the last page's rest: nothing more
+    b.resize(400 * MiB)  # 4 MiB ahead, not 64
+    deadline = time.monotonic() + 5
+    while b.mapped < 404 * MiB and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(0.01)
+    assert b.mapped == 404 * MiB
+    b.close()
+    with pytest.raises(_lib.TidallocError):
+        tidalloc.Buffer(64 * MiB, map_ahead=MiB, map_ahead_fraction=2.0)
+
+
 def test_memory_viz_snapshot_has_pytorchs_shape(tmp_path):
     import pickle
     from tidalloc import viz
