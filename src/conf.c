@@ -525,6 +525,14 @@ static void format_release_limit(const _tide_conf_values *v, char *buf, size_t l
   format_zero_or_decimal(v->release_limit, buf, len);
 }
 
+static bool parse_wait_limit(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  return parse_zero_to_one(s, &v->wait_limit, why, why_len);
+}
+
+static void format_wait_limit(const _tide_conf_values *v, char *buf, size_t len) {
+  format_zero_or_decimal(v->wait_limit, buf, len);
+}
+
 #define TRACE_MAX ((uint64_t)1 << 24)
 
 static bool parse_trace(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
@@ -673,6 +681,13 @@ static const option options[] = {
      "even where that is more than the growth needs, so that handles larger than a page do "
      "not let reserved memory creep upward",
      "a fraction from 0 to 1, such as 0.0175", parse_release_limit, format_release_limit},
+    {"wait_limit", "0.019",
+     "with release_holes, growth that must unmap a page of another physical handle size (or "
+     "a growable buffer making room), which work queued on the stream may still read, passes "
+     "it over for others (no wait for "
+     "the stream) while reserved memory stays within this fraction above the allocated "
+     "peak; past it, it waits for that work and unmaps the page. 0 always waits",
+     "a fraction from 0 to 1, such as 0.019", parse_wait_limit, format_wait_limit},
     {"peer_access", "True",
      "CUDA: every other GPU that can access this one's memory (cuDeviceCanAccessPeer) may read "
      "and write the allocator's blocks, so kernels on several GPUs can share them; the host "

@@ -135,6 +135,7 @@ typedef struct _tide_conf_values {
   bool release_holes;        /* recycle free pages inside segments when growing */
   double release_slack;      /* free pages stay cached up to this fraction above the peak */
   double release_limit;      /* past this fraction above the peak, room comes in whole handles */
+  double wait_limit;         /* below this fraction above the peak, growth skips busy pages */
   size_t trace_capacity;     /* trace ring events, 0: off */
   size_t host_capacity;      /* bytes of the emulated device */
   size_t host_granularity;   /* the emulated device's mapping granularity */

@@ -62,6 +62,7 @@ static const char *const all_keys[] = {
     "release_holes",
     "release_slack",
     "release_limit",
+    "wait_limit",
     "peer_access",
     "capture_detection",
     "trace",
@@ -104,6 +105,7 @@ static void test_defaults(void **state) {
   assert_string_equal(get(config, "release_holes"), "True");
   assert_string_equal(get(config, "release_slack"), "0.015");
   assert_string_equal(get(config, "release_limit"), "0.0175");
+  assert_string_equal(get(config, "wait_limit"), "0.019");
   tide_config_free(config);
 }
 
@@ -207,6 +209,8 @@ static void test_good_values(void **state) {
       {"release_slack", "1", "1.0"},
       {"release_limit", "0", "0"},
       {"release_limit", "0.02", "0.02"},
+      {"wait_limit", "0", "0"},
+      {"wait_limit", "0.019", "0.019"},
       {"host_queue_depth", "0", "0"},
       {"host_queue_depth", "64", "64"},
       {"trace", "0", "0"},
@@ -242,14 +246,14 @@ static void test_values_reach_the_struct(void **state) {
   (void)state;
   tide_config *config = new_config();
   assert_int_equal(
-      tide_config_parse(
-          config, "backend:host,expandable_segments:False,page_size_mb:20,"
-                  "handle_size_mb:40,handle_threshold_mb:64,"
-                  "max_split_size_mb:200,garbage_collection_threshold:0.75,"
-                  "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
-                  "release_slack:0.05,release_limit:0.25,peer_access:False,capture_detection:True,"
-                  "trace:100,host_capacity:8GiB,host_granularity:64KiB,"
-                  "host_devices:4,host_queue_depth:3,roundup_power2_divisions:8"),
+      tide_config_parse(config, "backend:host,expandable_segments:False,page_size_mb:20,"
+                                "handle_size_mb:40,handle_threshold_mb:64,"
+                                "max_split_size_mb:200,garbage_collection_threshold:0.75,"
+                                "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
+                                "release_slack:0.05,release_limit:0.25,wait_limit:0.3,"
+                                "peer_access:False,capture_detection:True,"
+                                "trace:100,host_capacity:8GiB,host_granularity:64KiB,"
+                                "host_devices:4,host_queue_depth:3,roundup_power2_divisions:8"),
       TIDE_OK);
   const _tide_conf_values *v = _tide_config_values(config);
   assert_int_equal(v->backend, TIDE_BACKEND_HOST);
@@ -264,6 +268,7 @@ static void test_values_reach_the_struct(void **state) {
   assert_false(v->release_holes);
   assert_true(v->release_slack == 0.05);
   assert_true(v->release_limit == 0.25);
+  assert_true(v->wait_limit == 0.3);
   assert_false(v->peer_access);
   assert_true(v->capture_detection);
   assert_int_equal(v->trace_capacity, 100);
@@ -340,6 +345,7 @@ static void test_bad_values(void **state) {
       {"release_slack", "-0.01"},
       {"release_limit", "2"},
       {"release_limit", "-1"},
+      {"wait_limit", "1.01"},
       {"host_queue_depth", "-1"},
       {"host_queue_depth", "1000001"},
       {"trace", "16777217"},

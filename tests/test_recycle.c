@@ -332,6 +332,36 @@ static void test_release_of_other_handles_is_not_deferred(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* The same growth within wait_limit (here 10% above the allocated peak: 32
+ * MiB + the 2 MiB page is 6% above it) passes the busy handle over rather
+ * than wait for the stream: no synchronization, and the page adds to
+ * reserved memory. */
+static void test_release_of_busy_other_handles_skipped_within_wait_limit(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create("host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0,"
+                                "release_slack:0,release_limit:0,wait_limit:0.1");
+  tide_stream s;
+  tu_assert_ok(tide_stream_create(a, &s));
+  void *first = tide_malloc(a, 16 * TU_MiB, s), *second = tide_malloc(a, 16 * TU_MiB, s);
+  assert_non_null(first);
+  assert_non_null(second);
+  tu_assert_ok(tide_free(a, first, s)); /* no idle mark yet: it may be in use */
+  void *small = tide_malloc(a, 512 * 1024, s);
+  assert_non_null(small);
+  tide_stats st = tu_stats(a);
+  assert_int_equal(tide_host_call_count(a, TIDE_OP_STREAM_SYNCHRONIZE), 0);
+  assert_int_equal(st.stream_waits, 0);
+  assert_int_equal(st.unmappings, 0);
+  assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].current, 34 * TU_MiB);
+  tu_assert_ok(tide_check(a));
+  tu_assert_ok(tide_free(a, small, s));
+  tu_assert_ok(tide_free(a, second, s));
+  tu_assert_ok(tide_empty_cache(a));
+  assert_int_equal(tide_host_bytes_in_use(a), 0);
+  tu_assert_ok(tide_stream_destroy(a, s));
+  tu_assert_ok(tide_destroy(a));
+}
+
 /* A growable buffer making room at the ceiling takes free pages that queued
  * work may still read: it waits, but only as far as the idle mark recorded
  * after their free (an event), not for the whole stream, whose later work
@@ -369,6 +399,40 @@ static void test_room_waits_for_the_mark_not_the_stream(void **state) {
   assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].peak, 16 * TU_MiB);
   tu_assert_ok(tide_check(a));
   tu_assert_ok(tide_buf_destroy(b));
+  tu_assert_ok(tide_empty_cache(a));
+  assert_int_equal(tide_host_bytes_in_use(a), 0);
+  tu_assert_ok(tide_destroy(a));
+}
+
+/* Within wait_limit the buffer's room passes busy pages over instead: here
+ * 16 MiB allocated at the peak and 50% allowed, so the first 8 MiB of the
+ * buffer add to reserved memory, nothing waits; past the limit it waits. */
+static void test_room_skips_busy_pages_within_wait_limit(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create("backend:host,host_capacity:1GiB,release_slack:0,"
+                                "release_limit:0,wait_limit:0.5,host_queue_depth:1000000");
+  void *x = tide_malloc(a, 8 * TU_MiB, NULL), *y = tide_malloc(a, 8 * TU_MiB, NULL);
+  assert_non_null(x);
+  assert_non_null(y);
+  tide_buf_options o;
+  tide_buf_options_init(&o);
+  o.capacity = 64 * TU_MiB;
+  tide_buf *b;
+  tu_assert_ok(tide_buf_create(a, &o, &b));
+  tu_assert_ok(tide_free(a, x, NULL)); /* busy: no mark after its free, the stream lags */
+  for (size_t mib = 2; mib <= 8; mib += 2) tu_assert_ok(tide_buf_resize(b, mib * TU_MiB, NULL));
+  tide_stats st = tu_stats(a);
+  assert_int_equal(st.stream_waits, 0);
+  assert_int_equal(tide_host_call_count(a, TIDE_OP_STREAM_SYNCHRONIZE), 0);
+  assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].current, 24 * TU_MiB);
+  /* 24 MiB + 2 is past 1.5 x 16: x's pages go now, after a wait. */
+  tu_assert_ok(tide_buf_resize(b, 10 * TU_MiB, NULL));
+  st = tu_stats(a);
+  assert_int_equal(st.stream_waits, 1);
+  assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].current, 24 * TU_MiB);
+  tu_assert_ok(tide_check(a));
+  tu_assert_ok(tide_buf_destroy(b));
+  tu_assert_ok(tide_free(a, y, NULL));
   tu_assert_ok(tide_empty_cache(a));
   assert_int_equal(tide_host_bytes_in_use(a), 0);
   tu_assert_ok(tide_destroy(a));
@@ -420,7 +484,9 @@ int main(void) {
       cmocka_unit_test(test_large_handles_after_unmapped_pages),
       cmocka_unit_test(test_release_limit_releases_whole_handles),
       cmocka_unit_test(test_release_of_other_handles_is_not_deferred),
+      cmocka_unit_test(test_release_of_busy_other_handles_skipped_within_wait_limit),
       cmocka_unit_test(test_room_waits_for_the_mark_not_the_stream),
+      cmocka_unit_test(test_room_skips_busy_pages_within_wait_limit),
       cmocka_unit_test(test_growth_waits_for_the_mark_not_the_stream),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
