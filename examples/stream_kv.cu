@@ -16,8 +16,11 @@
  *             [--ahead-frames A] [--ahead-fraction F] [--csv FILE]
  *
  * A growable buffer maps A frames' growth ahead (default 8) on its worker
- * thread, but at most the fraction F of its length (default 0.01), so that
- * a short cache holds no pages it does not use yet.
+ * thread; with F, at most that fraction of its length (map_ahead_fraction;
+ * default 0: no bound), so that a short cache holds no pages it does not use
+ * yet. The bound suits caches that grow by pages a frame (--tokens 1024 --dim
+ * 512: 2 MiB); at the small default (32 KiB a frame) it leaves every page to
+ * be mapped on the calling thread, in the frame that needs it.
  *
  * With --exec graph (the default on a GPU) or a ring, the run is repeated
  * eagerly over a plain growable buffer and the outputs of every frame are
@@ -70,7 +73,7 @@ static int parse_int(const char *s, int *out) {
 }
 
 static int parse_options(int argc, char **argv, options *o, int have_gpu) {
-  *o = (options){256, 64, 128, 4096, 0, 8, 0.01, 0, have_gpu, 0, 1, NULL};
+  *o = (options){256, 64, 128, 4096, 0, 8, 0.0, 0, have_gpu, 0, 1, NULL};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
     int ok = 1;
