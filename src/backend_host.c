@@ -15,8 +15,10 @@
  * - Streams complete their work at once unless held; a held stream keeps
  *   every event recorded on it pending until it is released (as if a long
  *   kernel ran). With host_queue_depth N, an event completes only once N
- *   more have been recorded on its stream, or the stream (or the event) is
- *   waited for: a GPU's queue, whose work completes behind the CPU. Ids of
+ *   more have been recorded on its stream, or at its Nth query while
+ *   pending (time passes between queries), or once the stream (or the
+ *   event) is waited for: a GPU's queue, whose work completes behind the
+ *   CPU. Ids of
  *   streams and events are slot numbers plus generations.
  * - Graph capture is emulated (tide_host_capture_*): a stream being captured
  *   has a capture id, which streams joined to it share; waiting for it is
@@ -144,6 +146,7 @@ typedef struct host_event {
   bool captured;   /* last recorded on a stream being captured: part of a graph */
   uint32_t stream; /* slot of the stream it was recorded on */
   uint64_t ticket;
+  uint64_t queries; /* since it was recorded, while not done */
 } host_event;
 
 /* Slots freed for reuse. */
@@ -1093,6 +1096,7 @@ static int host_event_record(void *ctx, _tide_event event, tide_stream stream) {
   host_stream *s = &d->streams[sslot];
   host_event *e = &d->events[eslot];
   e->recorded = true;
+  e->queries = 0;
   e->stream = sslot;
   e->captured = s->capture_id != 0; /* a node of the graph, not work of the stream */
   if (!e->captured) {
@@ -1115,6 +1119,13 @@ static int host_event_query(void *ctx, _tide_event event) {
   }
   host_event *e = &d->events[slot];
   bool done = event_done(d, e), captured = e->captured;
+  /* Time passes between queries: the queue_depth-th query of a pending
+   * event finds the stream's work done up to it. */
+  if (!done && !captured && e->recorded && !d->streams[e->stream].held &&
+      ++e->queries >= d->queue_depth) {
+    if (d->streams[e->stream].completed < e->ticket) d->streams[e->stream].completed = e->ticket;
+    done = event_done(d, e);
+  }
   tide_stream stream = stream_id(d, e->stream);
   unlock(d);
   if (captured) return captured_event(stream, "event_query");

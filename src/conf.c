@@ -709,8 +709,8 @@ static const option options[] = {
      parse_host_devices, format_host_devices},
     {"host_queue_depth", "0",
      "host backend: an event completes only once this many more have been recorded on its "
-     "stream (or the stream is waited for), as work queued on a GPU completes behind the CPU; "
-     "0: at once",
+     "stream, or it has been queried this many times while pending, or the stream is waited "
+     "for, as work queued on a GPU completes behind the CPU; 0: at once",
      "a whole number from 0 to 1000000", parse_host_queue_depth, format_host_queue_depth},
 };
 
