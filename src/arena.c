@@ -396,8 +396,9 @@ static bool past_release_limit(const _tide_arena *arena, size_t need) {
  * a page of another handle size that queued work may still read, rather
  * than wait for that work. Each wait drains the stream's queue while the
  * CPU waits; on the H200's streaming workload (cat mode, 1024 frames) the
- * default cut the waits from 797-932 to 151-198 and the median frame by
- * 0.7%, at 10% more mappings and a running ratio of at most 1.0183. */
+ * default cut the waits from 764-932 to 151-200 and the median frame by
+ * 0.3-0.8%, at about 10% more mappings and a running ratio of at most
+ * 1.0185 (1.0175 waiting always). */
 static bool within_wait_limit(const _tide_arena *arena, size_t need) {
   struct tide_allocator *a = arena->alloc;
   int64_t limit = (int64_t)((double)allocated_peak(arena) * (1.0 + a->conf.wait_limit));

@@ -18,8 +18,7 @@
  *   more have been recorded on its stream, or at its Nth query while
  *   pending (time passes between queries), or once the stream (or the
  *   event) is waited for: a GPU's queue, whose work completes behind the
- *   CPU. Ids of
- *   streams and events are slot numbers plus generations.
+ *   CPU. Ids of streams and events are slot numbers plus generations.
  * - Graph capture is emulated (tide_host_capture_*): a stream being captured
  *   has a capture id, which streams joined to it share; waiting for it is
  *   refused as the driver refuses it, and an event recorded on it belongs to

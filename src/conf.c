@@ -684,9 +684,9 @@ static const option options[] = {
     {"wait_limit", "0.019",
      "with release_holes, growth that must unmap a page of another physical handle size (or "
      "a growable buffer making room), which work queued on the stream may still read, passes "
-     "it over for others (no wait for "
-     "the stream) while reserved memory stays within this fraction above the allocated "
-     "peak; past it, it waits for that work and unmaps the page. 0 always waits",
+     "it over for others, without waiting for the stream, while reserved memory stays within "
+     "this fraction above the allocated peak; past it, it waits for that work and unmaps the "
+     "page. 0 always waits",
      "a fraction from 0 to 1, such as 0.019", parse_wait_limit, format_wait_limit},
     {"peer_access", "True",
      "CUDA: every other GPU that can access this one's memory (cuDeviceCanAccessPeer) may read "
