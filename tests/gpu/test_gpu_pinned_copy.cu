@@ -83,7 +83,7 @@ static void round_trip(tide_allocator *a, cudaStream_t s, size_t n) {
 
   /* Asynchronous and ordered after the kernel before it. */
   wait_then_fill_kernel<<<grid_for(n) < 128 ? grid_for(n) : 128, 256, 0, s>>>((uint8_t *)d, n, 7,
-                                                                             wait_ns());
+                                                                              wait_ns());
   CUDA_OK(cudaGetLastError());
   TIDE_OK_OR_DIE(tide_memcpy(a, h, d, n, ts));
   bool queued = cudaStreamQuery(s) == cudaErrorNotReady;
@@ -107,15 +107,17 @@ static void stream_ordered_reuse(tide_allocator *a, cudaStream_t sa, cudaStream_
   void *h = tide_pinned_malloc(a, n, ta);
   if (!check(d && h, "%s: blocks for the reuse case", mib(n, text, sizeof text))) return;
   wait_then_fill_kernel<<<grid_for(n) < 128 ? grid_for(n) : 128, 256, 0, sb>>>((uint8_t *)d, n, 8,
-                                                                              wait_ns());
+                                                                               wait_ns());
   CUDA_OK(cudaGetLastError());
   TIDE_OK_OR_DIE(tide_memcpy(a, h, d, n, tb)); /* B writes h once its kernel is done */
   TIDE_OK_OR_DIE(tide_pinned_record_stream(a, h, tb));
   TIDE_OK_OR_DIE(tide_pinned_free(a, h, ta));
   void *other = tide_pinned_malloc(a, n, ta);
   bool running = cudaStreamQuery(sb) == cudaErrorNotReady;
-  check(running, "%s: B's copy was still queued when the block was asked for again (else raise "
-        "TIDE_GPU_WAIT_MS)", mib(n, text, sizeof text));
+  check(running,
+        "%s: B's copy was still queued when the block was asked for again (else raise "
+        "TIDE_GPU_WAIT_MS)",
+        mib(n, text, sizeof text));
   check(other != NULL && other != h, "%s: a block B still writes is not handed out (%p, %p)",
         mib(n, text, sizeof text), h, other);
   CUDA_OK(cudaStreamSynchronize(sb));
@@ -123,8 +125,8 @@ static void stream_ordered_reuse(tide_allocator *a, cudaStream_t sa, cudaStream_
   check(wrong == 0, "%s: B's copy landed in the freed block undisturbed (%zu word(s) wrong)",
         mib(n, text, sizeof text), wrong);
   void *again = tide_pinned_malloc(a, n, ta);
-  check(again == h, "%s: once B is done the block is reused (%p, %p)", mib(n, text, sizeof text),
-        h, again);
+  check(again == h, "%s: once B is done the block is reused (%p, %p)", mib(n, text, sizeof text), h,
+        again);
   /* Freed on its own stream, a block is its stream's at once. */
   TIDE_OK_OR_DIE(tide_pinned_free(a, again, ta));
   void *same = tide_pinned_malloc(a, n, ta);
