@@ -377,6 +377,14 @@ static int64_t growth_headroom(const _tide_arena *arena) {
   return ceiling - atomic_load(&a->reserved.cur);
 }
 
+/* Whether growth by `need` bytes would take reserved memory more than
+ * `fraction` above the allocated peak. */
+static bool above_peak_by(const _tide_arena *arena, size_t need, double fraction) {
+  struct tide_allocator *a = arena->alloc;
+  int64_t limit = (int64_t)((double)allocated_peak(arena) * (1.0 + fraction));
+  return atomic_load(&a->reserved.cur) + (int64_t)need > limit;
+}
+
 /* Whether growth by `need` bytes would take reserved memory past
  * release_limit above the allocated peak. Room is then made in whole
  * handles: where a handle holds several pages, a growth asking for less
@@ -386,9 +394,7 @@ static int64_t growth_headroom(const _tide_arena *arena) {
  * workload's steady state, 1.015 x the allocated peak crept to 1.019 over
  * 700 frames (host backend), 1.021 on the H200. */
 static bool past_release_limit(const _tide_arena *arena, size_t need) {
-  struct tide_allocator *a = arena->alloc;
-  int64_t limit = (int64_t)((double)allocated_peak(arena) * (1.0 + a->conf.release_limit));
-  return atomic_load(&a->reserved.cur) + (int64_t)need > limit;
+  return above_peak_by(arena, need, arena->alloc->conf.release_limit);
 }
 
 /* Whether growth that still needs `need` bytes of room would keep reserved
@@ -400,9 +406,7 @@ static bool past_release_limit(const _tide_arena *arena, size_t need) {
  * 0.3-0.8%, at about 10% more mappings and a running ratio of at most
  * 1.0185 (1.0175 waiting always). */
 static bool within_wait_limit(const _tide_arena *arena, size_t need) {
-  struct tide_allocator *a = arena->alloc;
-  int64_t limit = (int64_t)((double)allocated_peak(arena) * (1.0 + a->conf.wait_limit));
-  return atomic_load(&a->reserved.cur) + (int64_t)need <= limit;
+  return !above_peak_by(arena, need, arena->alloc->conf.wait_limit);
 }
 
 static int take_event(_tide_arena *arena, _tide_event *out);
