@@ -299,6 +299,37 @@ static void test_release_limit_releases_whole_handles(void **state) {
   assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].peak, 34 * TU_MiB);
 }
 
+/* A small pool's page grown at the ceiling beside a free 16 MiB block of
+ * 4 MiB handles that queued work may still read (no idle mark follows its
+ * free), under `wait_limit`: the figures after the growth, and in *syncs
+ * the stream synchronizations it took. */
+static tide_stats small_growth_beside_a_busy_handle(const char *wait_limit, uint64_t *syncs) {
+  char conf[160];
+  snprintf(conf, sizeof conf,
+           "host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0,release_slack:0,"
+           "release_limit:0,wait_limit:%s",
+           wait_limit);
+  tide_allocator *a = tu_create(conf);
+  tide_stream s;
+  tu_assert_ok(tide_stream_create(a, &s));
+  void *first = tide_malloc(a, 16 * TU_MiB, s), *second = tide_malloc(a, 16 * TU_MiB, s);
+  assert_non_null(first);
+  assert_non_null(second);
+  tu_assert_ok(tide_free(a, first, s)); /* no idle mark yet: it may be in use */
+  void *small = tide_malloc(a, 512 * 1024, s);
+  assert_non_null(small);
+  tide_stats st = tu_stats(a);
+  *syncs = tide_host_call_count(a, TIDE_OP_STREAM_SYNCHRONIZE);
+  tu_assert_ok(tide_check(a));
+  tu_assert_ok(tide_free(a, small, s));
+  tu_assert_ok(tide_free(a, second, s));
+  tu_assert_ok(tide_empty_cache(a));
+  assert_int_equal(tide_host_bytes_in_use(a), 0);
+  tu_assert_ok(tide_stream_destroy(a, s));
+  tu_assert_ok(tide_destroy(a));
+  return st;
+}
+
 /* Pages released for a growth that cannot map their handles again (4 MiB
  * handles for a small pool's 2 MiB page) are unmapped before the growth,
  * after one stream synchronization since the work queued before their free
@@ -308,28 +339,13 @@ static void test_release_limit_releases_whole_handles(void **state) {
  * synchronization is what shows it here). */
 static void test_release_of_other_handles_is_not_deferred(void **state) {
   (void)state;
-  tide_allocator *a = tu_create("host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0,"
-                                "release_slack:0,release_limit:0");
-  tide_stream s;
-  tu_assert_ok(tide_stream_create(a, &s));
-  void *first = tide_malloc(a, 16 * TU_MiB, s), *second = tide_malloc(a, 16 * TU_MiB, s);
-  assert_non_null(first);
-  assert_non_null(second);
-  tu_assert_ok(tide_free(a, first, s)); /* no idle mark yet: it may be in use */
-  void *small = tide_malloc(a, 512 * 1024, s);
-  assert_non_null(small);
-  tide_stats st = tu_stats(a);
+  uint64_t syncs;
+  tide_stats st =
+      small_growth_beside_a_busy_handle("0.019", &syncs); /* the default: 34 MiB is past it */
   assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].peak, 32 * TU_MiB);
   assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].current, 30 * TU_MiB);
-  assert_int_equal(tide_host_call_count(a, TIDE_OP_STREAM_SYNCHRONIZE), 1);
+  assert_int_equal(syncs, 1);
   assert_int_equal(st.stream_waits, 1); /* the statistics say so too */
-  tu_assert_ok(tide_check(a));
-  tu_assert_ok(tide_free(a, small, s));
-  tu_assert_ok(tide_free(a, second, s));
-  tu_assert_ok(tide_empty_cache(a));
-  assert_int_equal(tide_host_bytes_in_use(a), 0);
-  tu_assert_ok(tide_stream_destroy(a, s));
-  tu_assert_ok(tide_destroy(a));
 }
 
 /* The same growth within wait_limit (here 10% above the allocated peak: 32
@@ -338,28 +354,28 @@ static void test_release_of_other_handles_is_not_deferred(void **state) {
  * reserved memory. */
 static void test_release_of_busy_other_handles_skipped_within_wait_limit(void **state) {
   (void)state;
-  tide_allocator *a = tu_create("host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0,"
-                                "release_slack:0,release_limit:0,wait_limit:0.1");
-  tide_stream s;
-  tu_assert_ok(tide_stream_create(a, &s));
-  void *first = tide_malloc(a, 16 * TU_MiB, s), *second = tide_malloc(a, 16 * TU_MiB, s);
-  assert_non_null(first);
-  assert_non_null(second);
-  tu_assert_ok(tide_free(a, first, s)); /* no idle mark yet: it may be in use */
-  void *small = tide_malloc(a, 512 * 1024, s);
-  assert_non_null(small);
-  tide_stats st = tu_stats(a);
-  assert_int_equal(tide_host_call_count(a, TIDE_OP_STREAM_SYNCHRONIZE), 0);
+  uint64_t syncs;
+  tide_stats st = small_growth_beside_a_busy_handle("0.1", &syncs);
+  assert_int_equal(syncs, 0);
   assert_int_equal(st.stream_waits, 0);
   assert_int_equal(st.unmappings, 0);
   assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].current, 34 * TU_MiB);
-  tu_assert_ok(tide_check(a));
-  tu_assert_ok(tide_free(a, small, s));
-  tu_assert_ok(tide_free(a, second, s));
-  tu_assert_ok(tide_empty_cache(a));
-  assert_int_equal(tide_host_bytes_in_use(a), 0);
-  tu_assert_ok(tide_stream_destroy(a, s));
-  tu_assert_ok(tide_destroy(a));
+}
+
+/* Two 8 MiB blocks, x and y, and a 64 MiB growable buffer on the default
+ * stream, x freed (with host_queue_depth, its readers may not be done). */
+static tide_buf *buffer_beside_a_freed_block(tide_allocator *a, void **y) {
+  void *x = tide_malloc(a, 8 * TU_MiB, NULL);
+  *y = tide_malloc(a, 8 * TU_MiB, NULL);
+  assert_non_null(x);
+  assert_non_null(*y);
+  tide_buf_options o;
+  tide_buf_options_init(&o);
+  o.capacity = 64 * TU_MiB;
+  tide_buf *b;
+  tu_assert_ok(tide_buf_create(a, &o, &b));
+  tu_assert_ok(tide_free(a, x, NULL));
+  return b;
 }
 
 /* A growable buffer making room at the ceiling takes free pages that queued
@@ -371,15 +387,8 @@ static void test_room_waits_for_the_mark_not_the_stream(void **state) {
   (void)state;
   tide_allocator *a = tu_create("backend:host,host_capacity:1GiB,release_slack:0,"
                                 "release_limit:0,host_queue_depth:1000000");
-  void *x = tide_malloc(a, 8 * TU_MiB, NULL), *y = tide_malloc(a, 8 * TU_MiB, NULL);
-  assert_non_null(x);
-  assert_non_null(y);
-  tide_buf_options o;
-  tide_buf_options_init(&o);
-  o.capacity = 64 * TU_MiB;
-  tide_buf *b;
-  tu_assert_ok(tide_buf_create(a, &o, &b));
-  tu_assert_ok(tide_free(a, x, NULL));
+  void *y;
+  tide_buf *b = buffer_beside_a_freed_block(a, &y);
   /* x's first page: x is not idle and no mark follows its free, so the
    * stream is waited for. */
   tu_assert_ok(tide_buf_resize(b, 2 * TU_MiB, NULL));
@@ -411,15 +420,8 @@ static void test_room_skips_busy_pages_within_wait_limit(void **state) {
   (void)state;
   tide_allocator *a = tu_create("backend:host,host_capacity:1GiB,release_slack:0,"
                                 "release_limit:0,wait_limit:0.5,host_queue_depth:1000000");
-  void *x = tide_malloc(a, 8 * TU_MiB, NULL), *y = tide_malloc(a, 8 * TU_MiB, NULL);
-  assert_non_null(x);
-  assert_non_null(y);
-  tide_buf_options o;
-  tide_buf_options_init(&o);
-  o.capacity = 64 * TU_MiB;
-  tide_buf *b;
-  tu_assert_ok(tide_buf_create(a, &o, &b));
-  tu_assert_ok(tide_free(a, x, NULL)); /* busy: no mark after its free, the stream lags */
+  void *y;
+  tide_buf *b = buffer_beside_a_freed_block(a, &y); /* x busy: no mark after its free */
   for (size_t mib = 2; mib <= 8; mib += 2) tu_assert_ok(tide_buf_resize(b, mib * TU_MiB, NULL));
   tide_stats st = tu_stats(a);
   assert_int_equal(st.stream_waits, 0);
