@@ -29,8 +29,13 @@ On stderr: every run's seconds and, under tidalloc, the device maps and
 unmaps of each run. --trace-csv FILE (tidalloc) writes every allocation and
 free of the process as a trace for `tidalloc replay`.
 
+--serve (for paired_time.py) runs the first run, prints "ready", and then
+times one run for each "run" line read from stdin, answering each with a
+line "SECONDS DIGEST MAPS UNMAPS" (-1 where the allocator does not count
+mappings), until "quit" or the end of its input.
+
     python tests/torch/validate.py gpt2|vit native|tidalloc [--repeats N]
-                                   [--trace-csv FILE.csv.gz]"""
+                                   [--trace-csv FILE.csv.gz] [--serve]"""
 import argparse
 import hashlib
 import os
@@ -83,6 +88,42 @@ def device_mappings(torch):
     return stats["num_device_map"], stats["num_device_unmap"]
 
 
+def timed_run(torch, run):
+    """One run, from an idle device to an idle device: (seconds, digest)."""
+    digest = hashlib.sha256()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    run(digest)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, digest.hexdigest()[:16]
+
+
+def serve(torch, run):
+    """The first run, then one timed run per "run" command on stdin. The
+    process sits idle between commands, so two of them (one per allocator)
+    can take turns on one machine, each run next to the other's in time."""
+    _, first = timed_run(torch, run)
+    print("ready", flush=True)
+    before = device_mappings(torch) or (0, 0)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "quit":
+            break
+        if command != "run":
+            print("validate.py: unknown command %r" % command, file=sys.stderr)
+            return 2
+        seconds, digest = timed_run(torch, run)
+        after = device_mappings(torch)
+        maps, unmaps = (after[0] - before[0], after[1] - before[1]) if after else (-1, -1)
+        before = after or before
+        print("%.6f %s %d %d" % (seconds, digest, maps, unmaps), flush=True)
+        if digest != first:
+            print("validate.py: a run gave other outputs than the first (%s vs %s)"
+                  % (digest, first), file=sys.stderr)
+            return 1
+    return 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("program", choices=("gpt2", "vit"))
@@ -92,6 +133,8 @@ def main():
     parser.add_argument("--trace-csv", metavar="FILE.csv.gz",
                         help="under tidalloc, write every allocation and free of the whole run "
                         "as a trace that `tidalloc replay` reads (turns the trace ring on)")
+    parser.add_argument("--serve", action="store_true", help="after the first run, time one run "
+                        "per 'run' line on stdin (for paired_time.py)")
     args = parser.parse_args()
     if args.repeats < 1:
         sys.exit("validate.py: --repeats must be at least 1")
@@ -108,15 +151,13 @@ def main():
     dev = torch.device("cuda")
     run = {"gpt2": gpt2, "vit": vit}[args.program](torch, dev)
 
+    if args.serve:
+        sys.exit(serve(torch, run))
     digests, seconds, mappings = [], [], []
     for i in range(1 + args.repeats):
-        digest = hashlib.sha256()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        run(digest)
-        torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-        digests.append(digest.hexdigest()[:16])
+        t, d = timed_run(torch, run)
+        seconds.append(t)
+        digests.append(d)
         mappings.append(device_mappings(torch))
         if i == 0:  # the first run's peaks: the figures these columns always had
             alloc = torch.cuda.max_memory_allocated()

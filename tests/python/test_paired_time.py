@@ -1,0 +1,56 @@
+"""test_paired_time.py: the pairing and the summary of tests/torch/paired_time.py,
+with stand-in workers (no torch, no GPU)."""
+import importlib.util
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+spec = importlib.util.spec_from_file_location(
+    "paired_time", os.path.join(HERE, "..", "torch", "paired_time.py"))
+paired_time = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(paired_time)
+
+
+class FakeWorker:
+    """Takes `base` seconds a run, times a factor that the machine's state
+    sets: the state drifts with every run made on either worker."""
+
+    def __init__(self, config, base, machine):
+        self.config, self.base, self.machine = config, base, machine
+
+    def run(self):
+        self.machine["runs"] += 1
+        slow = 1.5 if ((self.machine["runs"] - 1) // 6) % 2 else 1.0  # spells of six runs
+        return self.base * slow, "same", 0, 0
+
+
+def test_pairs_alternate_order_and_cancel_slow_spells():
+    machine = {"runs": 0}
+    a = FakeWorker("expandable", 2.0, machine)
+    b = FakeWorker("tidalloc", 2.02, machine)
+    pairs = paired_time.run_pairs(a, b, 24)
+    assert len(pairs) == 24
+    assert [p[1] for p in pairs[:4]] == ["expandable", "tidalloc", "expandable", "tidalloc"]
+    # Every pair's two runs fall in the same spell here, so each ratio is the true one
+    # although the runs themselves differ by half.
+    ratios = [p[3] / p[2] for p in pairs]
+    assert max(ratios) - min(ratios) < 1e-9
+    assert abs(paired_time.geometric_mean(ratios) - 1.01) < 1e-9
+    assert any("1.0100" in line for line in paired_time.summarize(pairs, "expandable", "tidalloc"))
+
+
+def test_budget_stops_before_a_new_pair():
+    ticks = iter(range(100))
+    machine = {"runs": 0}
+    a = FakeWorker("a", 1.0, machine)
+    b = FakeWorker("b", 1.0, machine)
+    pairs = paired_time.run_pairs(a, b, 50, budget_s=3, clock=lambda: next(ticks))
+    assert len(pairs) == 3  # begun at ticks 1, 2, 3 (not above 3); tick 4 stops it
+    assert machine["runs"] == 6
+
+
+def test_bootstrap_interval_contains_the_mean_and_narrows_with_more_pairs():
+    few = [1.0, 1.1, 0.9, 1.05, 0.95]
+    lo, hi = paired_time.bootstrap_interval(few)
+    assert lo < paired_time.geometric_mean(few) < hi
+    lo2, hi2 = paired_time.bootstrap_interval(few * 20)
+    assert hi2 - lo2 < (hi - lo) / 2

@@ -1,0 +1,177 @@
+"""paired_time.py: the time of one validation program under two allocators,
+measured in pairs of runs next to each other in time.
+
+Why: a GPT-2 generation loop is bound by the CPU, and on a shared machine
+whole processes run 30-50% slower than others for tens of seconds at a time.
+Comparing fresh processes one after the other (run_validation.sh) then
+measures the machine, not the allocator. Here two processes, one per
+configuration, start together, each does its first run (untimed), and then
+they take turns: pair i times one run of each, in the order A B for even i
+and B A for odd i, so that a drift within a pair favours neither. The ratio
+of each pair (B over A) is taken, and the summary gives their median, their
+geometric mean with a 95% bootstrap interval, and the same split by order
+(which shows whether the second run of a pair is slower).
+
+    taskset -c 4-7 python tests/torch/paired_time.py gpt2 --pairs 40 \\
+        [--configs expandable tidalloc] [--budget-s 480] > pairs.csv
+
+Configurations as in run_validation.sh: native, expandable
+(expandable_segments:True), tidalloc (tidalloc.torch.install(), capture
+detection on), tidalloc-nodetect. stdout: one CSV row per run
+(program,pair,position,config,seconds,digest,maps,unmaps); stderr: the
+summary. Exits non-zero if a worker fails or the outputs differ."""
+import argparse
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def config_env(config):
+    """(allocator argument for validate.py, environment) of a configuration."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.path.join(HERE, "..", "..", "python") + (
+        ":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTORCH_CUDA_ALLOC_CONF"] = ""
+    if config == "native":
+        return "native", env
+    if config == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        return "native", env
+    if config in ("tidalloc", "tidalloc-nodetect"):
+        if config == "tidalloc-nodetect":
+            conf = env.get("TIDALLOC_CONF", "")
+            env["TIDALLOC_CONF"] = (conf + "," if conf else "") + "capture_detection:False"
+        return "tidalloc", env
+    raise ValueError("unknown configuration %r" % config)
+
+
+class Worker:
+    """One validate.py --serve process: run() times one run in it."""
+
+    def __init__(self, program, config, python=sys.executable):
+        allocator, env = config_env(config)
+        self.config = config
+        self.proc = subprocess.Popen(
+            [python, os.path.join(HERE, "validate.py"), program, allocator, "--serve"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
+
+    def wait_ready(self):
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            raise RuntimeError("%s: worker did not start (%r)" % (self.config, line))
+
+    def run(self):
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline().split()
+        if len(line) != 4:
+            raise RuntimeError("%s: worker failed during a run" % self.config)
+        return float(line[0]), line[1], int(line[2]), int(line[3])
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        return self.proc.wait()
+
+
+def run_pairs(a, b, pairs, budget_s=None, clock=time.monotonic, emit=None):
+    """Pairs of runs, A B then B A alternately, until `pairs` are done or
+    `budget_s` has passed (no pair is begun after it). Returns a list of
+    (pair, first_config, seconds_a, seconds_b, digest_a, digest_b)."""
+    start = clock()
+    done = []
+    for i in range(pairs):
+        if budget_s is not None and clock() - start > budget_s:
+            break
+        order = (a, b) if i % 2 == 0 else (b, a)
+        results = {}
+        for position, worker in enumerate(order):
+            results[worker.config] = worker.run()
+            if emit:
+                emit(i, position, worker.config, results[worker.config])
+        ra, rb = results[a.config], results[b.config]
+        done.append((i, order[0].config, ra[0], rb[0], ra[1], rb[1]))
+    return done
+
+
+def geometric_mean(values):
+    return math.exp(statistics.fmean(math.log(v) for v in values))
+
+
+def bootstrap_interval(values, resamples=4000, seed=0):
+    """95% percentile interval of the geometric mean of `values`."""
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(geometric_mean([values[rng.randrange(n)] for _ in range(n)])
+                   for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def summarize(pairs, name_a, name_b):
+    """Lines that say how B's time compares with A's over the pairs."""
+    ratios = [p[3] / p[2] for p in pairs]
+    if not ratios:
+        return ["no pair completed"]
+    lo, hi = bootstrap_interval(ratios) if len(ratios) > 1 else (ratios[0], ratios[0])
+    lines = [
+        "%d pairs: %s median %.4f s, %s median %.4f s" % (
+            len(pairs), name_a, statistics.median(p[2] for p in pairs), name_b,
+            statistics.median(p[3] for p in pairs)),
+        "%s / %s per pair: median %.4f, geometric mean %.4f (95%% bootstrap interval %.4f-%.4f)"
+        % (name_b, name_a, statistics.median(ratios), geometric_mean(ratios), lo, hi),
+    ]
+    for first in (name_a, name_b):
+        sub = [p[3] / p[2] for p in pairs if p[1] == first]
+        if sub:
+            lines.append("  pairs with %s first: %d, geometric mean %.4f"
+                         % (first, len(sub), geometric_mean(sub)))
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("program", choices=("gpt2", "vit"))
+    parser.add_argument("--configs", nargs=2, default=["expandable", "tidalloc"],
+                        metavar=("A", "B"))
+    parser.add_argument("--pairs", type=int, default=40)
+    parser.add_argument("--budget-s", type=float, help="begin no pair after this many seconds")
+    args = parser.parse_args()
+
+    a, b = (Worker(args.program, c) for c in args.configs)
+    status = 0
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        print("program,pair,position,config,seconds,digest,maps,unmaps", flush=True)
+
+        def emit(i, position, config, r):
+            print("%s,%d,%d,%s,%.6f,%s,%d,%d" % (args.program, i, position, config, *r),
+                  flush=True)
+
+        pairs = run_pairs(a, b, args.pairs, args.budget_s, emit=emit)
+    except RuntimeError as e:
+        print("paired_time: %s" % e, file=sys.stderr)
+        return 1
+    finally:
+        for w in (a, b):
+            status |= w.close() != 0
+    if any(p[4] != p[5] for p in pairs):
+        print("paired_time: the two configurations gave different outputs", file=sys.stderr)
+        status = 1
+    for line in summarize(pairs, *args.configs):
+        print(line, file=sys.stderr)
+    return 1 if status else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
