@@ -670,11 +670,11 @@ static const option options[] = {
      "when growing would raise reserved memory past its peak, first unmap whole free pages "
      "inside the segments, so physical memory is reused instead of added",
      "True or False (also true/false/1/0)", parse_release_holes, format_release_holes},
-    {"release_slack", "0.015",
+    {"release_slack", "0.017",
      "with release_holes, free pages stay cached (no unmap, no stream synchronization) while "
      "reserved memory stays within this fraction above the allocated peak; larger trades "
      "memory for fewer page operations",
-     "a fraction from 0 to 1, such as 0.015", parse_release_slack, format_release_slack},
+     "a fraction from 0 to 1, such as 0.017", parse_release_slack, format_release_slack},
     {"release_limit", "0.0175",
      "with release_holes, when growth would take reserved memory past this fraction above the "
      "allocated peak, the free pages unmapped to make room come in whole physical handles, "

@@ -103,7 +103,7 @@ static void test_defaults(void **state) {
   assert_string_equal(get(config, "host_granularity"), "2MiB");
   assert_string_equal(get(config, "host_queue_depth"), "0");
   assert_string_equal(get(config, "release_holes"), "True");
-  assert_string_equal(get(config, "release_slack"), "0.015");
+  assert_string_equal(get(config, "release_slack"), "0.017");
   assert_string_equal(get(config, "release_limit"), "0.0175");
   assert_string_equal(get(config, "wait_limit"), "0.019");
   tide_config_free(config);

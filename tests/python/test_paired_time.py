@@ -54,3 +54,51 @@ def test_bootstrap_interval_contains_the_mean_and_narrows_with_more_pairs():
     assert lo < paired_time.geometric_mean(few) < hi
     lo2, hi2 = paired_time.bootstrap_interval(few * 20)
     assert hi2 - lo2 < (hi - lo) / 2
+
+
+def load_validate():
+    spec = importlib.util.spec_from_file_location(
+        "validate", os.path.join(HERE, "..", "torch", "validate.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class FakeCuda:
+    def synchronize(self):
+        pass
+
+    def max_memory_allocated(self):
+        return 100 << 20
+
+    def max_memory_reserved(self):
+        return 102 << 20
+
+    def memory_stats(self):
+        return {}
+
+
+class FakeTorch:
+    cuda = FakeCuda()
+
+
+def test_serve_answers_each_run_then_reports_peaks(monkeypatch, capsys):
+    import io
+    validate = load_validate()
+    outputs = iter([b"x", b"x", b"x"])
+    monkeypatch.setattr("sys.stdin", io.StringIO("run\nrun\nquit\n"))
+    assert validate.serve(FakeTorch(), lambda digest: digest.update(next(outputs))) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "ready"
+    runs = [line.split() for line in lines[1:3]]
+    assert all(len(r) == 4 and float(r[0]) >= 0 and r[2:] == ["-1", "-1"] for r in runs)
+    assert runs[0][1] == runs[1][1]
+    assert lines[3] == "peaks 100.0 102.0"
+
+
+def test_serve_fails_when_a_run_gives_other_outputs(monkeypatch, capsys):
+    import io
+    validate = load_validate()
+    outputs = iter([b"x", b"y"])
+    monkeypatch.setattr("sys.stdin", io.StringIO("run\nrun\n"))
+    assert validate.serve(FakeTorch(), lambda digest: digest.update(next(outputs))) == 1

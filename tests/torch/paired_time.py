@@ -18,7 +18,8 @@ geometric mean with a 95% bootstrap interval, and the same split by order
 Configurations as in run_validation.sh: native, expandable
 (expandable_segments:True), tidalloc (tidalloc.torch.install(), capture
 detection on), tidalloc-nodetect. stdout: one CSV row per run
-(program,pair,position,config,seconds,digest,maps,unmaps); stderr: the
+(program,pair,position,config,seconds,digest,maps,unmaps); stderr: each
+configuration's peak allocated and reserved memory over its runs, and the
 summary. Exits non-zero if a worker fails or the outputs differ."""
 import argparse
 import math
@@ -75,13 +76,18 @@ class Worker:
         return float(line[0]), line[1], int(line[2]), int(line[3])
 
     def close(self):
+        """Ends the worker; returns (exit status, its "peaks" line's words or None)."""
+        peaks = None
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.write("quit\n")
                 self.proc.stdin.close()
+                words = self.proc.stdout.readline().split()
+                if len(words) == 3 and words[0] == "peaks":
+                    peaks = float(words[1]), float(words[2])
             except OSError:
                 pass
-        return self.proc.wait()
+        return self.proc.wait(), peaks
 
 
 def run_pairs(a, b, pairs, budget_s=None, clock=time.monotonic, emit=None):
@@ -164,7 +170,11 @@ def main():
         return 1
     finally:
         for w in (a, b):
-            status |= w.close() != 0
+            rc, peaks = w.close()
+            status |= rc != 0
+            if peaks:
+                print("%s: peak allocated %.1f MiB, reserved %.1f MiB (%.4f x allocated)"
+                      % (w.config, peaks[0], peaks[1], peaks[1] / peaks[0]), file=sys.stderr)
     if any(p[4] != p[5] for p in pairs):
         print("paired_time: the two configurations gave different outputs", file=sys.stderr)
         status = 1

@@ -32,7 +32,9 @@ free of the process as a trace for `tidalloc replay`.
 --serve (for paired_time.py) runs the first run, prints "ready", and then
 times one run for each "run" line read from stdin, answering each with a
 line "SECONDS DIGEST MAPS UNMAPS" (-1 where the allocator does not count
-mappings), until "quit" or the end of its input.
+mappings), until "quit" or the end of its input; then a line "peaks
+ALLOCATED_MIB RESERVED_MIB" (torch.cuda.max_memory_allocated/reserved over
+all its runs).
 
     python tests/torch/validate.py gpt2|vit native|tidalloc [--repeats N]
                                    [--trace-csv FILE.csv.gz] [--serve]"""
@@ -121,6 +123,8 @@ def serve(torch, run):
             print("validate.py: a run gave other outputs than the first (%s vs %s)"
                   % (digest, first), file=sys.stderr)
             return 1
+    print("peaks %.1f %.1f" % (torch.cuda.max_memory_allocated() / 2**20,
+                               torch.cuda.max_memory_reserved() / 2**20), flush=True)
     return 0
 
 
