@@ -41,6 +41,7 @@ typedef struct stream_args {
   const char *conf;
   const char *csv_path;
   const char *driver_csv_path;
+  const char *trace_path; /* --trace-csv: each run's allocations and frees */
   const char *label;
   bool stop_on_oom;
   bool grow;        /* --mode grow: the caches in growable buffers */
@@ -97,6 +98,10 @@ typedef struct tide_target {
   int frames_seen;
   double *frame_ms;
   int frame_count;
+  /* --trace-csv: the run's allocations and frees as `tidalloc replay` reads
+   * them, from `trace_start` on; NULL when not asked for. */
+  FILE *trace;
+  uint64_t trace_start;
 } tide_target;
 
 /* The first failure of a kind, with its message: later ones would only
@@ -107,17 +112,28 @@ static void keep_first_failure(tide_status *status, char error[ERROR_LEN]) {
   snprintf(error, ERROR_LEN, "%s", tide_last_error());
 }
 
+/* One line of the trace: sizes rounded up to 512 B, as in recorded traces. */
+static void trace_event(tide_target *t, const char *action, const void *ptr, size_t bytes) {
+  if (!t->trace) return;
+  fprintf(t->trace, "%llu,%s,%llu,%llu,0\n",
+          (unsigned long long)((cli_now_ns() - t->trace_start) / 1000), action,
+          (unsigned long long)(uintptr_t)ptr, (unsigned long long)((bytes + 511) / 512 * 512));
+}
+
 static void *target_alloc(void *ctx, size_t bytes, stream_model_kind kind) {
   (void)kind;
   tide_target *t = ctx;
   void *ptr = tide_malloc(t->alloc, bytes, NULL);
-  if (ptr == NULL) keep_first_failure(&t->alloc_status, t->alloc_error);
+  if (ptr == NULL)
+    keep_first_failure(&t->alloc_status, t->alloc_error);
+  else
+    trace_event(t, "alloc", ptr, bytes);
   return ptr;
 }
 
 static void target_free(void *ctx, void *buf, size_t bytes) {
-  (void)bytes;
   tide_target *t = ctx;
+  trace_event(t, "free", buf, bytes);
   tide_status st = tide_free(t->alloc, buf, NULL);
   if (st != TIDE_OK) keep_first_failure(&t->free_status, t->free_error);
 }
@@ -255,6 +271,26 @@ static bool device_copies(tide_allocator *alloc) {
 /* Run `frames` frames on a fresh allocator into `row`. False (after saying
  * why) when the sweep cannot go on: a bad configuration, an allocator that
  * cannot be created, a failure other than running out of memory. */
+/* --trace-csv: each run rewrites the file, so it ends with the last run's. */
+static bool open_trace(const char *path, tide_target *t) {
+  t->trace = fopen(path, "w");
+  if (!t->trace) {
+    cli_error("stream: cannot write the trace to %s", path);
+    return false;
+  }
+  fputs("t_us,action,addr,size,stream\n", t->trace);
+  t->trace_start = cli_now_ns();
+  return true;
+}
+
+static bool close_trace(const char *path, tide_target *t) {
+  bool ok = !ferror(t->trace);
+  if (fclose(t->trace) != 0) ok = false;
+  t->trace = NULL;
+  if (!ok) cli_error("stream: writing the trace to %s failed", path);
+  return ok;
+}
+
 static bool run_one(const stream_args *args, int frames, tide_target *target, stream_row *row) {
   memset(row, 0, sizeof *row);
   row->frames = frames;
@@ -285,6 +321,11 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
   target->frames_seen = 0;
   target->frame_count = 0;
   target->frame_ms = malloc((size_t)frames * sizeof *target->frame_ms);
+  if (args->trace_path && !open_trace(args->trace_path, target)) {
+    free(target->frame_ms);
+    tide_destroy(alloc);
+    return false;
+  }
   stream_model_ops ops = {
       target,          target_alloc,      target_free,       target_copy,
       target_progress, target_buf_create, target_buf_resize, target_buf_destroy};
@@ -314,6 +355,7 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
   row->max_running_ratio = target->max_running_ratio;
   row->max_running_ratio_frame = target->max_running_ratio_frame;
   summarise_frames(target, row);
+  if (target->trace && !close_trace(args->trace_path, target)) ok = false;
   free(target->frame_ms);
   target->frame_ms = NULL;
   if (tide_destroy(alloc) != TIDE_OK) {
@@ -448,7 +490,7 @@ static void print_table(const stream_row *rows, int count) {
 static void print_help(void) {
   printf("usage: tidalloc stream [--frames N...] [--mode cat|grow] [--conf STR]\n"
          "                       [--stop-on-oom] [--csv FILE] [--driver-csv FILE]\n"
-         "                       [--label NAME] [--sync-frames]\n"
+         "                       [--label NAME] [--sync-frames] [--trace-csv FILE]\n"
          "\n"
          "Run a synthetic streaming-inference workload with the allocation pattern of\n"
          "LingBot-Map (518x378 frames, a ViT-L/14 encoder, 24 global layers whose K/V\n"
@@ -476,7 +518,11 @@ static void print_help(void) {
          "                  tidalloc-fixed, from expandable_segments)\n"
          "  --sync-frames   end each frame when the device is done with it, so that the\n"
          "                  driver CSV's frame times (one-frame steps: median, 90th\n"
-         "                  percentile, max) are the device's, not the issuing thread's\n",
+         "                  percentile, max) are the device's, not the issuing thread's\n"
+         "  --trace-csv FILE  write every allocation and free of the run through\n"
+         "                  tide_malloc/tide_free to FILE, in the format `tidalloc\n"
+         "                  replay` reads (each run rewrites it: with several frame\n"
+         "                  counts it holds the last; grow mode's buffers are not in it)\n",
          CSV_HEADER, DRIVER_CSV_HEADER);
 }
 
@@ -532,6 +578,8 @@ static int parse_args(int argc, char **argv, stream_args *args) {
       args->csv_path = value;
     } else if (cli_option_value(argc, argv, &i, "--driver-csv", &value, &bad)) {
       args->driver_csv_path = value;
+    } else if (cli_option_value(argc, argv, &i, "--trace-csv", &value, &bad)) {
+      args->trace_path = value;
     } else if (cli_option_value(argc, argv, &i, "--label", &value, &bad)) {
       args->label = value;
     } else if (strcmp(argv[i], "--stop-on-oom") == 0) {
