@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""ring_study.py: a design study, not part of the library. What a FIFO ring
+for caches grown by concatenation would hold and cost on an allocation trace
+(the format `tidalloc replay` reads), and optionally a trace that emulates it
+for `tidalloc replay`.
+
+The ring: pages mapped in one virtual range, the first pages mapped a second
+time right after the last, so that a block placed at the head is contiguous
+even where it crosses the end. Blocks are placed at the head, one after
+another; a freed block's space comes back when every older block is freed
+too (the tail moves past it), as when caches are replaced oldest first. It
+grows, by the pages the request lacks plus `--slack-pages`, only when no
+live block crosses its end (the new pages then go at the end, right ahead of
+the head) and less than a quarter of it is held by freed blocks the tail has
+not passed; otherwise the request goes to the ordinary pools (a fallback).
+A growth unmaps the second mapping of the first pages (mapped again when a
+block next crosses the end). Pages are 2 MiB.
+
+Which requests go to the ring (`--admit`):
+  naive  at least 1 MiB, while a live block up to 1% smaller (not equal) exists;
+  chain  the same, and that smaller block is itself in the ring or replaced its
+         own predecessor (freed within 16 events after the block was allocated).
+
+Prints the requests the ring took and sent back, its growths, its mappings
+and unmappings (the second mapping included), its largest size, and at the
+trace's live peak its pages and the live bytes in it and elsewhere.
+
+--emulate OUT.csv.gz writes the trace without the ring's blocks, with each
+growth as an allocation of its pages that lives to the end: replayed by
+`tidalloc replay`, its peak reserved approximates the ring and the pools
+together, with the ring's growth pressing the pools to give pages back as it
+would. Approximate: the real ring would have its own range (here its pages
+sit among the other blocks) and could give back pages it no longer uses
+(here it never shrinks). Compare the replay's peak reserved with the
+original trace's peak live bytes.
+
+    python3 scripts/ring_study.py TRACE.csv.gz [--slack-pages 2] [--admit chain]
+                                  [--emulate OUT.csv.gz]"""
+import argparse
+import bisect
+import collections
+import gzip
+import math
+import sys
+
+PAGE = 2 << 20
+LARGE = 1 << 20
+
+
+class Ring:
+    def __init__(self, slack_pages):
+        self.slack_pages = slack_pages
+        self.pages = 0
+        self.twin = 0  # pages mapped a second time after the end
+        self.head = 0  # offset of the next block
+        self.blocks = collections.OrderedDict()  # id -> [offset, size, live], oldest first
+        self.used = 0  # bytes from the tail to the head (freed blocks not yet passed included)
+        self.dead = 0  # bytes of freed blocks not yet passed
+        self.live = 0
+        self.maps = self.unmaps = self.growths = 0
+        self.next_id = 0
+
+    def capacity(self):
+        return self.pages * PAGE
+
+    def crosses_end(self):
+        if any(off + size > self.capacity() for off, size, _ in self.blocks.values()):
+            return True
+        tail = next(iter(self.blocks.values()))[0] if self.blocks else 0
+        return bool(self.blocks) and (self.head < tail or (
+            self.head == tail and self.used == self.capacity()))
+
+    def place(self, size):
+        """An id, or None (fallback). May grow; returns (id, grown pages)."""
+        grown = 0
+        if size > self.capacity() - self.used:
+            if self.crosses_end() or self.dead > self.capacity() / 4:
+                return None, 0
+            grown = math.ceil((size - (self.capacity() - self.used)) / PAGE) + self.slack_pages
+            self.unmaps += self.twin
+            self.twin = 0
+            self.pages += grown
+            self.maps += grown
+            self.growths += 1
+        off = self.head
+        if off + size > self.capacity():
+            need = math.ceil((off + size - self.capacity()) / PAGE)
+            if need > self.twin:
+                self.maps += need - self.twin
+                self.twin = need
+        self.head = (off + size) % self.capacity()
+        self.next_id += 1
+        self.blocks[self.next_id] = [off, size, True]
+        self.used += size
+        self.live += size
+        return self.next_id, grown
+
+    def free(self, block_id):
+        b = self.blocks[block_id]
+        b[2] = False
+        self.live -= b[1]
+        self.dead += b[1]
+        while self.blocks:
+            off, size, live = next(iter(self.blocks.values()))
+            if live:
+                break
+            self.blocks.popitem(last=False)
+            self.dead -= size
+            self.used -= size
+        if not self.blocks:
+            self.head = 0
+
+
+def study(rows, slack_pages, admit, emulate):
+    ring = Ring(slack_pages)
+    live = {}  # addr -> size
+    live_sizes = []  # sorted sizes of live blocks of at least LARGE
+    addrs_of_size = collections.defaultdict(set)
+    in_ring = {}  # addr -> ring block id
+    confirmed = set()  # addrs of live blocks that replaced a predecessor
+    recent = collections.OrderedDict()  # addr -> (possible predecessors, event)
+    taken = fallbacks = 0
+    live_bytes = peak_live = 0
+    at_peak = (0, 0)
+    out = []
+    chunks = 0
+    peak_pages = 0
+
+    def predecessor_size(size):
+        i = bisect.bisect_left(live_sizes, size * 0.99)
+        best = None
+        while i < len(live_sizes) and live_sizes[i] < size:
+            best = live_sizes[i]
+            i += 1
+        return best
+
+    for ev, (t, action, addr, size_text, stream) in enumerate(rows):
+        size = int(size_text)
+        if action == "alloc":
+            placed = False
+            pred = predecessor_size(size) if size >= LARGE else None
+            wanted = pred is not None and (admit == "naive" or any(
+                a in confirmed or a in in_ring for a in addrs_of_size[pred]))
+            if wanted:
+                rounded = (size + 511) // 512 * 512
+                block_id, grown = ring.place(rounded)
+                if block_id is None:
+                    fallbacks += 1
+                else:
+                    taken += 1
+                    placed = True
+                    in_ring[addr] = block_id
+                    if grown and emulate:
+                        chunks += 1
+                        out.append("%s,alloc,%d,%d,0" % (t, (1 << 50) + chunks * (1 << 36), grown * PAGE))
+            if size >= LARGE:
+                if pred is not None:
+                    recent[addr] = (frozenset(addrs_of_size[pred]), ev)
+                    if len(recent) > 64:
+                        recent.popitem(last=False)
+                addrs_of_size[size].add(addr)
+                bisect.insort(live_sizes, size)
+            live[addr] = size
+            live_bytes += size
+            if not placed and emulate:
+                out.append("%s,alloc,%s,%s,%s" % (t, addr, size_text, stream))
+        else:
+            size = live.pop(addr)
+            live_bytes -= size
+            if size >= LARGE:
+                live_sizes.pop(bisect.bisect_left(live_sizes, size))
+                addrs_of_size[size].discard(addr)
+                confirmed.discard(addr)
+                recent.pop(addr, None)
+                for successor, (preds, at) in list(recent.items()):
+                    if addr in preds and ev - at <= 16:
+                        confirmed.add(successor)
+                        del recent[successor]
+            if addr in in_ring:
+                ring.free(in_ring.pop(addr))
+            elif emulate:
+                out.append("%s,free,%s,%s,%s" % (t, addr, size_text, stream))
+        peak_pages = max(peak_pages, ring.pages)
+        if live_bytes > peak_live:
+            peak_live = live_bytes
+            at_peak = (ring.pages, ring.live)
+    if emulate:
+        for k in range(1, chunks + 1):
+            out.append("%s,free,%d,0,0" % (rows[-1][0], (1 << 50) + k * (1 << 36)))
+    return dict(taken=taken, fallbacks=fallbacks, ring=ring, peak_pages=peak_pages,
+                peak_live=peak_live, at_peak=at_peak), out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace")
+    parser.add_argument("--slack-pages", type=int, default=2)
+    parser.add_argument("--admit", choices=("naive", "chain"), default="chain")
+    parser.add_argument("--emulate", metavar="OUT.csv.gz")
+    args = parser.parse_args()
+    opener = gzip.open if args.trace.endswith(".gz") else open
+    with opener(args.trace, "rt") as f:
+        rows = [line.rstrip("\n").split(",") for line in f][1:]
+    r, out = study(rows, args.slack_pages, args.admit, args.emulate)
+    ring = r["ring"]
+    print("requests to the ring %d, sent back %d; growths %d; mappings %d, unmappings %d"
+          % (r["taken"], r["fallbacks"], ring.growths, ring.maps, ring.unmaps))
+    pages, ring_live = r["at_peak"]
+    print("ring at most %d pages; at the live peak (%.2f pages) the ring has %d pages holding "
+          "%.2f, the rest %.2f pages live" % (r["peak_pages"], r["peak_live"] / PAGE, pages,
+                                              ring_live / PAGE, (r["peak_live"] - ring_live) / PAGE))
+    if args.emulate:
+        with gzip.open(args.emulate, "wt") as f:
+            f.write("t_us,action,addr,size,stream\n" + "\n".join(out) + "\n")
+        print("peak live bytes of the original trace: %d" % r["peak_live"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
