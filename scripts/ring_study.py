@@ -14,7 +14,10 @@ live block crosses its end (the new pages then go at the end, right ahead of
 the head) and less than a quarter of it is held by freed blocks the tail has
 not passed; otherwise the request goes to the ordinary pools (a fallback).
 A growth unmaps the second mapping of the first pages (mapped again when a
-block next crosses the end). Pages are 2 MiB.
+block next crosses the end). With --no-twin there is no second mapping: a
+block that would cross the end goes to the start instead, the gap before the
+end held like a freed block until the tail passes it (a segment of its own
+with next-fit placement, no pages mapped twice). Pages are 2 MiB.
 
 Which requests go to the ring (`--admit`):
   naive  at least 1 MiB, while a live block up to 1% smaller (not equal) exists;
@@ -48,8 +51,9 @@ LARGE = 1 << 20
 
 
 class Ring:
-    def __init__(self, slack_pages):
+    def __init__(self, slack_pages, twin=True):
         self.slack_pages = slack_pages
+        self.use_twin = twin
         self.pages = 0
         self.twin = 0  # pages mapped a second time after the end
         self.head = 0  # offset of the next block
@@ -83,7 +87,18 @@ class Ring:
             self.maps += grown
             self.growths += 1
         off = self.head
-        if off + size > self.capacity():
+        if off + size > self.capacity() and not self.use_twin:
+            # Skip to the start: the gap before the end is held like a freed
+            # block until the tail passes it.
+            gap = self.capacity() - off
+            if self.used + gap + size > self.capacity():
+                return None, grown
+            self.next_id += 1
+            self.blocks[self.next_id] = [off, gap, False]
+            self.used += gap
+            self.dead += gap
+            off = 0
+        elif off + size > self.capacity():
             need = math.ceil((off + size - self.capacity()) / PAGE)
             if need > self.twin:
                 self.maps += need - self.twin
@@ -111,8 +126,8 @@ class Ring:
             self.head = 0
 
 
-def study(rows, slack_pages, admit, emulate):
-    ring = Ring(slack_pages)
+def study(rows, slack_pages, admit, emulate, twin=True):
+    ring = Ring(slack_pages, twin)
     live = {}  # addr -> size
     live_sizes = []  # sorted sizes of live blocks of at least LARGE
     addrs_of_size = collections.defaultdict(set)
@@ -197,11 +212,14 @@ def main():
     parser.add_argument("--slack-pages", type=int, default=2)
     parser.add_argument("--admit", choices=("naive", "chain"), default="chain")
     parser.add_argument("--emulate", metavar="OUT.csv.gz")
+    parser.add_argument("--no-twin", action="store_true",
+                        help="no second mapping: a block that would cross the end goes to the "
+                        "start, the gap before the end held until the tail passes it")
     args = parser.parse_args()
     opener = gzip.open if args.trace.endswith(".gz") else open
     with opener(args.trace, "rt") as f:
         rows = [line.rstrip("\n").split(",") for line in f][1:]
-    r, out = study(rows, args.slack_pages, args.admit, args.emulate)
+    r, out = study(rows, args.slack_pages, args.admit, args.emulate, not args.no_twin)
     ring = r["ring"]
     print("requests to the ring %d, sent back %d; growths %d; mappings %d, unmappings %d"
           % (r["taken"], r["fallbacks"], ring.growths, ring.maps, ring.unmaps))
