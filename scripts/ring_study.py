@@ -24,6 +24,9 @@ Which requests go to the ring (`--admit`):
   chain  the same, and that smaller block is itself in the ring or replaced its
          own predecessor (freed within 16 events after the block was allocated).
 
+With --give-back an empty ring unmaps all its pages (as a real one must where
+caches die between calls).
+
 Prints the requests the ring took and sent back, its growths, its mappings
 and unmappings (the second mapping included), its largest size, and at the
 trace's live peak its pages and the live bytes in it and elsewhere.
@@ -125,8 +128,13 @@ class Ring:
         if not self.blocks:
             self.head = 0
 
+    def give_back(self):
+        """An empty ring unmaps all its pages (--give-back)."""
+        self.unmaps += self.pages + self.twin
+        self.pages = self.twin = 0
 
-def study(rows, slack_pages, admit, emulate, twin=True):
+
+def study(rows, slack_pages, admit, emulate, twin=True, give_back=False):
     ring = Ring(slack_pages, twin)
     live = {}  # addr -> size
     live_sizes = []  # sorted sizes of live blocks of at least LARGE
@@ -139,6 +147,7 @@ def study(rows, slack_pages, admit, emulate, twin=True):
     at_peak = (0, 0)
     out = []
     chunks = 0
+    first_chunk = 1  # the chunks of the ring's pages still mapped
     peak_pages = 0
 
     def predecessor_size(size):
@@ -193,6 +202,11 @@ def study(rows, slack_pages, admit, emulate, twin=True):
                         del recent[successor]
             if addr in in_ring:
                 ring.free(in_ring.pop(addr))
+                if give_back and not ring.blocks and ring.pages:
+                    ring.give_back()
+                    for k in range(first_chunk, chunks + 1):
+                        out.append("%s,free,%d,0,0" % (t, (1 << 50) + k * (1 << 36)))
+                    first_chunk = chunks + 1
             elif emulate:
                 out.append("%s,free,%s,%s,%s" % (t, addr, size_text, stream))
         peak_pages = max(peak_pages, ring.pages)
@@ -200,7 +214,7 @@ def study(rows, slack_pages, admit, emulate, twin=True):
             peak_live = live_bytes
             at_peak = (ring.pages, ring.live)
     if emulate:
-        for k in range(1, chunks + 1):
+        for k in range(first_chunk, chunks + 1):
             out.append("%s,free,%d,0,0" % (rows[-1][0], (1 << 50) + k * (1 << 36)))
     return dict(taken=taken, fallbacks=fallbacks, ring=ring, peak_pages=peak_pages,
                 peak_live=peak_live, at_peak=at_peak), out
@@ -212,6 +226,8 @@ def main():
     parser.add_argument("--slack-pages", type=int, default=2)
     parser.add_argument("--admit", choices=("naive", "chain"), default="chain")
     parser.add_argument("--emulate", metavar="OUT.csv.gz")
+    parser.add_argument("--give-back", action="store_true",
+                        help="an empty ring unmaps all its pages")
     parser.add_argument("--no-twin", action="store_true",
                         help="no second mapping: a block that would cross the end goes to the "
                         "start, the gap before the end held until the tail passes it")
@@ -219,7 +235,8 @@ def main():
     opener = gzip.open if args.trace.endswith(".gz") else open
     with opener(args.trace, "rt") as f:
         rows = [line.rstrip("\n").split(",") for line in f][1:]
-    r, out = study(rows, args.slack_pages, args.admit, args.emulate, not args.no_twin)
+    r, out = study(rows, args.slack_pages, args.admit, args.emulate, not args.no_twin,
+                   args.give_back)
     ring = r["ring"]
     print("requests to the ring %d, sent back %d; growths %d; mappings %d, unmappings %d"
           % (r["taken"], r["fallbacks"], ring.growths, ring.maps, ring.unmaps))
