@@ -27,6 +27,15 @@ Which requests go to the ring (`--admit`):
 With --give-back an empty ring unmaps all its pages (as a real one must where
 caches die between calls).
 
+--measure replays the trace through libtidalloc itself (the host backend,
+TIDALLOC_CONF as given plus backend:host) with the ring as a growable buffer
+of its own range (tide_buf: pages mapped at its end as it grows, room made
+in the pools first as for any growth; emptied to length 0 when the ring
+empties, with --give-back): the variant without pages mapped twice, so it
+implies --no-twin. It prints tidalloc's peak reserved over the trace's peak
+live bytes and its mappings. Needs the library built (build/libtidalloc.so or
+TIDALLOC_LIB).
+
 Prints the requests the ring took and sent back, its growths, its mappings
 and unmappings (the second mapping included), its largest size, and at the
 trace's live peak its pages and the live bytes in it and elsewhere.
@@ -163,7 +172,7 @@ def study(rows, slack_pages, admit, emulate, twin=True, give_back=False):
         if action == "alloc":
             placed = False
             pred = predecessor_size(size) if size >= LARGE else None
-            wanted = pred is not None and (admit == "naive" or any(
+            wanted = pred is not None and admit != "none" and (admit == "naive" or any(
                 a in confirmed or a in in_ring for a in addrs_of_size[pred]))
             if wanted:
                 rounded = (size + 511) // 512 * 512
@@ -220,14 +229,116 @@ def study(rows, slack_pages, admit, emulate, twin=True, give_back=False):
                 peak_live=peak_live, at_peak=at_peak), out
 
 
+class Measured:
+    """The trace through libtidalloc: ring growth as a growable buffer's."""
+
+    def __init__(self, capacity):
+        import os
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                        "python"))
+        conf = os.environ.get("TIDALLOC_CONF", "")
+        os.environ["TIDALLOC_CONF"] = (conf + "," if conf else "") + "backend:host"
+        import tidalloc
+        from tidalloc import _lib
+        self.tidalloc = tidalloc
+        self.lib = _lib.lib()
+        self.buffer = tidalloc.Buffer(capacity)
+        self.ptrs = {}
+
+    def alloc(self, addr, size):
+        ptr = self.lib.tide_torch_alloc(size, 0, None)
+        if not ptr:
+            raise RuntimeError("allocation of %d bytes failed: %s" % (size, self.tidalloc._lib.last_error()))
+        self.ptrs[addr] = (ptr, size)
+
+    def free(self, addr):
+        ptr, size = self.ptrs.pop(addr)
+        self.lib.tide_torch_free(ptr, size, 0, None)
+
+    def ring_pages(self, pages):
+        self.buffer.resize(pages * PAGE)
+
+    def figures(self):
+        st = self.tidalloc.memory_stats(0)
+        return st["reserved_bytes.all.peak"], st["num_device_map"]
+
+
+def measure(rows, slack_pages, admit, give_back):
+    """As study(), on libtidalloc; returns (peak live, peak reserved, mappings)."""
+    peak_live = live = 0
+    sizes = {}
+    for _, action, addr, size, _ in rows:
+        if action == "alloc":
+            sizes[addr] = int(size)
+            live += int(size)
+            peak_live = max(peak_live, live)
+        else:
+            live -= sizes.pop(addr)
+    target = Measured(2 * peak_live + (1 << 30))
+    ring = Ring(slack_pages, twin=False)
+    live_sizes, addrs_of_size = [], collections.defaultdict(set)
+    in_ring, confirmed, recent, live = {}, set(), collections.OrderedDict(), {}
+    for ev, (t, action, addr, size_text, stream) in enumerate(rows):
+        size = int(size_text)
+        if action == "alloc":
+            pred = None
+            if size >= LARGE:
+                i = bisect.bisect_left(live_sizes, size * 0.99)
+                while i < len(live_sizes) and live_sizes[i] < size:
+                    pred = live_sizes[i]
+                    i += 1
+            placed = False
+            if pred is not None and admit != "none" and (admit == "naive" or any(
+                    a in confirmed or a in in_ring for a in addrs_of_size[pred])):
+                block_id, grown = ring.place((size + 511) // 512 * 512)
+                if block_id is not None:
+                    if grown:
+                        target.ring_pages(ring.pages)
+                    in_ring[addr] = block_id
+                    placed = True
+            if not placed:
+                target.alloc(addr, size)
+            if size >= LARGE:
+                if pred is not None:
+                    recent[addr] = (frozenset(addrs_of_size[pred]), ev)
+                    if len(recent) > 64:
+                        recent.popitem(last=False)
+                addrs_of_size[size].add(addr)
+                bisect.insort(live_sizes, size)
+            live[addr] = size
+        else:
+            size = live.pop(addr)
+            if size >= LARGE:
+                live_sizes.pop(bisect.bisect_left(live_sizes, size))
+                addrs_of_size[size].discard(addr)
+                confirmed.discard(addr)
+                recent.pop(addr, None)
+                for successor, (preds, at) in list(recent.items()):
+                    if addr in preds and ev - at <= 16:
+                        confirmed.add(successor)
+                        del recent[successor]
+            if addr in in_ring:
+                ring.free(in_ring.pop(addr))
+                if give_back and not ring.blocks and ring.pages:
+                    ring.give_back()
+                    target.ring_pages(0)
+            else:
+                target.free(addr)
+    reserved, mappings = target.figures()
+    return peak_live, reserved, mappings
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace")
     parser.add_argument("--slack-pages", type=int, default=2)
-    parser.add_argument("--admit", choices=("naive", "chain"), default="chain")
+    parser.add_argument("--admit", choices=("naive", "chain", "none"), default="chain",
+                        help="none: no ring (the baseline, with --measure)")
     parser.add_argument("--emulate", metavar="OUT.csv.gz")
     parser.add_argument("--give-back", action="store_true",
                         help="an empty ring unmaps all its pages")
+    parser.add_argument("--measure", action="store_true",
+                        help="replay through libtidalloc, the ring a growable buffer (no twin)")
     parser.add_argument("--no-twin", action="store_true",
                         help="no second mapping: a block that would cross the end goes to the "
                         "start, the gap before the end held until the tail passes it")
@@ -235,6 +346,11 @@ def main():
     opener = gzip.open if args.trace.endswith(".gz") else open
     with opener(args.trace, "rt") as f:
         rows = [line.rstrip("\n").split(",") for line in f][1:]
+    if args.measure:
+        peak_live, reserved, mappings = measure(rows, args.slack_pages, args.admit, args.give_back)
+        print("measured: peak reserved %d bytes, %.4f x the trace's peak live %d; %d mappings"
+              % (reserved, reserved / peak_live, peak_live, mappings))
+        return 0
     r, out = study(rows, args.slack_pages, args.admit, args.emulate, not args.no_twin,
                    args.give_back)
     ring = r["ring"]
