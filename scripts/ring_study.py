@@ -28,13 +28,14 @@ With --give-back an empty ring unmaps all its pages (as a real one must where
 caches die between calls).
 
 --measure replays the trace through libtidalloc itself (the host backend,
-TIDALLOC_CONF as given plus backend:host) with the ring as a growable buffer
-of its own range (tide_buf: pages mapped at its end as it grows, room made
-in the pools first as for any growth; emptied to length 0 when the ring
-empties, with --give-back): the variant without pages mapped twice, so it
-implies --no-twin. It prints tidalloc's peak reserved over the trace's peak
-live bytes and its mappings. Needs the library built (build/libtidalloc.so or
-TIDALLOC_LIB).
+TIDALLOC_CONF as given plus backend:host), the ring's pages held by a
+growable buffer of its own range (tide_buf: pages mapped at its end as it
+grows, room made in the pools first as for any growth; emptied to length 0
+when the ring empties, with --give-back), as many as the ring above has at
+each moment. The second mappings map the same pages again, so they cost no
+memory; they are counted apart. It prints tidalloc's peak reserved over the
+trace's peak live bytes and its mappings. Needs the library built
+(build/libtidalloc.so or TIDALLOC_LIB).
 
 Prints the requests the ring took and sent back, its growths, its mappings
 and unmappings (the second mapping included), its largest size, and at the
@@ -74,6 +75,7 @@ class Ring:
         self.dead = 0  # bytes of freed blocks not yet passed
         self.live = 0
         self.maps = self.unmaps = self.growths = 0
+        self.twin_maps = self.twin_unmaps = 0  # the second mappings alone
         self.next_id = 0
 
     def capacity(self):
@@ -94,6 +96,7 @@ class Ring:
                 return None, 0
             grown = math.ceil((size - (self.capacity() - self.used)) / PAGE) + self.slack_pages
             self.unmaps += self.twin
+            self.twin_unmaps += self.twin
             self.twin = 0
             self.pages += grown
             self.maps += grown
@@ -114,6 +117,7 @@ class Ring:
             need = math.ceil((off + size - self.capacity()) / PAGE)
             if need > self.twin:
                 self.maps += need - self.twin
+                self.twin_maps += need - self.twin
                 self.twin = need
         self.head = (off + size) % self.capacity()
         self.next_id += 1
@@ -140,6 +144,7 @@ class Ring:
     def give_back(self):
         """An empty ring unmaps all its pages (--give-back)."""
         self.unmaps += self.pages + self.twin
+        self.twin_unmaps += self.twin
         self.pages = self.twin = 0
 
 
@@ -263,7 +268,7 @@ class Measured:
         return st["reserved_bytes.all.peak"], st["num_device_map"]
 
 
-def measure(rows, slack_pages, admit, give_back):
+def measure(rows, slack_pages, admit, give_back, twin):
     """As study(), on libtidalloc; returns (peak live, peak reserved, mappings)."""
     peak_live = live = 0
     sizes = {}
@@ -275,7 +280,7 @@ def measure(rows, slack_pages, admit, give_back):
         else:
             live -= sizes.pop(addr)
     target = Measured(2 * peak_live + (1 << 30))
-    ring = Ring(slack_pages, twin=False)
+    ring = Ring(slack_pages, twin)
     live_sizes, addrs_of_size = [], collections.defaultdict(set)
     in_ring, confirmed, recent, live = {}, set(), collections.OrderedDict(), {}
     for ev, (t, action, addr, size_text, stream) in enumerate(rows):
@@ -325,7 +330,7 @@ def measure(rows, slack_pages, admit, give_back):
             else:
                 target.free(addr)
     reserved, mappings = target.figures()
-    return peak_live, reserved, mappings
+    return peak_live, reserved, mappings, ring
 
 
 def main():
@@ -347,9 +352,12 @@ def main():
     with opener(args.trace, "rt") as f:
         rows = [line.rstrip("\n").split(",") for line in f][1:]
     if args.measure:
-        peak_live, reserved, mappings = measure(rows, args.slack_pages, args.admit, args.give_back)
+        peak_live, reserved, mappings, ring = measure(rows, args.slack_pages, args.admit,
+                                                      args.give_back, not args.no_twin)
         print("measured: peak reserved %d bytes, %.4f x the trace's peak live %d; %d mappings"
-              % (reserved, reserved / peak_live, peak_live, mappings))
+              "%s" % (reserved, reserved / peak_live, peak_live, mappings,
+                      "" if args.no_twin else ", and the ring's second mappings: %d mapped, "
+                      "%d unmapped" % (ring.twin_maps, ring.twin_unmaps)))
         return 0
     r, out = study(rows, args.slack_pages, args.admit, args.emulate, not args.no_twin,
                    args.give_back)
