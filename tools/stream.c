@@ -268,9 +268,6 @@ static bool device_copies(tide_allocator *alloc) {
   return tide_get_info(alloc, &info) == TIDE_OK && strcmp(info.backend, "host") != 0;
 }
 
-/* Run `frames` frames on a fresh allocator into `row`. False (after saying
- * why) when the sweep cannot go on: a bad configuration, an allocator that
- * cannot be created, a failure other than running out of memory. */
 /* --trace-csv: each run rewrites the file, so it ends with the last run's. */
 static bool open_trace(const char *path, tide_target *t) {
   t->trace = fopen(path, "w");
@@ -291,6 +288,9 @@ static bool close_trace(const char *path, tide_target *t) {
   return ok;
 }
 
+/* Run `frames` frames on a fresh allocator into `row`. False (after saying
+ * why) when the sweep cannot go on: a bad configuration, an allocator that
+ * cannot be created, a failure other than running out of memory. */
 static bool run_one(const stream_args *args, int frames, tide_target *target, stream_row *row) {
   memset(row, 0, sizeof *row);
   row->frames = frames;
@@ -522,7 +522,8 @@ static void print_help(void) {
          "  --trace-csv FILE  write every allocation and free of the run through\n"
          "                  tide_malloc/tide_free to FILE, in the format `tidalloc\n"
          "                  replay` reads (each run rewrites it: with several frame\n"
-         "                  counts it holds the last; grow mode's buffers are not in it)\n",
+         "                  counts it holds the last; grow mode's buffers are not in it;\n"
+         "                  writing it makes the run slower)\n",
          CSV_HEADER, DRIVER_CSV_HEADER);
 }
 
