@@ -102,3 +102,21 @@ def test_serve_fails_when_a_run_gives_other_outputs(monkeypatch, capsys):
     outputs = iter([b"x", b"y"])
     monkeypatch.setattr("sys.stdin", io.StringIO("run\nrun\n"))
     assert validate.serve(FakeTorch(), lambda digest: digest.update(next(outputs))) == 1
+
+
+def test_read_pairs_keeps_runs_apart_and_drops_cut_pairs():
+    rows = """# run 1: ...
+program,pair,position,config,seconds,digest,maps,unmaps
+gpt2,0,0,expandable,2.0,d,-1,-1
+gpt2,0,1,tidalloc,1.0,d,20,20
+gpt2,1,0,tidalloc,3.0,d,20,20
+# run 2: ...
+gpt2,0,0,expandable,4.0,d,-1,-1
+gpt2,0,1,tidalloc,2.0,d,20,20
+vit,0,0,tidalloc,0.5,e,2,2
+vit,0,1,expandable,0.25,e,-1,-1
+""".splitlines()
+    got = paired_time.read_pairs(rows, "expandable", "tidalloc")
+    assert [p[0] for p in got["gpt2"]] == [(1, 0), (2, 0)]  # run 1's pair 1 was cut short
+    assert [p[3] / p[2] for p in got["gpt2"]] == [0.5, 0.5]
+    assert got["vit"][0][1] == "tidalloc" and got["vit"][0][3] / got["vit"][0][2] == 2.0

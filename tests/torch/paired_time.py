@@ -20,7 +20,8 @@ Configurations as in run_validation.sh: native, expandable
 detection on), tidalloc-nodetect. stdout: one CSV row per run
 (program,pair,position,config,seconds,digest,maps,unmaps); stderr: each
 configuration's peak allocated and reserved memory over its runs, and the
-summary. Exits non-zero if a worker fails or the outputs differ."""
+summary. `paired_time.py --summarize FILE [A B]` summarizes saved rows, runs
+appended in one file (each begun by a "# run" line) pooled and one by one. Exits non-zero if a worker fails or the outputs differ."""
 import argparse
 import math
 import os
@@ -144,7 +145,52 @@ def summarize(pairs, name_a, name_b):
     return lines
 
 
+def read_pairs(lines, name_a, name_b):
+    """Pairs from this script's CSV rows, several runs appended in one file
+    (each begun by a "# run" line): {program: [(run, pair), ...]} as
+    run_pairs() gives them, pair numbers kept apart per run."""
+    run, rows = 0, {}
+    for line in lines:
+        line = line.strip()
+        if line.startswith("# run"):
+            run += 1
+            continue
+        if not line or line.startswith("#") or line.startswith("program,"):
+            continue
+        program, pair, position, config, seconds, digest = line.split(",")[:6]
+        rows.setdefault((program, run, int(pair)), {})[config] = (int(position), float(seconds),
+                                                                  digest)
+    out = {}
+    for (program, run, pair), by in sorted(rows.items()):
+        if name_a not in by or name_b not in by:
+            continue  # a pair cut short
+        first = name_a if by[name_a][0] == 0 else name_b
+        out.setdefault(program, []).append(((run, pair), first, by[name_a][1], by[name_b][1],
+                                            by[name_a][2], by[name_b][2]))
+    return out
+
+
+def summarize_file(path, name_a, name_b):
+    """Each program's pairs over all the runs in `path`, and run by run."""
+    with open(path) as f:
+        programs = read_pairs(f, name_a, name_b)
+    for program, pairs in programs.items():
+        print("%s, all runs:" % program)
+        for line in summarize(pairs, name_a, name_b):
+            print("  " + line)
+        for run in sorted({p[0][0] for p in pairs}):
+            sub_pairs = [p for p in pairs if p[0][0] == run]
+            print("%s, run %d: %s" % (program, run, summarize(sub_pairs, name_a, name_b)[1]))
+    return 0
+
+
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--summarize":
+        # paired_time.py --summarize FILE [A B]: the summary of saved rows.
+        if len(sys.argv) not in (3, 5):
+            sys.exit("usage: paired_time.py --summarize FILE [A B]")
+        names = sys.argv[3:5] if len(sys.argv) == 5 else ["expandable", "tidalloc"]
+        return summarize_file(sys.argv[2], *names)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("program", choices=("gpt2", "vit"))
     parser.add_argument("--configs", nargs=2, default=["expandable", "tidalloc"],
