@@ -148,94 +148,157 @@ class Ring:
         self.pages = self.twin = 0
 
 
-def study(rows, slack_pages, admit, emulate, twin=True, give_back=False):
-    ring = Ring(slack_pages, twin)
-    live = {}  # addr -> size
-    live_sizes = []  # sorted sizes of live blocks of at least LARGE
-    addrs_of_size = collections.defaultdict(set)
-    in_ring = {}  # addr -> ring block id
-    confirmed = set()  # addrs of live blocks that replaced a predecessor
-    recent = collections.OrderedDict()  # addr -> (possible predecessors, event)
-    taken = fallbacks = 0
-    live_bytes = peak_live = 0
-    at_peak = (0, 0)
-    out = []
-    chunks = 0
-    first_chunk = 1  # the chunks of the ring's pages still mapped
-    peak_pages = 0
+class Chains:
+    """Which requests go to the ring (`--admit`), from the live blocks of at
+    least LARGE bytes and the replacements seen so far."""
 
-    def predecessor_size(size):
-        i = bisect.bisect_left(live_sizes, size * 0.99)
+    def __init__(self, admit):
+        self.admit = admit
+        self.live_sizes = []  # sorted
+        self.addrs_of_size = collections.defaultdict(set)
+        self.confirmed = set()  # addrs of live blocks that replaced a predecessor
+        self.recent = collections.OrderedDict()  # addr -> (possible predecessors, event)
+
+    def predecessor_size(self, size):
+        """The largest live size up to 1% below `size` (not equal), or None."""
+        if size < LARGE:
+            return None
+        i = bisect.bisect_left(self.live_sizes, size * 0.99)
         best = None
-        while i < len(live_sizes) and live_sizes[i] < size:
-            best = live_sizes[i]
+        while i < len(self.live_sizes) and self.live_sizes[i] < size:
+            best = self.live_sizes[i]
             i += 1
         return best
 
+    def wanted(self, pred, in_ring):
+        return pred is not None and self.admit != "none" and (self.admit == "naive" or any(
+            a in self.confirmed or a in in_ring for a in self.addrs_of_size[pred]))
+
+    def allocated(self, addr, size, pred, ev):
+        if size < LARGE:
+            return
+        if pred is not None:
+            self.recent[addr] = (frozenset(self.addrs_of_size[pred]), ev)
+            if len(self.recent) > 64:
+                self.recent.popitem(last=False)
+        self.addrs_of_size[size].add(addr)
+        bisect.insort(self.live_sizes, size)
+
+    def freed(self, addr, size, ev):
+        """A block freed within 16 events after its successor's allocation
+        confirms that successor as a chain's."""
+        if size < LARGE:
+            return
+        self.live_sizes.pop(bisect.bisect_left(self.live_sizes, size))
+        self.addrs_of_size[size].discard(addr)
+        self.confirmed.discard(addr)
+        self.recent.pop(addr, None)
+        for successor, (preds, at) in list(self.recent.items()):
+            if addr in preds and ev - at <= 16:
+                self.confirmed.add(successor)
+                del self.recent[successor]
+
+
+class Sink:
+    """Where the walk sends what it does not keep in the ring: nowhere."""
+
+    def alloc(self, t, addr, size_text, stream):
+        pass
+
+    def free(self, t, addr, size_text, stream):
+        pass
+
+    def ring_grew(self, t, grown, pages):
+        pass
+
+    def ring_emptied(self, t):
+        pass
+
+
+class Emulation(Sink):
+    """The trace for `tidalloc replay`: the ring's blocks left out, each
+    growth an allocation of its pages (a chunk) until the ring empties."""
+
+    def __init__(self):
+        self.out = []
+        self.chunks = 0
+        self.first_chunk = 1  # the chunks of the ring's pages still mapped
+
+    def alloc(self, t, addr, size_text, stream):
+        self.out.append("%s,alloc,%s,%s,%s" % (t, addr, size_text, stream))
+
+    def free(self, t, addr, size_text, stream):
+        self.out.append("%s,free,%s,%s,%s" % (t, addr, size_text, stream))
+
+    def ring_grew(self, t, grown, pages):
+        self.chunks += 1
+        self.out.append("%s,alloc,%d,%d,0" % (t, (1 << 50) + self.chunks * (1 << 36), grown * PAGE))
+
+    def ring_emptied(self, t):
+        for k in range(self.first_chunk, self.chunks + 1):
+            self.out.append("%s,free,%d,0,0" % (t, (1 << 50) + k * (1 << 36)))
+        self.first_chunk = self.chunks + 1
+
+
+def walk(rows, ring, chains, sink, give_back):
+    """The trace, each request the ring admits placed there (or sent back),
+    everything else to `sink`. Returns the figures study() prints."""
+    live = {}  # addr -> size
+    in_ring = {}  # addr -> ring block id
+    taken = fallbacks = 0
+    live_bytes = peak_live = 0
+    at_peak = (0, 0)
+    peak_pages = 0
     for ev, (t, action, addr, size_text, stream) in enumerate(rows):
         size = int(size_text)
         if action == "alloc":
             placed = False
-            pred = predecessor_size(size) if size >= LARGE else None
-            wanted = pred is not None and admit != "none" and (admit == "naive" or any(
-                a in confirmed or a in in_ring for a in addrs_of_size[pred]))
-            if wanted:
-                rounded = (size + 511) // 512 * 512
-                block_id, grown = ring.place(rounded)
+            pred = chains.predecessor_size(size)
+            if chains.wanted(pred, in_ring):
+                block_id, grown = ring.place((size + 511) // 512 * 512)
                 if block_id is None:
                     fallbacks += 1
                 else:
                     taken += 1
                     placed = True
                     in_ring[addr] = block_id
-                    if grown and emulate:
-                        chunks += 1
-                        out.append("%s,alloc,%d,%d,0" % (t, (1 << 50) + chunks * (1 << 36), grown * PAGE))
-            if size >= LARGE:
-                if pred is not None:
-                    recent[addr] = (frozenset(addrs_of_size[pred]), ev)
-                    if len(recent) > 64:
-                        recent.popitem(last=False)
-                addrs_of_size[size].add(addr)
-                bisect.insort(live_sizes, size)
+                    if grown:
+                        sink.ring_grew(t, grown, ring.pages)
+            chains.allocated(addr, size, pred, ev)
             live[addr] = size
             live_bytes += size
-            if not placed and emulate:
-                out.append("%s,alloc,%s,%s,%s" % (t, addr, size_text, stream))
+            if not placed:
+                sink.alloc(t, addr, size_text, stream)
         else:
             size = live.pop(addr)
             live_bytes -= size
-            if size >= LARGE:
-                live_sizes.pop(bisect.bisect_left(live_sizes, size))
-                addrs_of_size[size].discard(addr)
-                confirmed.discard(addr)
-                recent.pop(addr, None)
-                for successor, (preds, at) in list(recent.items()):
-                    if addr in preds and ev - at <= 16:
-                        confirmed.add(successor)
-                        del recent[successor]
+            chains.freed(addr, size, ev)
             if addr in in_ring:
                 ring.free(in_ring.pop(addr))
                 if give_back and not ring.blocks and ring.pages:
                     ring.give_back()
-                    for k in range(first_chunk, chunks + 1):
-                        out.append("%s,free,%d,0,0" % (t, (1 << 50) + k * (1 << 36)))
-                    first_chunk = chunks + 1
-            elif emulate:
-                out.append("%s,free,%s,%s,%s" % (t, addr, size_text, stream))
+                    sink.ring_emptied(t)
+            else:
+                sink.free(t, addr, size_text, stream)
         peak_pages = max(peak_pages, ring.pages)
         if live_bytes > peak_live:
             peak_live = live_bytes
             at_peak = (ring.pages, ring.live)
-    if emulate:
-        for k in range(first_chunk, chunks + 1):
-            out.append("%s,free,%d,0,0" % (rows[-1][0], (1 << 50) + k * (1 << 36)))
     return dict(taken=taken, fallbacks=fallbacks, ring=ring, peak_pages=peak_pages,
-                peak_live=peak_live, at_peak=at_peak), out
+                peak_live=peak_live, at_peak=at_peak)
 
 
-class Measured:
-    """The trace through libtidalloc: ring growth as a growable buffer's."""
+def study(rows, slack_pages, admit, emulate, twin=True, give_back=False):
+    sink = Emulation() if emulate else Sink()
+    r = walk(rows, Ring(slack_pages, twin), Chains(admit), sink, give_back)
+    if emulate:
+        sink.ring_emptied(rows[-1][0])
+    return r, sink.out if emulate else []
+
+
+class Measured(Sink):
+    """The trace through libtidalloc: the ring's pages held by a growable
+    buffer of `capacity` bytes."""
 
     def __init__(self, capacity):
         import os
@@ -250,18 +313,22 @@ class Measured:
         self.buffer = tidalloc.Buffer(capacity)
         self.ptrs = {}
 
-    def alloc(self, addr, size):
+    def alloc(self, t, addr, size_text, stream):
+        size = int(size_text)
         ptr = self.lib.tide_torch_alloc(size, 0, None)
         if not ptr:
             raise RuntimeError("allocation of %d bytes failed: %s" % (size, self.tidalloc._lib.last_error()))
         self.ptrs[addr] = (ptr, size)
 
-    def free(self, addr):
+    def free(self, t, addr, size_text, stream):
         ptr, size = self.ptrs.pop(addr)
         self.lib.tide_torch_free(ptr, size, 0, None)
 
-    def ring_pages(self, pages):
+    def ring_grew(self, t, grown, pages):
         self.buffer.resize(pages * PAGE)
+
+    def ring_emptied(self, t):
+        self.buffer.resize(0)
 
     def figures(self):
         st = self.tidalloc.memory_stats(0)
@@ -269,7 +336,7 @@ class Measured:
 
 
 def measure(rows, slack_pages, admit, give_back, twin):
-    """As study(), on libtidalloc; returns (peak live, peak reserved, mappings)."""
+    """As study(), on libtidalloc; returns (peak live, peak reserved, mappings, ring)."""
     peak_live = live = 0
     sizes = {}
     for _, action, addr, size, _ in rows:
@@ -280,57 +347,9 @@ def measure(rows, slack_pages, admit, give_back, twin):
         else:
             live -= sizes.pop(addr)
     target = Measured(2 * peak_live + (1 << 30))
-    ring = Ring(slack_pages, twin)
-    live_sizes, addrs_of_size = [], collections.defaultdict(set)
-    in_ring, confirmed, recent, live = {}, set(), collections.OrderedDict(), {}
-    for ev, (t, action, addr, size_text, stream) in enumerate(rows):
-        size = int(size_text)
-        if action == "alloc":
-            pred = None
-            if size >= LARGE:
-                i = bisect.bisect_left(live_sizes, size * 0.99)
-                while i < len(live_sizes) and live_sizes[i] < size:
-                    pred = live_sizes[i]
-                    i += 1
-            placed = False
-            if pred is not None and admit != "none" and (admit == "naive" or any(
-                    a in confirmed or a in in_ring for a in addrs_of_size[pred])):
-                block_id, grown = ring.place((size + 511) // 512 * 512)
-                if block_id is not None:
-                    if grown:
-                        target.ring_pages(ring.pages)
-                    in_ring[addr] = block_id
-                    placed = True
-            if not placed:
-                target.alloc(addr, size)
-            if size >= LARGE:
-                if pred is not None:
-                    recent[addr] = (frozenset(addrs_of_size[pred]), ev)
-                    if len(recent) > 64:
-                        recent.popitem(last=False)
-                addrs_of_size[size].add(addr)
-                bisect.insort(live_sizes, size)
-            live[addr] = size
-        else:
-            size = live.pop(addr)
-            if size >= LARGE:
-                live_sizes.pop(bisect.bisect_left(live_sizes, size))
-                addrs_of_size[size].discard(addr)
-                confirmed.discard(addr)
-                recent.pop(addr, None)
-                for successor, (preds, at) in list(recent.items()):
-                    if addr in preds and ev - at <= 16:
-                        confirmed.add(successor)
-                        del recent[successor]
-            if addr in in_ring:
-                ring.free(in_ring.pop(addr))
-                if give_back and not ring.blocks and ring.pages:
-                    ring.give_back()
-                    target.ring_pages(0)
-            else:
-                target.free(addr)
+    r = walk(rows, Ring(slack_pages, twin), Chains(admit), target, give_back)
     reserved, mappings = target.figures()
-    return peak_live, reserved, mappings, ring
+    return peak_live, reserved, mappings, r["ring"]
 
 
 def main():
