@@ -242,15 +242,19 @@ static uintptr_t best_offset(const _tide_block *f, size_t size, size_t page) {
 }
 
 /* Hand out `rounded` bytes of free block b, the rest going back to the
- * bins. When free pages are recycled (release_holes), large blocks of
- * expandable segments go where they keep the fewest pages mapped: that bets
- * on pages being unmapped as neighbours die, which only recycling does.
- * Small blocks (below a page, many to a page) pack from the front, where
- * they share pages best. */
+ * bins. When free pages are recycled (release_holes), blocks of a handle
+ * or more in expandable segments go where they keep the fewest pages
+ * mapped: that bets on pages being unmapped as neighbours die, which only
+ * recycling does. Blocks below a handle pack from the front, where they
+ * share pages best. That includes the large pool's blocks of 1-2 MiB: put
+ * on a page of their own, each would strand the rest of the page behind
+ * its neighbour, a gap below 1 MiB that no large request fits (a KV cache
+ * of 24 layers crossing 1 MiB held 24 pages for 12 pages of data). */
 static void place(_tide_arena *arena, _tide_block *b, size_t rounded) {
-  if (b->segment->expandable && b->segment->pool == _TIDE_LARGE &&
+  size_t unit = arena->alloc->page_size * b->segment->handle_pages;
+  if (b->segment->expandable && b->segment->pool == _TIDE_LARGE && rounded >= unit &&
       arena->alloc->conf.release_holes) {
-    uintptr_t x = best_offset(b, rounded, arena->alloc->page_size * b->segment->handle_pages);
+    uintptr_t x = best_offset(b, rounded, unit);
     if (x > b->addr && !split_head(arena, b, x - b->addr)) return;
   }
   if (b->size - rounded >= TIDE_MIN_BLOCK) split(arena, b, rounded);

@@ -260,6 +260,26 @@ static void test_page_aware_placement(void **state) {
   destroy_clean(a);
 }
 
+/* Large blocks below a page pack from the front: on a page each, eight
+ * caches just past 1 MiB would hold eight pages, each with a gap below
+ * 1 MiB behind its block that no large request fits. */
+static void test_sub_page_large_blocks_pack(void **state) {
+  (void)state;
+  tide_allocator *a = make("release_holes:True");
+  enum { N = 8 };
+  const size_t size = MiB + 4096;
+  char *p[N];
+  for (int i = 0; i < N; i++) {
+    p[i] = tide_malloc(a, size, NULL);
+    assert_non_null(p[i]);
+    if (i) assert_ptr_equal(p[i], p[i - 1] + size);
+  }
+  tide_stats s = stats_of(a);
+  assert_int_equal(s.reserved_bytes[0].current, 5 * 2 * MiB); /* 8.03 MiB in 5 pages */
+  for (int i = 0; i < N; i++) tide_free(a, p[i], NULL);
+  destroy_clean(a);
+}
+
 /* With one stream, free pages stay mapped while growth keeps reserved
  * memory within the release slack (1% here) above the allocated peak: the
  * allocator-wide allocated peak must be known before a second stream
@@ -746,6 +766,7 @@ int main(void) {
       cmocka_unit_test(test_fixed_large_segments),
       cmocka_unit_test(test_expandable_maps_pages_on_demand),
       cmocka_unit_test(test_page_aware_placement),
+      cmocka_unit_test(test_sub_page_large_blocks_pack),
       cmocka_unit_test(test_release_reuses_physical_pages),
       cmocka_unit_test(test_release_far_end_of_hole),
       cmocka_unit_test(test_release_waits_for_slack_with_one_stream),
