@@ -120,3 +120,49 @@ vit,0,1,expandable,0.25,e,-1,-1
     assert [p[0] for p in got["gpt2"]] == [(1, 0), (2, 0)]  # run 1's pair 1 was cut short
     assert [p[3] / p[2] for p in got["gpt2"]] == [0.5, 0.5]
     assert got["vit"][0][1] == "tidalloc" and got["vit"][0][3] / got["vit"][0][2] == 2.0
+
+
+def test_cluster_interval_widens_when_process_pairs_disagree():
+    # Two pairs of processes, each consistent within itself, 10% apart.
+    groups = [[0.95 + 0.001 * (i % 3) for i in range(30)],
+              [1.05 + 0.001 * (i % 3) for i in range(30)]]
+    pooled = [r for g in groups for r in g]
+    lo, hi = paired_time.bootstrap_interval(pooled)
+    clo, chi = paired_time.cluster_interval(groups)
+    assert hi - lo < 0.03
+    assert clo < 0.96 and chi > 1.04
+    assert clo <= paired_time.geometric_mean(pooled) <= chi
+
+
+class FakeProcess:
+    """Stands in for a validate.py --serve worker: each new one runs at its
+    own speed (the machine's differences between processes)."""
+    started = []
+
+    def __init__(self, program, config):
+        self.config = config
+        FakeProcess.started.append(config)
+        self.speed = 1.0 + 0.1 * ((len(FakeProcess.started) - 1) // 2 % 2)
+
+    def wait_ready(self):
+        pass
+
+    def run(self):
+        return (2.0 if self.config == "expandable" else 2.02) * self.speed, "same", 0, 0
+
+    def close(self):
+        return 0, (100.0, 101.0)
+
+
+def test_fresh_every_starts_new_workers_and_resamples_them(monkeypatch, capsys):
+    FakeProcess.started = []
+    monkeypatch.setattr(paired_time, "Worker", FakeProcess)
+    monkeypatch.setattr("sys.argv",
+                        ["paired_time.py", "gpt2", "--pairs", "6", "--fresh-every", "2"])
+    assert paired_time.main() == 0
+    out, err = capsys.readouterr()
+    assert out.count("# run: workers") == 3
+    assert len(FakeProcess.started) == 6
+    assert len([line for line in out.splitlines() if line.startswith("gpt2,")]) == 12
+    assert "resampling the worker pairs as well" in err
+    assert "geometric mean 1.0100" in err

@@ -13,7 +13,7 @@ geometric mean with a 95% bootstrap interval, and the same split by order
 (which shows whether the second run of a pair is slower).
 
     taskset -c 4-7 python tests/torch/paired_time.py gpt2 --pairs 40 \\
-        [--configs expandable tidalloc] [--budget-s 480] > pairs.csv
+        [--configs expandable tidalloc] [--budget-s 480] [--fresh-every 8] > pairs.csv
 
 Configurations as in run_validation.sh: native, expandable
 (expandable_segments:True), tidalloc (tidalloc.torch.install(), capture
@@ -21,7 +21,15 @@ detection on), tidalloc-nodetect. stdout: one CSV row per run
 (program,pair,position,config,seconds,digest,maps,unmaps); stderr: each
 configuration's peak allocated and reserved memory over its runs, and the
 summary. `paired_time.py --summarize FILE [A B]` summarizes saved rows, runs
-appended in one file (each begun by a "# run" line) pooled and one by one. Exits non-zero if a worker fails or the outputs differ."""
+appended in one file (each begun by a "# run" line) pooled and one by one.
+
+The pairs of one pair of processes share what sets those processes apart
+(on the H200 host, GPT-2 runs of 2.4-5.2 s, and three runs of 29-64 pairs
+whose intervals did not overlap), so an interval from resampling pairs
+alone is too narrow. --fresh-every N starts a new pair of workers every N
+pairs, each set begun by a "# run" line; over several sets (or saved runs)
+the summary adds an interval that resamples the sets and then the pairs
+within them. Exits non-zero if a worker fails or the outputs differ."""
 import argparse
 import math
 import os
@@ -124,6 +132,25 @@ def bootstrap_interval(values, resamples=4000, seed=0):
     return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
 
 
+def cluster_interval(groups, resamples=4000, seed=0):
+    """95% percentile interval of the geometric mean of the ratios in
+    `groups` (lists of ratios, one per pair of worker processes), resampling
+    the groups and then the ratios within each: the pairs of one pair of
+    processes share whatever sets those processes apart, which resampling
+    pairs alone takes for agreement."""
+    rng = random.Random(seed)
+    k = len(groups)
+    means = []
+    for _ in range(resamples):
+        sample = []
+        for _ in range(k):
+            g = groups[rng.randrange(k)]
+            sample.extend(g[rng.randrange(len(g))] for _ in range(len(g)))
+        means.append(geometric_mean(sample))
+    means.sort()
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
 def summarize(pairs, name_a, name_b):
     """Lines that say how B's time compares with A's over the pairs."""
     ratios = [p[3] / p[2] for p in pairs]
@@ -178,6 +205,12 @@ def summarize_file(path, name_a, name_b):
         print("%s, all runs:" % program)
         for line in summarize(pairs, name_a, name_b):
             print("  " + line)
+        runs = sorted({p[0][0] for p in pairs})
+        if len(runs) > 1:
+            groups = [[p[3] / p[2] for p in pairs if p[0][0] == run] for run in runs]
+            lo, hi = cluster_interval(groups)
+            print("  resampling the runs as well as their pairs: 95%% interval %.4f-%.4f over %d "
+                  "runs (each run a pair of processes)" % (lo, hi, len(runs)))
         for run in sorted({p[0][0] for p in pairs}):
             sub_pairs = [p for p in pairs if p[0][0] == run]
             print("%s, run %d: %s" % (program, run, summarize(sub_pairs, name_a, name_b)[1]))
@@ -197,23 +230,57 @@ def main():
                         metavar=("A", "B"))
     parser.add_argument("--pairs", type=int, default=40)
     parser.add_argument("--budget-s", type=float, help="begin no pair after this many seconds")
+    parser.add_argument("--fresh-every", type=int, default=0, metavar="N",
+                        help="a new pair of worker processes every N pairs, each set begun by a "
+                        "'# run' line, so that the summary can resample the processes too")
     args = parser.parse_args()
+    if args.fresh_every < 0 or args.pairs < 1:
+        sys.exit("paired_time.py: --pairs must be at least 1 and --fresh-every at least 0")
 
+    print("program,pair,position,config,seconds,digest,maps,unmaps", flush=True)
+
+    def emit(i, position, config, r):
+        print("%s,%d,%d,%s,%.6f,%s,%d,%d" % (args.program, i, position, config, *r), flush=True)
+
+    start, sets, status = time.monotonic(), [], 0
+    while sum(len(s) for s in sets) < args.pairs:
+        left = None if args.budget_s is None else args.budget_s - (time.monotonic() - start)
+        if left is not None and left < 0 and sets:
+            break
+        want = args.pairs - sum(len(s) for s in sets)
+        if args.fresh_every:
+            want = min(want, args.fresh_every)
+            print("# run: workers %d" % (len(sets) + 1), flush=True)
+        rc, done = run_set(args, want, left, emit)
+        status |= rc
+        sets.append(done)
+        if rc or len(done) < want:
+            break
+    pairs = [p for s in sets for p in s]
+    if any(p[4] != p[5] for p in pairs):
+        print("paired_time: the two configurations gave different outputs", file=sys.stderr)
+        status = 1
+    for line in summarize(pairs, *args.configs):
+        print(line, file=sys.stderr)
+    groups = [[p[3] / p[2] for p in s] for s in sets if s]
+    if len(groups) > 1:
+        lo, hi = cluster_interval(groups)
+        print("resampling the worker pairs as well: 95%% interval %.4f-%.4f over %d pairs of "
+              "processes" % (lo, hi, len(groups)), file=sys.stderr)
+    return 1 if status else 0
+
+
+def run_set(args, pairs, budget_s, emit):
+    """One pair of worker processes for up to `pairs` pairs; (status, pairs)."""
     a, b = (Worker(args.program, c) for c in args.configs)
-    status = 0
+    status, done = 0, []
     try:
         a.wait_ready()
         b.wait_ready()
-        print("program,pair,position,config,seconds,digest,maps,unmaps", flush=True)
-
-        def emit(i, position, config, r):
-            print("%s,%d,%d,%s,%.6f,%s,%d,%d" % (args.program, i, position, config, *r),
-                  flush=True)
-
-        pairs = run_pairs(a, b, args.pairs, args.budget_s, emit=emit)
+        done = run_pairs(a, b, pairs, budget_s, emit=emit)
     except RuntimeError as e:
         print("paired_time: %s" % e, file=sys.stderr)
-        return 1
+        status = 1
     finally:
         for w in (a, b):
             rc, peaks = w.close()
@@ -221,12 +288,7 @@ def main():
             if peaks:
                 print("%s: peak allocated %.1f MiB, reserved %.1f MiB (%.4f x allocated)"
                       % (w.config, peaks[0], peaks[1], peaks[1] / peaks[0]), file=sys.stderr)
-    if any(p[4] != p[5] for p in pairs):
-        print("paired_time: the two configurations gave different outputs", file=sys.stderr)
-        status = 1
-    for line in summarize(pairs, *args.configs):
-        print(line, file=sys.stderr)
-    return 1 if status else 0
+    return status, done
 
 
 if __name__ == "__main__":
