@@ -14,7 +14,12 @@
 #   CONF       options for every run (default backend:cuda)
 #   TIDALLOC   the command (default build/tidalloc, built if missing)
 #   DRIVER_CSV also write every run's driver work (`tidalloc stream
-#              --driver-csv`: pages and handles mapped and unmapped) to this file
+#              --driver-csv`: pages and handles mapped and unmapped, stream
+#              waits, frame times) to this file
+#   STREAM_ARGS more arguments for every run, e.g. --sync-frames (frame times
+#              that end when the device is done with each frame)
+# Even rounds run the configurations in reverse order (fixed segments first),
+# so that a drift within a round favours none of them.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -35,8 +40,9 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 # run LABEL CONF: one sweep, its rows (no header) on stdout, its table on stderr.
 run() {
+  # shellcheck disable=SC2086
   "$cmd" stream --frames $frames --conf "$2" --label "$1" --csv "$tmp/run.csv" \
-    --driver-csv "$tmp/driver.csv" >&2
+    --driver-csv "$tmp/driver.csv" ${STREAM_ARGS:-} >&2
   tail -n +2 "$tmp/run.csv"
   if [[ -n ${DRIVER_CSV:-} ]]; then
     [[ -s $DRIVER_CSV ]] || head -1 "$tmp/driver.csv" >"$DRIVER_CSV"
@@ -47,6 +53,15 @@ run() {
 "$cmd" stream --frames 64 --conf "$conf" --csv "$tmp/h.csv" >/dev/null
 head -1 "$tmp/h.csv"
 for ((r = 1; r <= rounds; r++)); do
-  for c in $configs; do run "${c%%=*}-r$r" "$conf,${c#*=}"; done
-  run "fixed-r$r" "$conf,expandable_segments:False"
+  if ((r % 2)); then
+    for c in $configs; do run "${c%%=*}-r$r" "$conf,${c#*=}"; done
+    run "fixed-r$r" "$conf,expandable_segments:False"
+  else
+    run "fixed-r$r" "$conf,expandable_segments:False"
+    read -ra list <<<"$configs"
+    for ((i = ${#list[@]} - 1; i >= 0; i--)); do
+      c=${list[i]}
+      run "${c%%=*}-r$r" "$conf,${c#*=}"
+    done
+  fi
 done
