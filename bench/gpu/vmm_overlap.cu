@@ -22,6 +22,11 @@
  *   threads      a run of 64 pages created, mapped, made accessible and
  *                unmapped by 1, 2, 4 or 8 threads, each taking its share of
  *                the run: whether the driver's per-mapping work can be spread
+ *   launch_beside  the CPU time of enqueuing kernels and small copies on
+ *                one thread while another thread maps and unmaps pages in
+ *                a loop, against the same with that thread idle: whether
+ *                growth done ahead on a helper thread would hide behind a
+ *                frame's launches or hold them up inside the driver
  *
  * Output: CSV rows  test,variant,value,unit  on stdout.
  * usage: vmm_overlap [--repeat R]    (default 20)
@@ -351,6 +356,80 @@ static void threads_cost(int device, size_t page, int repeat) {
   CU(cuMemAddressFree(base, PAGES * page));
 }
 
+/* launch_beside: a thread that maps and unmaps until told to stop. */
+typedef struct mapper {
+  CUcontext ctx;
+  int device;
+  CUdeviceptr base;
+  size_t page;
+  int stop;
+  long cycles;
+  double t[5];
+} mapper;
+
+static void *run_mapper(void *arg) {
+  mapper *m = (mapper *)arg;
+  CU(cuCtxSetCurrent(m->ctx));
+  while (!__atomic_load_n(&m->stop, __ATOMIC_ACQUIRE)) {
+    map_cycle(m->device, m->base, m->page, 4, m->t);
+    m->cycles++;
+  }
+  return NULL;
+}
+
+static void launch_beside(int device, size_t page, int repeat) {
+  enum { BATCH = 200, PAGES = 4, SMALL = 4096 };
+  CUcontext ctx;
+  CU(cuCtxGetCurrent(&ctx));
+  CUdeviceptr base;
+  CU(cuMemAddressReserve(&base, PAGES * page, 0, 0, 0));
+  cudaStream_t stream;
+  RT(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  void *src, *dst;
+  RT(cudaMalloc(&src, SMALL));
+  RT(cudaMalloc(&dst, SMALL));
+  for (int mapping = 0; mapping < 2; mapping++) {
+    mapper m = {ctx, device, base, page, 0, 0, {0, 0, 0, 0, 0}};
+    pthread_t id;
+    if (mapping && pthread_create(&id, NULL, run_mapper, &m) != 0) {
+      fprintf(stderr, "vmm_overlap: pthread_create failed\n");
+      exit(1);
+    }
+    std::vector<double> launch_us, copy_us;
+    double started = now_us();
+    for (int r = 0; r < repeat * 5; r++) {
+      double t0 = now_us();
+      for (int i = 0; i < BATCH; i++) spin<<<1, 1, 0, stream>>>(0);
+      double t1 = now_us();
+      for (int i = 0; i < BATCH; i++)
+        RT(cudaMemcpyAsync(dst, src, SMALL, cudaMemcpyDeviceToDevice, stream));
+      double t2 = now_us();
+      RT(cudaStreamSynchronize(stream));
+      launch_us.push_back((t1 - t0) / BATCH);
+      copy_us.push_back((t2 - t1) / BATCH);
+    }
+    double elapsed = now_us() - started;
+    if (mapping) {
+      __atomic_store_n(&m.stop, 1, __ATOMIC_RELEASE);
+      pthread_join(id, NULL);
+    }
+    const char *v = mapping ? "helper_mapping" : "helper_idle";
+    printf("launch_beside,%s_kernel_launch,%.2f,us_each\n", v, median(launch_us));
+    printf("launch_beside,%s_memcpy_async,%.2f,us_each\n", v, median(copy_us));
+    if (mapping && m.cycles) {
+      printf("launch_beside,helper_pages_cycled,%.0f,pages_per_s\n",
+             m.cycles * PAGES / (elapsed * 1e-6));
+      for (int s = 0; s < 5; s++)
+        printf("launch_beside,helper_%s,%.2f,us_per_page\n", step_names[s],
+               m.t[s] / m.cycles / PAGES);
+    }
+  }
+  RT(cudaFree(src));
+  RT(cudaFree(dst));
+  RT(cudaStreamDestroy(stream));
+  CU(cuMemAddressFree(base, PAGES * page));
+}
+
 int main(int argc, char **argv) {
   int repeat = 20;
   for (int i = 1; i < argc; i++) {
@@ -375,5 +454,6 @@ int main(int argc, char **argv) {
   copy_under(device, page, repeat);
   copy_kind(device, page, repeat);
   threads_cost(device, page, repeat);
+  launch_beside(device, page, repeat);
   return 0;
 }
