@@ -362,6 +362,7 @@ typedef struct mapper {
   int device;
   CUdeviceptr base;
   size_t page;
+  int pages;
   int stop;
   long cycles;
   double t[5];
@@ -371,7 +372,7 @@ static void *run_mapper(void *arg) {
   mapper *m = (mapper *)arg;
   CU(cuCtxSetCurrent(m->ctx));
   while (!__atomic_load_n(&m->stop, __ATOMIC_ACQUIRE)) {
-    map_cycle(m->device, m->base, m->page, 4, m->t);
+    map_cycle(m->device, m->base, m->page, m->pages, m->t);
     m->cycles++;
   }
   return NULL;
@@ -389,7 +390,7 @@ static void launch_beside(int device, size_t page, int repeat) {
   RT(cudaMalloc(&src, SMALL));
   RT(cudaMalloc(&dst, SMALL));
   for (int mapping = 0; mapping < 2; mapping++) {
-    mapper m = {ctx, device, base, page, 0, 0, {0, 0, 0, 0, 0}};
+    mapper m = {ctx, device, base, page, PAGES, 0, 0, {0, 0, 0, 0, 0}};
     pthread_t id;
     if (mapping && pthread_create(&id, NULL, run_mapper, &m) != 0) {
       fprintf(stderr, "vmm_overlap: pthread_create failed\n");

@@ -93,7 +93,7 @@ def worker(config, trace, reps):
 
 def run_worker(config, trace, reps):
     from paired_time import config_env
-    allocator, env = config_env(config)
+    _, env = config_env(config)
     cmd = [sys.executable, os.path.abspath(__file__), trace, "--worker", config, "--reps",
            str(reps)]
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, check=True, text=True).stdout
@@ -105,7 +105,7 @@ def summarize(rows, configs, events, run_seconds):
     lines saying so."""
     best = {c: [] for c in configs}
     for (rnd, config), reps in rows.items():
-        best[config].append(min(ns for ns in reps))
+        best[config].append(min(reps))
     med = {c: statistics.median(v) for c, v in best.items() if v}
     lines = ["%s: %.1f ns per event (median of %d workers; range %.1f-%.1f)"
              % (c, med[c], len(best[c]), min(best[c]), max(best[c])) for c in configs if c in med]
@@ -133,17 +133,17 @@ def main():
     if args.worker:
         worker(args.worker, args.trace, args.reps)
         return 0
-    ops, _ = load_trace(args.trace)
     print("round,config,rep,seconds,events,ns_per_event")
-    rows = {}
+    rows, events = {}, 0
     for rnd in range(args.rounds):
         order = args.configs if rnd % 2 == 0 else args.configs[::-1]
         for config in order:
             reps = run_worker(config, args.trace, args.reps)
             rows[(rnd, config)] = [s / n * 1e9 for s, n in reps]
+            events = reps[0][1]  # the workers count the trace's events as they replay it
             for i, (s, n) in enumerate(reps):
                 print("%d,%s,%d,%.6f,%d,%.1f" % (rnd, config, i, s, n, s / n * 1e9), flush=True)
-    _, lines = summarize(rows, args.configs, len(ops), args.run_seconds)
+    _, lines = summarize(rows, args.configs, events, args.run_seconds)
     for line in lines:
         print(line, file=sys.stderr)
     return 0

@@ -242,18 +242,19 @@ def main():
     def emit(i, position, config, r):
         print("%s,%d,%d,%s,%.6f,%s,%d,%d" % (args.program, i, position, config, *r), flush=True)
 
-    start, sets, status = time.monotonic(), [], 0
-    while sum(len(s) for s in sets) < args.pairs:
+    start, sets, status, total = time.monotonic(), [], 0, 0
+    while total < args.pairs:
         left = None if args.budget_s is None else args.budget_s - (time.monotonic() - start)
         if left is not None and left < 0 and sets:
             break
-        want = args.pairs - sum(len(s) for s in sets)
+        want = args.pairs - total
         if args.fresh_every:
             want = min(want, args.fresh_every)
             print("# run: workers %d" % (len(sets) + 1), flush=True)
         rc, done = run_set(args, want, left, emit)
         status |= rc
         sets.append(done)
+        total += len(done)
         if rc or len(done) < want:
             break
     pairs = [p for s in sets for p in s]
