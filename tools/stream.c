@@ -33,7 +33,7 @@ static const int default_sweep[] = {64, 128, 256, 512, 1024, 2048, 4096, 10000};
 #define DRIVER_CSV_HEADER                                                                          \
   "frames,status,backend,seconds,reserved_over_allocated,pages_mapped,pages_unmapped,mappings,"    \
   "unmappings,max_running_ratio,max_running_ratio_frame,median_frame_ms,p90_frame_ms,"             \
-  "max_frame_ms,stream_waits"
+  "max_frame_ms,stream_waits,median_alloc_ms,median_issue_ms"
 
 typedef struct stream_args {
   int frames[MAX_SWEEP];
@@ -69,6 +69,12 @@ typedef struct stream_row {
   double median_frame_ms, p90_frame_ms, max_frame_ms;
   /* Times the allocator blocked until the stream was done (tide_stats). */
   uint64_t stream_waits;
+  /* With --sync-frames, the medians over the one-frame steps of the time
+   * the calling thread spent inside the allocator (tide_malloc, tide_free,
+   * growable buffers' calls) and of the time it took to issue the frame's
+   * work, before waiting for the device: whether a frame is bound by the
+   * CPU, and how much of that is the allocator's. 0 without. */
+  double median_alloc_ms, median_issue_ms;
   char error[ERROR_LEN]; /* why it ran out of memory; "" when ok */
 } stream_row;
 
@@ -98,6 +104,10 @@ typedef struct tide_target {
   int frames_seen;
   double *frame_ms;
   int frame_count;
+  /* With sync_frames: time inside the allocator in the current step, and
+   * each single frame's allocator and issue times (stream_row). */
+  uint64_t alloc_ns;
+  double *alloc_ms, *issue_ms;
   /* --trace-csv: the run's allocations and frees as `tidalloc replay` reads
    * them, from `trace_start` on; NULL when not asked for. */
   FILE *trace;
@@ -120,10 +130,20 @@ static void trace_event(tide_target *t, const char *action, const void *ptr, siz
           (unsigned long long)(uintptr_t)ptr, (unsigned long long)((bytes + 511) / 512 * 512));
 }
 
+/* Clock reads around allocator calls, only with sync_frames: the plain run
+ * stays as it was. `start` of 0 means not timed. */
+static uint64_t alloc_clock(const tide_target *t) { return t->sync_frames ? cli_now_ns() : 0; }
+
+static void alloc_clock_add(tide_target *t, uint64_t start) {
+  if (start) t->alloc_ns += cli_now_ns() - start;
+}
+
 static void *target_alloc(void *ctx, size_t bytes, stream_model_kind kind) {
   (void)kind;
   tide_target *t = ctx;
+  uint64_t start = alloc_clock(t);
   void *ptr = tide_malloc(t->alloc, bytes, NULL);
+  alloc_clock_add(t, start);
   if (ptr == NULL)
     keep_first_failure(&t->alloc_status, t->alloc_error);
   else
@@ -134,7 +154,9 @@ static void *target_alloc(void *ctx, size_t bytes, stream_model_kind kind) {
 static void target_free(void *ctx, void *buf, size_t bytes) {
   tide_target *t = ctx;
   trace_event(t, "free", buf, bytes);
+  uint64_t start = alloc_clock(t);
   tide_status st = tide_free(t->alloc, buf, NULL);
+  alloc_clock_add(t, start);
   if (st != TIDE_OK) keep_first_failure(&t->free_status, t->free_error);
 }
 
@@ -166,7 +188,10 @@ static void *target_buf_create(void *ctx, size_t capacity, stream_model_kind kin
   tide_buf_options_init(&o);
   o.capacity = capacity;
   tide_buf *b = NULL;
-  if (tide_buf_create(t->alloc, &o, &b) != TIDE_OK) {
+  uint64_t start = alloc_clock(t);
+  int rc = tide_buf_create(t->alloc, &o, &b);
+  alloc_clock_add(t, start);
+  if (rc != TIDE_OK) {
     keep_first_failure(&t->alloc_status, t->alloc_error);
     return NULL;
   }
@@ -176,14 +201,20 @@ static void *target_buf_create(void *ctx, size_t capacity, stream_model_kind kin
 
 static int target_buf_resize(void *ctx, void *buf, size_t bytes) {
   tide_target *t = ctx;
-  if (tide_buf_resize(buf, bytes, NULL) == TIDE_OK) return 0;
+  uint64_t start = alloc_clock(t);
+  int rc = tide_buf_resize(buf, bytes, NULL);
+  alloc_clock_add(t, start);
+  if (rc == TIDE_OK) return 0;
   keep_first_failure(&t->alloc_status, t->alloc_error);
   return -1;
 }
 
 static void target_buf_destroy(void *ctx, void *buf) {
   tide_target *t = ctx;
-  if (tide_buf_destroy(buf) != TIDE_OK) keep_first_failure(&t->free_status, t->free_error);
+  uint64_t start = alloc_clock(t);
+  int rc = tide_buf_destroy(buf);
+  alloc_clock_add(t, start);
+  if (rc != TIDE_OK) keep_first_failure(&t->free_status, t->free_error);
 }
 
 /* After each frame: the peak reserved so far over the peak allocated so far
@@ -204,12 +235,17 @@ static void track_running_ratio(tide_target *t, int frames_done) {
  * step ends when the device has done its copies, else when the calling
  * thread has issued them. */
 static void track_frame_time(tide_target *t, int frames_done) {
+  uint64_t issued = cli_now_ns();
   if (t->sync_frames && t->copies && tide_stream_synchronize(t->alloc, NULL) != TIDE_OK)
     keep_first_failure(&t->copy_status, t->copy_error);
   uint64_t now = cli_now_ns();
-  if (frames_done - t->frames_seen == 1 && t->frame_ms != NULL)
+  if (frames_done - t->frames_seen == 1 && t->frame_ms != NULL) {
+    t->alloc_ms[t->frame_count] = (double)t->alloc_ns / 1e6;
+    t->issue_ms[t->frame_count] = (double)(issued - t->step_end_ns) / 1e6;
     t->frame_ms[t->frame_count++] = (double)(now - t->step_end_ns) / 1e6;
+  }
   t->frames_seen = frames_done;
+  t->alloc_ns = 0;
 }
 
 static void target_progress(void *ctx, int frames_done, int frames_total) {
@@ -251,13 +287,23 @@ static int compare_doubles(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-/* The median, 90th percentile and largest of the frame times (sorts them). */
+/* The median of n values (sorts them). */
+static double median_of(double *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, compare_doubles);
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+/* The median, 90th percentile and largest of the frame times, and the
+ * medians of the allocator and issue times where they were taken (sorts
+ * them). */
 static void summarise_frames(tide_target *t, stream_row *row) {
   int n = t->frame_count;
   if (n == 0) return;
-  qsort(t->frame_ms, (size_t)n, sizeof *t->frame_ms, compare_doubles);
-  row->median_frame_ms =
-      n % 2 ? t->frame_ms[n / 2] : (t->frame_ms[n / 2 - 1] + t->frame_ms[n / 2]) / 2;
+  if (t->sync_frames) {
+    row->median_alloc_ms = median_of(t->alloc_ms, n);
+    row->median_issue_ms = median_of(t->issue_ms, n);
+  }
+  row->median_frame_ms = median_of(t->frame_ms, n);
   row->p90_frame_ms = t->frame_ms[(int)((double)(n - 1) * 0.9)];
   row->max_frame_ms = t->frame_ms[n - 1];
 }
@@ -320,9 +366,20 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
   target->sync_frames = args->sync_frames;
   target->frames_seen = 0;
   target->frame_count = 0;
+  target->alloc_ns = 0;
   target->frame_ms = malloc((size_t)frames * sizeof *target->frame_ms);
+  target->alloc_ms = malloc((size_t)frames * sizeof *target->alloc_ms);
+  target->issue_ms = malloc((size_t)frames * sizeof *target->issue_ms);
+  if (!target->frame_ms || !target->alloc_ms || !target->issue_ms) {
+    free(target->frame_ms);
+    free(target->alloc_ms);
+    free(target->issue_ms);
+    target->frame_ms = target->alloc_ms = target->issue_ms = NULL;
+  }
   if (args->trace_path && !open_trace(args->trace_path, target)) {
     free(target->frame_ms);
+    free(target->alloc_ms);
+    free(target->issue_ms);
     tide_destroy(alloc);
     return false;
   }
@@ -357,7 +414,9 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
   summarise_frames(target, row);
   if (target->trace && !close_trace(args->trace_path, target)) ok = false;
   free(target->frame_ms);
-  target->frame_ms = NULL;
+  free(target->alloc_ms);
+  free(target->issue_ms);
+  target->frame_ms = target->alloc_ms = target->issue_ms = NULL;
   if (tide_destroy(alloc) != TIDE_OK) {
     cli_report_tide_error("stream: destroying the allocator");
     ok = false;
@@ -431,11 +490,11 @@ static void write_driver_row(FILE *f, const stream_row *r) {
   double ratio = reserved_ratio(r);
   fprintf(f, "%d,%s,", r->frames, r->oom ? "oom" : "ok");
   write_field(f, r->backend);
-  fprintf(f, ",%.3f,%.4f,%llu,%llu,%llu,%llu,%.4f,%d,%.3f,%.3f,%.3f,%llu\n", r->seconds, ratio,
-          (unsigned long long)r->pages_mapped, (unsigned long long)r->pages_unmapped,
+  fprintf(f, ",%.3f,%.4f,%llu,%llu,%llu,%llu,%.4f,%d,%.3f,%.3f,%.3f,%llu,%.3f,%.3f\n", r->seconds,
+          ratio, (unsigned long long)r->pages_mapped, (unsigned long long)r->pages_unmapped,
           (unsigned long long)r->mappings, (unsigned long long)r->unmappings, r->max_running_ratio,
           r->max_running_ratio_frame, r->median_frame_ms, r->p90_frame_ms, r->max_frame_ms,
-          (unsigned long long)r->stream_waits);
+          (unsigned long long)r->stream_waits, r->median_alloc_ms, r->median_issue_ms);
 }
 
 /* Write `header` and every row so far (through `write`) to a file beside
@@ -518,7 +577,9 @@ static void print_help(void) {
          "                  tidalloc-fixed, from expandable_segments)\n"
          "  --sync-frames   end each frame when the device is done with it, so that the\n"
          "                  driver CSV's frame times (one-frame steps: median, 90th\n"
-         "                  percentile, max) are the device's, not the issuing thread's\n"
+         "                  percentile, max) are the device's, not the issuing thread's,\n"
+         "                  and time the allocator's calls and each frame's issuing\n"
+         "                  (median_alloc_ms, median_issue_ms)\n"
          "  --trace-csv FILE  write every allocation and free of the run through\n"
          "                  tide_malloc/tide_free to FILE, in the format `tidalloc\n"
          "                  replay` reads (each run rewrites it: with several frame\n"
