@@ -192,6 +192,15 @@ table_maps=$(awk '$1 == 4 && $2 == "ok" { print $(NF - 1) }' "$dir/out")
 [ "$table_maps" = "$(tail -n 1 "$dir/driver.csv" | awk -F, '{ print $(NF - 9) }')" ] ||
   fail "stream: the table's maps '$table_maps' differ from --driver-csv's"
 
+# --frames-csv: a row per one-frame step (16 frames: the 8 scale frames in one batch, then 8).
+"$bin" stream --frames 16 --sync-frames --frames-csv "$dir/frames.csv" >/dev/null 2>&1 ||
+  fail "stream --frames-csv failed"
+[ "$(head -n 1 "$dir/frames.csv")" = \
+  "backend,frames,frame,frame_ms,issue_ms,alloc_ms,mappings,unmappings,stream_waits,allocated_gib,reserved_gib" ] ||
+  fail "stream --frames-csv header is '$(head -n 1 "$dir/frames.csv")'"
+[ "$(tail -n +2 "$dir/frames.csv" | cut -d, -f3 | tr '\n' ' ')" = "9 10 11 12 13 14 15 16 " ] ||
+  fail "stream --frames-csv frames are '$(tail -n +2 "$dir/frames.csv" | cut -d, -f3 | tr '\n' ' ')'"
+
 if [ "$failures" -ne 0 ]; then
   echo "cli_smoke: $failures failures" >&2
   exit 1

@@ -11,6 +11,7 @@
  *
  * The host backend computes nothing and never touches the memory, so an
  * emulated 141 GiB device costs no RAM: the cache copies are no-ops there. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,13 +36,20 @@ static const int default_sweep[] = {64, 128, 256, 512, 1024, 2048, 4096, 10000};
   "unmappings,max_running_ratio,max_running_ratio_frame,median_frame_ms,p90_frame_ms,"             \
   "max_frame_ms,stream_waits,median_alloc_ms,median_issue_ms"
 
+/* --frames-csv: each one-frame step of every run, with the statistics'
+ * running counts after it (their differences are the frame's). */
+#define FRAMES_CSV_HEADER                                                                          \
+  "backend,frames,frame,frame_ms,issue_ms,alloc_ms,mappings,unmappings,stream_waits,"              \
+  "allocated_gib,reserved_gib"
+
 typedef struct stream_args {
   int frames[MAX_SWEEP];
   int sweep_length;
   const char *conf;
   const char *csv_path;
   const char *driver_csv_path;
-  const char *trace_path; /* --trace-csv: each run's allocations and frees */
+  const char *trace_path;      /* --trace-csv: each run's allocations and frees */
+  const char *frames_csv_path; /* --frames-csv: one row per single frame */
   const char *label;
   bool stop_on_oom;
   bool grow;        /* --mode grow: the caches in growable buffers */
@@ -108,6 +116,11 @@ typedef struct tide_target {
    * each single frame's allocator and issue times (stream_row). */
   uint64_t alloc_ns;
   double *alloc_ms, *issue_ms;
+  /* --frames-csv: the open file (NULL when not asked for), and the run's
+   * backend column and length for its rows. */
+  FILE *frames_csv;
+  const char *backend;
+  int run_frames;
   /* --trace-csv: the run's allocations and frees as `tidalloc replay` reads
    * them, from `trace_start` on; NULL when not asked for. */
   FILE *trace;
@@ -219,12 +232,10 @@ static void target_buf_destroy(void *ctx, void *buf) {
 
 /* After each frame: the peak reserved so far over the peak allocated so far
  * (one statistics read a frame, microseconds against the frame's work). */
-static void track_running_ratio(tide_target *t, int frames_done) {
-  tide_stats stats;
-  if (t->alloc == NULL || tide_get_stats(t->alloc, &stats) != TIDE_OK) return;
-  int64_t allocated = stats.allocated_bytes[TIDE_POOL_ALL].peak;
+static void track_running_ratio(tide_target *t, const tide_stats *stats, int frames_done) {
+  int64_t allocated = stats->allocated_bytes[TIDE_POOL_ALL].peak;
   if (allocated <= 0) return;
-  double ratio = (double)stats.reserved_bytes[TIDE_POOL_ALL].peak / (double)allocated;
+  double ratio = (double)stats->reserved_bytes[TIDE_POOL_ALL].peak / (double)allocated;
   if (ratio > t->max_running_ratio) {
     t->max_running_ratio = ratio;
     t->max_running_ratio_frame = frames_done;
@@ -248,11 +259,31 @@ static void track_frame_time(tide_target *t, int frames_done) {
   t->alloc_ns = 0;
 }
 
+static void write_field(FILE *f, const char *text);
+
+/* A --frames-csv row for the one-frame step just timed (the last entry of
+ * the frame times). */
+static void write_frame_row(tide_target *t, const tide_stats *stats, int frames_done) {
+  int i = t->frame_count - 1;
+  write_field(t->frames_csv, t->backend);
+  fprintf(t->frames_csv, ",%d,%d,%.3f,%.3f,%.3f,%llu,%llu,%llu,%.4f,%.4f\n", t->run_frames,
+          frames_done, t->frame_ms[i], t->issue_ms[i], t->alloc_ms[i],
+          (unsigned long long)stats->mappings, (unsigned long long)stats->unmappings,
+          (unsigned long long)stats->stream_waits,
+          (double)stats->allocated_bytes[TIDE_POOL_ALL].current / 1073741824.0,
+          (double)stats->reserved_bytes[TIDE_POOL_ALL].current / 1073741824.0);
+}
+
 static void target_progress(void *ctx, int frames_done, int frames_total) {
   (void)frames_total;
   tide_target *t = ctx;
+  int timed = t->frame_count;
   track_frame_time(t, frames_done);
-  track_running_ratio(t, frames_done);
+  tide_stats stats;
+  if (t->alloc != NULL && tide_get_stats(t->alloc, &stats) == TIDE_OK) {
+    track_running_ratio(t, &stats, frames_done);
+    if (t->frames_csv && t->frame_count > timed) write_frame_row(t, &stats, frames_done);
+  }
   t->step_end_ns = cli_now_ns(); /* the next frame starts here: the statistics read is neither's */
   t->shown = (double)(t->frames_before + (uint64_t)frames_done) / (double)t->frames_total;
   cli_progress("stream", t->shown);
@@ -355,6 +386,8 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
     return false;
   }
   target->copies = device_copies(alloc);
+  target->backend = row->backend;
+  target->run_frames = frames;
   target->copy_status = TIDE_OK;
   target->copy_error[0] = '\0';
 
@@ -550,6 +583,7 @@ static void print_help(void) {
   printf("usage: tidalloc stream [--frames N...] [--mode cat|grow] [--conf STR]\n"
          "                       [--stop-on-oom] [--csv FILE] [--driver-csv FILE]\n"
          "                       [--label NAME] [--sync-frames] [--trace-csv FILE]\n"
+         "                       [--frames-csv FILE]\n"
          "\n"
          "Run a synthetic streaming-inference workload with the allocation pattern of\n"
          "LingBot-Map (518x378 frames, a ViT-L/14 encoder, 24 global layers whose K/V\n"
@@ -580,12 +614,16 @@ static void print_help(void) {
          "                  percentile, max) are the device's, not the issuing thread's,\n"
          "                  and time the allocator's calls and each frame's issuing\n"
          "                  (median_alloc_ms, median_issue_ms)\n"
+         "  --frames-csv FILE  every one-frame step of every run to FILE, a row each:\n"
+         "                  %s\n"
+         "                  (the counts are the run's so far; frame, issue and\n"
+         "                  allocator times as in the driver CSV's medians)\n"
          "  --trace-csv FILE  write every allocation and free of the run through\n"
          "                  tide_malloc/tide_free to FILE, in the format `tidalloc\n"
          "                  replay` reads (each run rewrites it: with several frame\n"
          "                  counts it holds the last; grow mode's buffers are not in it;\n"
          "                  writing it makes the run slower)\n",
-         CSV_HEADER, DRIVER_CSV_HEADER);
+         CSV_HEADER, DRIVER_CSV_HEADER, FRAMES_CSV_HEADER);
 }
 
 /* --frames takes the numbers that follow it ("64 128" or "64,128"). */
@@ -642,6 +680,8 @@ static int parse_args(int argc, char **argv, stream_args *args) {
       args->driver_csv_path = value;
     } else if (cli_option_value(argc, argv, &i, "--trace-csv", &value, &bad)) {
       args->trace_path = value;
+    } else if (cli_option_value(argc, argv, &i, "--frames-csv", &value, &bad)) {
+      args->frames_csv_path = value;
     } else if (cli_option_value(argc, argv, &i, "--label", &value, &bad)) {
       args->label = value;
     } else if (strcmp(argv[i], "--stop-on-oom") == 0) {
@@ -669,6 +709,15 @@ int tide_cli_stream(int argc, char **argv) {
   tide_target target;
   memset(&target, 0, sizeof target);
   for (int i = 0; i < args.sweep_length; i++) target.frames_total += (uint64_t)args.frames[i];
+  if (args.frames_csv_path != NULL) {
+    target.frames_csv = fopen(args.frames_csv_path, "w");
+    if (target.frames_csv == NULL) {
+      cli_error("stream: cannot write %s: %s", args.frames_csv_path, strerror(errno));
+      free(rows);
+      return CLI_EXIT_FAILURE;
+    }
+    fputs(FRAMES_CSV_HEADER "\n", target.frames_csv);
+  }
 
   int count = 0;
   bool ok = true;
@@ -684,6 +733,10 @@ int tide_cli_stream(int argc, char **argv) {
   }
   if (target.shown < 1.0) cli_progress("stream", 1.0); /* stopped early: end the bar's line */
   if (count > 0) print_table(rows, count);
+  if (target.frames_csv != NULL && fclose(target.frames_csv) != 0) {
+    cli_error("stream: writing %s: %s", args.frames_csv_path, strerror(errno));
+    ok = false;
+  }
   free(rows);
   return ok ? CLI_EXIT_OK : CLI_EXIT_FAILURE;
 }
