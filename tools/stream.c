@@ -339,6 +339,14 @@ static void summarise_frames(tide_target *t, stream_row *row) {
   row->max_frame_ms = t->frame_ms[n - 1];
 }
 
+/* The per-frame times' arrays: gone, and NULL (no frame is then timed). */
+static void free_frame_times(tide_target *t) {
+  free(t->frame_ms);
+  free(t->alloc_ms);
+  free(t->issue_ms);
+  t->frame_ms = t->alloc_ms = t->issue_ms = NULL;
+}
+
 /* Copies run on a real device only (see target_copy). */
 static bool device_copies(tide_allocator *alloc) {
   tide_info info;
@@ -403,16 +411,9 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
   target->frame_ms = malloc((size_t)frames * sizeof *target->frame_ms);
   target->alloc_ms = malloc((size_t)frames * sizeof *target->alloc_ms);
   target->issue_ms = malloc((size_t)frames * sizeof *target->issue_ms);
-  if (!target->frame_ms || !target->alloc_ms || !target->issue_ms) {
-    free(target->frame_ms);
-    free(target->alloc_ms);
-    free(target->issue_ms);
-    target->frame_ms = target->alloc_ms = target->issue_ms = NULL;
-  }
+  if (!target->frame_ms || !target->alloc_ms || !target->issue_ms) free_frame_times(target);
   if (args->trace_path && !open_trace(args->trace_path, target)) {
-    free(target->frame_ms);
-    free(target->alloc_ms);
-    free(target->issue_ms);
+    free_frame_times(target);
     tide_destroy(alloc);
     return false;
   }
@@ -446,10 +447,7 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
   row->max_running_ratio_frame = target->max_running_ratio_frame;
   summarise_frames(target, row);
   if (target->trace && !close_trace(args->trace_path, target)) ok = false;
-  free(target->frame_ms);
-  free(target->alloc_ms);
-  free(target->issue_ms);
-  target->frame_ms = target->alloc_ms = target->issue_ms = NULL;
+  free_frame_times(target);
   if (tide_destroy(alloc) != TIDE_OK) {
     cli_report_tide_error("stream: destroying the allocator");
     ok = false;
