@@ -18,6 +18,8 @@
 #              waits, frame times) to this file
 #   STREAM_ARGS more arguments for every run, e.g. --sync-frames (frame times
 #              that end when the device is done with each frame)
+#   FRAMES_CSV also write every one-frame step of every run (`tidalloc stream
+#              --frames-csv`, the backend column naming the run) to this file
 # Even rounds run the configurations in reverse order (fixed segments first),
 # so that a drift within a round favours none of them.
 set -euo pipefail
@@ -42,8 +44,12 @@ trap 'rm -rf "$tmp"' EXIT
 run() {
   # shellcheck disable=SC2086
   "$cmd" stream --frames $frames --conf "$2" --label "$1" --csv "$tmp/run.csv" \
-    --driver-csv "$tmp/driver.csv" ${STREAM_ARGS:-} >&2
+    --driver-csv "$tmp/driver.csv" --frames-csv "$tmp/frames.csv" ${STREAM_ARGS:-} >&2
   tail -n +2 "$tmp/run.csv"
+  if [[ -n ${FRAMES_CSV:-} ]]; then
+    [[ -s $FRAMES_CSV ]] || head -1 "$tmp/frames.csv" >"$FRAMES_CSV"
+    tail -n +2 "$tmp/frames.csv" >>"$FRAMES_CSV"
+  fi
   if [[ -n ${DRIVER_CSV:-} ]]; then
     [[ -s $DRIVER_CSV ]] || head -1 "$tmp/driver.csv" >"$DRIVER_CSV"
     tail -n +2 "$tmp/driver.csv" >>"$DRIVER_CSV"
