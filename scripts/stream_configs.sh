@@ -41,10 +41,12 @@ fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 # run LABEL CONF: one sweep, its rows (no header) on stdout, its table on stderr.
+frames_arg=()
+[[ -z ${FRAMES_CSV:-} ]] || frames_arg=(--frames-csv "$tmp/frames.csv")
 run() {
   # shellcheck disable=SC2086
   "$cmd" stream --frames $frames --conf "$2" --label "$1" --csv "$tmp/run.csv" \
-    --driver-csv "$tmp/driver.csv" --frames-csv "$tmp/frames.csv" ${STREAM_ARGS:-} >&2
+    --driver-csv "$tmp/driver.csv" "${frames_arg[@]}" ${STREAM_ARGS:-} >&2
   tail -n +2 "$tmp/run.csv"
   if [[ -n ${FRAMES_CSV:-} ]]; then
     [[ -s $FRAMES_CSV ]] || head -1 "$tmp/frames.csv" >"$FRAMES_CSV"

@@ -731,7 +731,8 @@ int tide_cli_stream(int argc, char **argv) {
   }
   if (target.shown < 1.0) cli_progress("stream", 1.0); /* stopped early: end the bar's line */
   if (count > 0) print_table(rows, count);
-  if (target.frames_csv != NULL && fclose(target.frames_csv) != 0) {
+  /* ferror: a failed row write (disk full) that fclose alone would not report. */
+  if (target.frames_csv != NULL && (ferror(target.frames_csv) | fclose(target.frames_csv)) != 0) {
     cli_error("stream: writing %s: %s", args.frames_csv_path, strerror(errno));
     ok = false;
   }

@@ -211,7 +211,7 @@ def summarize_file(path, name_a, name_b):
             lo, hi = cluster_interval(groups)
             print("  resampling the runs as well as their pairs: 95%% interval %.4f-%.4f over %d "
                   "runs (each run a pair of processes)" % (lo, hi, len(runs)))
-        for run in sorted({p[0][0] for p in pairs}):
+        for run in runs:
             sub_pairs = [p for p in pairs if p[0][0] == run]
             print("%s, run %d: %s" % (program, run, summarize(sub_pairs, name_a, name_b)[1]))
     return 0
