@@ -195,13 +195,10 @@ TIDE_API tide_status tide_stream_synchronize(tide_allocator *alloc, tide_stream 
  * memory; with device or pinned memory on both sides the copy is
  * asynchronous: it is queued on `stream` and the call returns at once, so
  * synchronize the stream before the CPU reads the destination. The ranges
- * must not overlap. 0 bytes is a no-op. On CUDA it is cuMemcpyDtoDAsync when
- * both ranges lie in mapped memory of this allocator's segments (the driver
- * then need not look up what the pointers are: over memory of many mappings
- * that look-up is most of a copy's cost to the calling thread), otherwise
- * cuMemcpyAsync (unified addressing); on the host backend the copy is done
- * at once, even on a held stream, and a range that reaches into emulated
- * device memory must be mapped, or the copy is refused. */
+ * must not overlap. 0 bytes is a no-op. On CUDA it is cuMemcpyAsync (unified
+ * addressing); on the host backend the copy is done at once, even on a held
+ * stream, and a range that reaches into emulated device memory must be
+ * mapped, or the copy is refused. */
 TIDE_API tide_status tide_memcpy(tide_allocator *alloc, void *dst, const void *src, size_t bytes,
                                  tide_stream stream);
 
@@ -678,9 +675,8 @@ typedef enum tide_backend_op {
   TIDE_OP_HOST_FREE,
   TIDE_OP_COPY,
   TIDE_OP_CAPTURE_STATUS,
-  TIDE_OP_EXPORT,      /* a memory handle to a file descriptor (sharing) */
-  TIDE_OP_IMPORT,      /* a file descriptor to a memory handle */
-  TIDE_OP_COPY_DEVICE, /* a copy between two ranges of the device's own memory */
+  TIDE_OP_EXPORT, /* a memory handle to a file descriptor (sharing) */
+  TIDE_OP_IMPORT, /* a file descriptor to a memory handle */
   TIDE_OP_COUNT
 } tide_backend_op;
 

@@ -899,24 +899,6 @@ tide_status tide_stream_synchronize(tide_allocator *a, tide_stream stream) {
   return (tide_status)a->backend.ops->stream_synchronize(a->backend.ctx, stream);
 }
 
-/* Whether both ranges of a copy lie in mapped memory of this allocator's
- * segments, where the backend may copy without asking what the pointers
- * are. Each range is looked for in every arena (a block may be copied from
- * on another stream than its own). */
-static bool copy_within_device(tide_allocator *a, uintptr_t to, uintptr_t from, size_t bytes) {
-  _tide_arena **arenas;
-  size_t n = _tide_arenas_snapshot(a, &arenas);
-  bool to_mapped = false, from_mapped = false;
-  for (size_t i = 0; i < n && !(to_mapped && from_mapped); i++) {
-    _tide_lock_acquire(&arenas[i]->lock);
-    to_mapped = to_mapped || _tide_arena_maps_range(arenas[i], to, to + bytes);
-    from_mapped = from_mapped || _tide_arena_maps_range(arenas[i], from, from + bytes);
-    _tide_lock_release(&arenas[i]->lock);
-  }
-  free(arenas);
-  return to_mapped && from_mapped;
-}
-
 tide_status tide_memcpy(tide_allocator *a, void *dst, const void *src, size_t bytes,
                         tide_stream stream) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
@@ -937,9 +919,7 @@ tide_status tide_memcpy(tide_allocator *a, void *dst, const void *src, size_t by
                                         "copy through a block of its own",
                                         dst, src, bytes);
   const _tide_backend *be = &a->backend;
-  int rc = be->ops->copy_device && copy_within_device(a, to, from, bytes)
-               ? be->ops->copy_device(be->ctx, dst, src, bytes, stream)
-               : be->ops->copy(be->ctx, dst, src, bytes, stream);
+  int rc = be->ops->copy(be->ctx, dst, src, bytes, stream);
   if (rc) _tide_error_prefix("tide_memcpy(%p <- %p, %zu bytes) failed", dst, src, bytes);
   return (tide_status)rc;
 }

@@ -1046,20 +1046,6 @@ const _tide_block *_tide_arena_containing_block(const _tide_arena *arena, uintpt
   return NULL;
 }
 
-bool _tide_arena_maps_range(const _tide_arena *arena, uintptr_t lo, uintptr_t hi) {
-  size_t page = arena->alloc->page_size;
-  for (int kind = 0; kind < 2; kind++)
-    for (const _tide_segment *seg = arena->pools[kind].segments; seg; seg = seg->next) {
-      if (lo < seg->base || hi > seg->base + seg->size) continue;
-      if (!seg->expandable) return true; /* mapped whole while it exists */
-      size_t end = (hi - seg->base + page - 1) / page;
-      for (size_t i = (lo - seg->base) / page; i < end; i++)
-        if (!seg->pages[i]) return false;
-      return true;
-    }
-  return false;
-}
-
 int _tide_arena_explain_pointer(_tide_arena *arena, uintptr_t addr) {
   _tide_arena_flush_quick(arena);
   const _tide_block *b = _tide_arena_containing_block(arena, addr);

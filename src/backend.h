@@ -42,9 +42,6 @@
  *   returned, once.
  * - copy: `bytes` > 0, the ranges do not overlap; ordered on `stream` (the
  *   host backend copies at once).
- * - copy_device: as copy, where the allocator knows both ranges to be mapped
- *   memory of this device (inside its segments); NULL where the backend has
- *   no cheaper way than copy. The host backend refuses any other range.
  * - streams: NULL is the default stream. Events recorded on a stream complete
  *   once the work queued on it before the record is done; event_query answers
  *   TIDE_OK (done) or TIDE_ERR_NOT_READY.
@@ -87,7 +84,6 @@ typedef struct _tide_backend_ops {
   int (*host_alloc)(void *ctx, size_t size, void **out);
   int (*host_free)(void *ctx, void *ptr);
   int (*copy)(void *ctx, void *dst, const void *src, size_t bytes, tide_stream stream);
-  int (*copy_device)(void *ctx, void *dst, const void *src, size_t bytes, tide_stream stream);
 
   int (*stream_create)(void *ctx, tide_stream *out);
   int (*stream_destroy)(void *ctx, tide_stream stream);

@@ -20,8 +20,7 @@
  *   peers are found once, when the backend opens.
  * - Pinned host memory: cuMemHostAlloc (portable and device-mapped, as
  *   PyTorch's host allocator asks) / cuMemFreeHost. Copies: cuMemcpyAsync,
- *   which with unified addressing finds the direction from the pointers,
- *   and cuMemcpyDtoDAsync between ranges of our own mapped memory.
+ *   which with unified addressing finds the direction from the pointers.
  *   These entry points, cuDeviceCanAccessPeer and cuStreamGetCaptureInfo are
  *   optional: a driver without them still serves device memory, and the
  *   call that needs one says that the driver lacks it (without the last, no
@@ -188,7 +187,6 @@ typedef struct cuda_driver {
   /* Optional: NULL when the driver lacks them. */
   CUresult (*device_can_access_peer)(int *, CUdevice, CUdevice);
   CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
-  CUresult (*memcpy_dtod_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
   CUresult (*mem_host_alloc)(void **, size_t, unsigned int);
   CUresult (*mem_free_host)(void *);
   /* The signature since 11.3 (cuStreamGetCaptureInfo_v2), which the ABI
@@ -241,7 +239,6 @@ static const driver_symbol proc_symbols[] = {
 static const driver_symbol optional_symbols[] = {
     SYMBOL("cuDeviceCanAccessPeer", device_can_access_peer),
     SYMBOL("cuMemcpyAsync", memcpy_async),
-    SYMBOL("cuMemcpyDtoDAsync", memcpy_dtod_async),
     SYMBOL("cuMemHostAlloc", mem_host_alloc),
     SYMBOL("cuMemFreeHost", mem_free_host),
     SYMBOL("cuStreamGetCaptureInfo", stream_get_capture_info),
@@ -946,39 +943,20 @@ static int cuda_host_free(void *ctx, void *ptr) {
   return TIDE_OK;
 }
 
-typedef CUresult (*copy_call)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
-
-static int copy_with(cuda_device *d, copy_call call, const char *name, void *dst, const void *src,
-                     size_t bytes, tide_stream stream) {
+static int cuda_copy(void *ctx, void *dst, const void *src, size_t bytes, tide_stream stream) {
+  cuda_device *d = ctx;
   char a[32], text[48];
+  if (!d->drv.memcpy_async) return driver_lacks(d, "cuMemcpyAsync", "copying");
   scope s;
   int rc = enter(d, &s, "copying memory");
   if (rc) return rc;
-  CUresult r =
-      call((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, bytes, cu_stream(stream));
+  CUresult r = d->drv.memcpy_async((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, bytes,
+                                   cu_stream(stream));
   leave(d, &s);
   if (r != CUDA_SUCCESS)
-    return fail(d, r, name, "copying %s from %p to %p on %s", bytes_text(bytes, a), src, dst,
-                stream_text(stream, text, sizeof text));
+    return fail(d, r, "cuMemcpyAsync", "copying %s from %p to %p on %s", bytes_text(bytes, a), src,
+                dst, stream_text(stream, text, sizeof text));
   return TIDE_OK;
-}
-
-static int cuda_copy(void *ctx, void *dst, const void *src, size_t bytes, tide_stream stream) {
-  cuda_device *d = ctx;
-  if (!d->drv.memcpy_async) return driver_lacks(d, "cuMemcpyAsync", "copying");
-  return copy_with(d, d->drv.memcpy_async, "cuMemcpyAsync", dst, src, bytes, stream);
-}
-
-/* Both sides are our device's mapped memory: cuMemcpyDtoDAsync says so, and
- * the driver skips finding out what the pointers are, which over memory
- * made of many mappings is most of what cuMemcpyAsync costs the calling
- * thread (H200: a 256 MiB copy over 4 MiB handles 34 us to issue, 23 this
- * way; bench/results/h200/copy_launch.md). */
-static int cuda_copy_device(void *ctx, void *dst, const void *src, size_t bytes,
-                            tide_stream stream) {
-  cuda_device *d = ctx;
-  if (!d->drv.memcpy_dtod_async) return cuda_copy(ctx, dst, src, bytes, stream);
-  return copy_with(d, d->drv.memcpy_dtod_async, "cuMemcpyDtoDAsync", dst, src, bytes, stream);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1241,7 +1219,6 @@ static const _tide_backend_ops cuda_ops = {
     .host_alloc = cuda_host_alloc,
     .host_free = cuda_host_free,
     .copy = cuda_copy,
-    .copy_device = cuda_copy_device,
     .stream_create = cuda_stream_create,
     .stream_destroy = cuda_stream_destroy,
     .stream_synchronize = cuda_stream_synchronize,

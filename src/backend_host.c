@@ -91,7 +91,6 @@ static const char *const op_names[TIDE_OP_COUNT] = {
     [TIDE_OP_CAPTURE_STATUS] = "capture_status",
     [TIDE_OP_EXPORT] = "export",
     [TIDE_OP_IMPORT] = "import",
-    [TIDE_OP_COPY_DEVICE] = "copy_device",
 };
 
 const char *tide_backend_op_name(tide_backend_op op) {
@@ -1257,37 +1256,6 @@ static int host_copy(void *ctx, void *dst, const void *src, size_t bytes, tide_s
   return ok ? TIDE_OK : tide_last_status();
 }
 
-/* A copy the allocator found to be between mapped device memory: anything
- * else is its mistake, refused as a GPU's cuMemcpyDtoDAsync would fail. */
-static int host_copy_device(void *ctx, void *dst, const void *src, size_t bytes,
-                            tide_stream stream) {
-  host_device *d = ctx;
-  int rc = ENTER(d, TIDE_OP_COPY_DEVICE);
-  if (rc) return rc;
-  uintptr_t to = (uintptr_t)dst, from = (uintptr_t)src;
-  if (!dst || !src || bytes == 0 || to + bytes < to || from + bytes < from)
-    return _tide_error_set(TIDE_ERR_INVALID,
-                           "copy_device: NULL pointer, 0 bytes or a range that wraps");
-  if (to < from + bytes && from < to + bytes)
-    return _tide_error_set(TIDE_ERR_INVALID, "copy_device: the ranges overlap");
-  lock(d);
-  uint32_t slot;
-  bool ok = stream_find(d, stream, "copy_device", false, &slot);
-  for (int side = 0; ok && side < 2; side++) {
-    uintptr_t at = side ? from : to;
-    if (range_containing(&d->reserved, at, bytes) == SIZE_MAX ||
-        !range_covered(&d->mapped, at, bytes)) {
-      _tide_error_set(TIDE_ERR_BACKEND,
-                      "copy_device: the %s [0x%llx, +%zu) is not mapped device memory",
-                      side ? "source" : "destination", (unsigned long long)at, bytes);
-      ok = false;
-    }
-  }
-  if (ok) memcpy(dst, src, bytes);
-  unlock(d);
-  return ok ? TIDE_OK : tide_last_status();
-}
-
 /* ------------------------------------------------------------------------ */
 /* Opening and destroying                                                   */
 /* ------------------------------------------------------------------------ */
@@ -1337,7 +1305,6 @@ static const _tide_backend_ops host_ops = {
     .host_alloc = host_host_alloc,
     .host_free = host_host_free,
     .copy = host_copy,
-    .copy_device = host_copy_device,
     .stream_create = host_stream_create,
     .stream_destroy = host_stream_destroy,
     .stream_synchronize = host_stream_synchronize,

@@ -433,9 +433,6 @@ int _tide_arena_release_cached(_tide_arena *arena);
 int _tide_arena_collect_garbage(_tide_arena *arena, size_t target);
 /* The block of the arena whose range holds addr, or NULL. */
 const _tide_block *_tide_arena_containing_block(const _tide_arena *arena, uintptr_t addr);
-/* Whether [lo, hi) lies in one of the arena's segments with every page of it
- * mapped (a copy there cannot touch memory the device lacks). */
-bool _tide_arena_maps_range(const _tide_arena *arena, uintptr_t lo, uintptr_t hi);
 /* A user pointer that is not a live block: classify it for the message. */
 int _tide_arena_explain_pointer(_tide_arena *arena, uintptr_t addr);
 

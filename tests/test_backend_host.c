@@ -800,14 +800,6 @@ static int call_op_once(op_fixture *x, tide_backend_op op) {
     if (rc != TIDE_OK) assert_int_equal(o->host_free(c, host), TIDE_OK);
     break;
   case TIDE_OP_COPY: rc = o->copy(c, bytes_to, bytes_from, sizeof bytes_to, x->stream); break;
-  case TIDE_OP_COPY_DEVICE:
-    assert_int_equal(o->create(c, GRAN, &h), TIDE_OK);
-    assert_int_equal(o->map(c, x->slot, GRAN, h), TIDE_OK);
-    assert_int_equal(o->set_access(c, x->slot, GRAN), TIDE_OK);
-    rc = o->copy_device(c, (void *)(x->slot + GRAN / 2), (void *)x->slot, 64, x->stream);
-    assert_int_equal(o->unmap(c, x->slot, GRAN), TIDE_OK);
-    assert_int_equal(o->release(c, h), TIDE_OK);
-    break;
   case TIDE_OP_CAPTURE_STATUS: {
     bool capturing = true;
     uint64_t id = 1;
@@ -1150,36 +1142,6 @@ static void test_threads(void **state) {
   close_device(&f);
 }
 
-/* copy_device serves ranges of mapped device memory only: the allocator
- * chose it, so any other range is the allocator's mistake, and refused as
- * a GPU would refuse (or fault on) a device-to-device copy from elsewhere. */
-static void test_copy_device_needs_mapped_memory(void **state) {
-  (void)state;
-  fixture f;
-  open_device(&f, 8 * GRAN);
-  uintptr_t base = reserve_pages(&f, 2);
-  _tide_handle h = create_pages(&f, 1);
-  assert_int_equal(f.ops->map(f.ctx, base, GRAN, h), TIDE_OK);
-  assert_int_equal(f.ops->set_access(f.ctx, base, GRAN), TIDE_OK);
-  char *dev = (char *)base, host[64];
-  memset(dev, 7, 64);
-  assert_int_equal(f.ops->copy_device(f.ctx, dev + 4096, dev, 64, NULL), TIDE_OK);
-  assert_int_equal(dev[4096 + 63], 7);
-  /* Host memory on either side, or the unmapped second page. */
-  assert_int_equal(f.ops->copy_device(f.ctx, host, dev, 64, NULL), TIDE_ERR_BACKEND);
-  assert_true(error_contains("the destination"));
-  assert_true(error_contains("is not mapped device memory"));
-  assert_int_equal(f.ops->copy_device(f.ctx, dev, host, 64, NULL), TIDE_ERR_BACKEND);
-  assert_true(error_contains("the source"));
-  assert_int_equal(f.ops->copy_device(f.ctx, dev + GRAN - 32, dev, 64, NULL), TIDE_ERR_BACKEND);
-  assert_int_equal(f.ops->copy_device(f.ctx, dev + 32, dev, 64, NULL), TIDE_ERR_INVALID);
-  assert_true(error_contains("overlap"));
-  assert_int_equal(f.ops->unmap(f.ctx, base, GRAN), TIDE_OK);
-  assert_int_equal(f.ops->release(f.ctx, h), TIDE_OK);
-  assert_int_equal(f.ops->unreserve(f.ctx, base, 2 * GRAN), TIDE_OK);
-  close_device(&f);
-}
-
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_op_names),
@@ -1198,7 +1160,6 @@ int main(void) {
       cmocka_unit_test(test_fault_injection_each_op),
       cmocka_unit_test(test_fault_injection_any_op),
       cmocka_unit_test(test_call_counts),
-      cmocka_unit_test(test_copy_device_needs_mapped_memory),
       cmocka_unit_test(test_untouched_memory_costs_no_ram),
       cmocka_unit_test(test_threads),
   };

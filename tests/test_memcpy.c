@@ -5,13 +5,10 @@
  *   ordinary host memory keep their bytes; a copy on a held stream is done
  *   at once; arguments are checked (NULL, overlap, wrap, 0 bytes, unknown
  *   streams), copies into unmapped device memory or past the end of a
- *   pinned allocation are refused, and an injected failure says so; copies
- *   between mapped device memory take the backend's device copy, and only
- *   they.
+ *   pinned allocation are refused, and an injected failure says so.
  * - Through a fake driver handed to the CUDA backend in place of
  *   libcuda.so.1: cuMemcpyAsync gets the pointers, size and stream, and its
- *   failure comes back with the driver's words; copies between device
- *   blocks go to cuMemcpyDtoDAsync where the driver has it; cuMemHostAlloc is asked for
+ *   failure comes back with the driver's words; cuMemHostAlloc is asked for
  *   portable, device-mapped memory, and its out-of-memory is the pool's; and
  *   cuMemSetAccess gets one descriptor for the device and one per peer that
  *   cuDeviceCanAccessPeer allows (and that has virtual memory management),
@@ -71,14 +68,7 @@ static void memcpy_round_trip(void **state) {
   tu_assert_ok(tide_memcpy(a, h1, d1 + 17, 1001, NULL));
   assert_int_equal(first_wrong(h1, 1001, 9), SIZE_MAX);
   assert_int_equal(first_wrong(h1 + 1001, 16, (unsigned)(7 + 1001 * 31u)), SIZE_MAX);
-  /* Between device blocks, parts of them included, the copy is the device's
-   * own; every other copy is the general one. */
-  assert_int_equal(tide_host_call_count(a, TIDE_OP_COPY), 5);
-  assert_int_equal(tide_host_call_count(a, TIDE_OP_COPY_DEVICE), 1);
-  tu_assert_ok(tide_memcpy(a, d2 + 5, d1 + 17, 1001, NULL));
-  tu_assert_ok(tide_memcpy(a, plain, d2 + 5, 1001, NULL));
-  assert_int_equal(first_wrong(plain, 1001, 9), SIZE_MAX);
-  assert_int_equal(tide_host_call_count(a, TIDE_OP_COPY_DEVICE), 2);
+  assert_int_equal(tide_host_call_count(a, TIDE_OP_COPY), 6);
 
   /* On a held stream the copy is done at once. */
   tide_stream s = NULL;
@@ -144,8 +134,6 @@ static void memcpy_refuses_unmapped_and_overruns(void **state) {
   tide_allocator *a = tu_create(NULL);
   tide_info info;
   tu_assert_ok(tide_get_info(a, &info));
-  char *d2 = tide_malloc(a, 2 * info.page_size, NULL); /* before d: not after it */
-  assert_non_null(d2);
   /* A block of one whole page: the page after it is reserved, not mapped. */
   char *d = tide_malloc(a, info.page_size, NULL);
   assert_non_null(d);
@@ -156,15 +144,6 @@ static void memcpy_refuses_unmapped_and_overruns(void **state) {
   tu_assert_last_error(TIDE_ERR_BACKEND, "not mapped");
   tu_assert_status(tide_memcpy(a, d + info.page_size, buf, 16, NULL), TIDE_ERR_BACKEND);
   tu_assert_last_error(TIDE_ERR_BACKEND, "destination");
-  /* Between device blocks, a range that runs into an unmapped page is not
-   * taken for the device's own memory: the general copy refuses it. */
-  uint64_t device_copies = tide_host_call_count(a, TIDE_OP_COPY_DEVICE);
-  tu_assert_status(tide_memcpy(a, d2, d + info.page_size - 4096, 8192, NULL), TIDE_ERR_BACKEND);
-  tu_assert_last_error(TIDE_ERR_BACKEND, "not mapped");
-  assert_int_equal(tide_host_call_count(a, TIDE_OP_COPY_DEVICE), device_copies);
-  tu_assert_ok(tide_memcpy(a, d2, d + info.page_size - 4096, 4096, NULL));
-  assert_int_equal(tide_host_call_count(a, TIDE_OP_COPY_DEVICE), device_copies + 1);
-  tu_assert_ok(tide_free(a, d2, NULL));
 
   char *h = tide_pinned_malloc(a, 4096, NULL);
   assert_non_null(h);
@@ -231,8 +210,8 @@ static struct {
   int set_access_calls;
   size_t naccess;
   f_access access[MAX_DEVICES + 1];
-  /* The last cuMemcpyAsync or cuMemcpyDtoDAsync. */
-  int copies, dtod_copies;
+  /* The last cuMemcpyAsync. */
+  int copies;
   uint64_t copy_dst, copy_src;
   size_t copy_bytes;
   void *copy_stream;
@@ -388,14 +367,6 @@ static fres f_memcpy_async(uint64_t dst, uint64_t src, size_t bytes, void *strea
   if (!device) memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, bytes);
   return F_SUCCESS;
 }
-static fres f_memcpy_dtod_async(uint64_t dst, uint64_t src, size_t bytes, void *stream) {
-  fake.dtod_copies++;
-  fake.copy_dst = dst;
-  fake.copy_src = src;
-  fake.copy_bytes = bytes;
-  fake.copy_stream = stream;
-  return fake.cfg.copy_result;
-}
 static fres f_mem_host_alloc(void **p, size_t size, unsigned flags) {
   fake.host_allocs++;
   fake.host_size = size;
@@ -476,7 +447,6 @@ static const struct {
     FN("cuMemSetAccess", f_mem_set_access),
     FN("cuMemUnmap", f_mem_unmap),
     FN("cuMemcpyAsync", f_memcpy_async),
-    FN("cuMemcpyDtoDAsync", f_memcpy_dtod_async),
     FN("cuMemHostAlloc", f_mem_host_alloc),
     FN("cuMemFreeHost", f_mem_free_host),
     FN("cuStreamCreate", f_stream_create),
@@ -673,21 +643,6 @@ static void copy_through_driver(void **state) {
   assert_int_equal(fake.copy_src, (uint64_t)(uintptr_t)h);
   assert_int_equal(fake.copy_bytes, 9000);
   assert_ptr_equal(fake.copy_stream, s);
-  /* Between device blocks: cuMemcpyDtoDAsync. */
-  char *d2 = tide_malloc(a, 10000, s);
-  assert_non_null(d2);
-  tu_assert_ok(tide_memcpy(a, d2 + 16, d + 8, 9000, s));
-  assert_int_equal(fake.copies, 1);
-  assert_int_equal(fake.dtod_copies, 1);
-  assert_int_equal(fake.copy_dst, (uint64_t)(uintptr_t)(d2 + 16));
-  assert_int_equal(fake.copy_src, (uint64_t)(uintptr_t)(d + 8));
-  assert_int_equal(fake.copy_bytes, 9000);
-  assert_ptr_equal(fake.copy_stream, s);
-  fake.cfg.copy_result = F_INVALID_VALUE;
-  tu_assert_status(tide_memcpy(a, d2, d, 16, s), TIDE_ERR_BACKEND);
-  tu_assert_last_error(TIDE_ERR_BACKEND, "cuMemcpyDtoDAsync failed with CUDA_ERROR_INVALID_VALUE");
-  fake.cfg.copy_result = F_SUCCESS;
-  tu_assert_ok(tide_free(a, d2, s));
 
   /* Between pinned blocks the fake really copies. */
   char *h2 = tide_pinned_malloc(a, 10000, NULL);
@@ -715,32 +670,16 @@ static void copy_through_driver(void **state) {
 }
 
 static void missing_copy(fake_config *c) { c->missing = "cuMemcpyAsync"; }
-static void missing_dtod(fake_config *c) { c->missing = "cuMemcpyDtoDAsync"; }
 
 static void copy_without_entry_point(void **state) {
   (void)state;
   fake_reset(missing_copy);
   tide_allocator *a = fake_allocator(0, NULL);
   char *d = tide_malloc(a, 4096, NULL); /* device memory needs no copies */
-  char host[16];
   assert_non_null(d);
-  tu_assert_status(tide_memcpy(a, d, host, 16, NULL), TIDE_ERR_UNAVAILABLE);
+  tu_assert_status(tide_memcpy(a, d, d + 1024, 16, NULL), TIDE_ERR_UNAVAILABLE);
   tu_assert_last_error(TIDE_ERR_UNAVAILABLE, "cuMemcpyAsync");
   tu_assert_last_error(TIDE_ERR_UNAVAILABLE, "does not provide");
-  /* Within device memory cuMemcpyDtoDAsync serves. */
-  tu_assert_ok(tide_memcpy(a, d, d + 1024, 16, NULL));
-  assert_int_equal(fake.dtod_copies, 1);
-  tu_assert_ok(tide_free(a, d, NULL));
-  fake_destroy(a);
-
-  /* Without cuMemcpyDtoDAsync, cuMemcpyAsync copies within device memory. */
-  fake_reset(missing_dtod);
-  a = fake_allocator(0, NULL);
-  d = tide_malloc(a, 4096, NULL);
-  assert_non_null(d);
-  tu_assert_ok(tide_memcpy(a, d, d + 1024, 16, NULL));
-  assert_int_equal(fake.dtod_copies, 0);
-  assert_int_equal(fake.copies, 1);
   tu_assert_ok(tide_free(a, d, NULL));
   fake_destroy(a);
 }
