@@ -215,6 +215,14 @@ if [[ ${GPU_BENCH:-1} == 1 && -x build/tidalloc ]]; then
   # (bench/gpu/vmm_overlap.cu).
   step "vmm overlap" "$bench_log" 120 bash -c "nvcc -O2 bench/gpu/vmm_overlap.cu -lcuda -lpthread \
     -o build/vmm_overlap && build/vmm_overlap | tee build/vmm_overlap.csv"
+  # Those calls with exportable memory, thousands of live mappings and a busy
+  # GPU (bench/gpu/vmm_scale.c), and what a copy costs the issuing thread
+  # against the mappings it spans (bench/gpu/copy_launch.c).
+  for prog in vmm_scale copy_launch; do
+    step "$prog" "$bench_log" 120 bash -c "cc -std=c11 -D_POSIX_C_SOURCE=200809L -O2 \
+      bench/gpu/$prog.c -I$cuda_home/include -L$cuda_home/lib64/stubs -lcuda \
+      -o build/$prog && build/$prog | tee build/$prog.csv"
+  done
   for mode in True False; do
     step "stream expandable=$mode" "$bench_log" 150 \
       build/tidalloc stream --frames ${STREAM_FRAMES:-64 128 256 512 1024} \
