@@ -255,7 +255,13 @@ typedef struct tide_stats {
    * a block another stream used: each one drains that stream's queue while
    * the CPU waits. */
   uint64_t stream_waits;
-  uint64_t reserved_u64[5]; /* for future use; zero */
+  /* Nanoseconds the calling threads spent in the device's calls that create,
+   * map, make accessible, unmap and release memory (segments, growable
+   * buffers, imported memory), summed over threads: what growing and
+   * shrinking memory cost the program, tens of microseconds a mapping on a
+   * GPU. The cached path makes no such call. */
+  uint64_t mapping_ns;
+  uint64_t reserved_u64[4]; /* for future use; zero */
 } tide_stats;
 
 TIDE_API tide_status tide_get_stats(tide_allocator *alloc, tide_stats *out);

@@ -82,11 +82,10 @@ static const _tide_backend *backend(const tide_buf *b) { return &b->alloc->backe
  * What the backend refuses becomes an orphan of the arena, retried with
  * its own: the handle's bytes stay reserved until it is released. */
 static void drop_page(tide_buf *b, size_t i) {
-  const _tide_backend *be = backend(b);
   uintptr_t at = b->base + i * b->page;
-  bool first = be->ops->unmap(be->ctx, at, b->page) == TIDE_OK;
-  bool second = !b->ring || be->ops->unmap(be->ctx, at + b->capacity, b->page) == TIDE_OK;
-  bool released = first && second && be->ops->release(be->ctx, b->handles[i]) == TIDE_OK;
+  bool first = _tide_mem_unmap(b->alloc, at, b->page) == TIDE_OK;
+  bool second = !b->ring || _tide_mem_unmap(b->alloc, at + b->capacity, b->page) == TIDE_OK;
+  bool released = first && second && _tide_mem_release(b->alloc, b->handles[i]) == TIDE_OK;
   _tide_arena *arena = b->arena;
   _tide_lock_acquire(&arena->lock);
   arena->stats.counters[_TIDE_CT_PAGES_UNMAPPED]++;
@@ -108,11 +107,10 @@ static void drop_page(tide_buf *b, size_t i) {
  * mapping failed: what the backend refuses to undo becomes an orphan of the
  * arena, its bytes still reserved, retried later. The caller's error stays. */
 static void undo_page(tide_buf *b, uintptr_t mapped_at, _tide_handle h) {
-  const _tide_backend *be = backend(b);
   _tide_saved_error failure;
   _tide_error_save(&failure);
-  bool unmapped = !mapped_at || be->ops->unmap(be->ctx, mapped_at, b->page) == TIDE_OK;
-  if (unmapped && be->ops->release(be->ctx, h) == TIDE_OK) {
+  bool unmapped = !mapped_at || _tide_mem_unmap(b->alloc, mapped_at, b->page) == TIDE_OK;
+  if (unmapped && _tide_mem_release(b->alloc, h) == TIDE_OK) {
     _tide_budget_give(b->alloc, b->page);
   } else {
     _tide_arena *arena = b->arena;
@@ -139,7 +137,6 @@ static bool orphan_in_the_way(const tide_buf *b, size_t first, size_t count) {
 }
 
 static int map_pages(tide_buf *b, size_t first, size_t count) {
-  const _tide_backend *be = backend(b);
   size_t done = 0;
   int rc = TIDE_OK;
   _tide_lock_acquire(&b->arena->lock);
@@ -161,15 +158,15 @@ static int map_pages(tide_buf *b, size_t first, size_t count) {
     size_t i = first + done;
     uintptr_t at = b->base + i * b->page;
     if ((rc = _tide_budget_take(b->alloc, b->page, count * b->page))) break;
-    if ((rc = be->ops->create(be->ctx, b->page, &b->handles[i]))) {
+    if ((rc = _tide_mem_create(b->alloc, b->page, &b->handles[i]))) {
       _tide_budget_give(b->alloc, b->page);
       break;
     }
-    if ((rc = be->ops->map(be->ctx, at, b->page, b->handles[i]))) {
+    if ((rc = _tide_mem_map(b->alloc, at, b->page, b->handles[i]))) {
       undo_page(b, 0, b->handles[i]);
       break;
     }
-    if (b->ring && (rc = be->ops->map(be->ctx, at + b->capacity, b->page, b->handles[i]))) {
+    if (b->ring && (rc = _tide_mem_map(b->alloc, at + b->capacity, b->page, b->handles[i]))) {
       undo_page(b, at, b->handles[i]);
       break;
     }
@@ -177,8 +174,8 @@ static int map_pages(tide_buf *b, size_t first, size_t count) {
   }
   if (!rc) {
     uintptr_t at = b->base + first * b->page;
-    rc = be->ops->set_access(be->ctx, at, count * b->page);
-    if (!rc && b->ring) rc = be->ops->set_access(be->ctx, at + b->capacity, count * b->page);
+    rc = _tide_mem_set_access(b->alloc, at, count * b->page);
+    if (!rc && b->ring) rc = _tide_mem_set_access(b->alloc, at + b->capacity, count * b->page);
   }
   if (rc) {
     _tide_saved_error why;

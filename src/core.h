@@ -653,6 +653,7 @@ struct tide_allocator {
   _Atomic uint64_t num_ooms;
   _Atomic uint64_t num_sync_all_streams;
   _Atomic uint64_t stream_waits; /* tide_stats.stream_waits */
+  _Atomic uint64_t mapping_ns;   /* tide_stats.mapping_ns (mapcalls.c) */
   _tide_trace_ring trace;
   struct _tide_pinned *pinned;   /* the pinned host memory pool (pinned.c) */
   pthread_mutex_t bufs_mutex;    /* guards the list of growable buffers */
@@ -661,6 +662,17 @@ struct tide_allocator {
   pthread_mutex_t imports_mutex; /* guards the list of imported memory */
   struct _tide_import *imports;  /* memory of other processes mapped here (share.c) */
 };
+
+/* The backend's calls that create, map, make accessible, unmap and release
+ * device memory, each timed into tide_stats.mapping_ns (mapcalls.c); their
+ * arguments and results are the backend's (backend.h). */
+int _tide_mem_create(struct tide_allocator *a, size_t size, _tide_handle *h);
+int _tide_mem_release(struct tide_allocator *a, _tide_handle h);
+int _tide_mem_map(struct tide_allocator *a, uintptr_t addr, size_t size, _tide_handle h);
+int _tide_mem_set_access(struct tide_allocator *a, uintptr_t addr, size_t size);
+int _tide_mem_unmap(struct tide_allocator *a, uintptr_t addr, size_t size);
+int _tide_mem_unmap_run(struct tide_allocator *a, uintptr_t addr, size_t page, size_t count,
+                        size_t *done);
 
 /* The calling thread is about to block until a stream or event is done. */
 static inline void _tide_note_stream_wait(struct tide_allocator *a) {

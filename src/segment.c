@@ -107,8 +107,7 @@ static void move_bytes(_tide_arena *arena, int from, int to, size_t bytes) {
 
 /* Physical memory from the backend, counted as a device allocation. */
 static int create_handle(_tide_arena *arena, size_t size, _tide_handle *h) {
-  const _tide_backend *be = &arena->alloc->backend;
-  int rc = be->ops->create(be->ctx, size, h);
+  int rc = _tide_mem_create(arena->alloc, size, h);
   if (!rc) arena->stats.counters[_TIDE_CT_DEVICE_ALLOC]++;
   return rc;
 }
@@ -116,8 +115,7 @@ static int create_handle(_tide_arena *arena, size_t size, _tide_handle *h) {
 /* Give an unmapped handle back: its bytes leave the budget, or, if the
  * backend refuses, it becomes an orphan that keeps them. */
 static bool release_handle(_tide_arena *arena, int pool, _tide_handle h, size_t size) {
-  const _tide_backend *be = &arena->alloc->backend;
-  if (be->ops->release(be->ctx, h)) {
+  if (_tide_mem_release(arena->alloc, h)) {
     _tide_orphan(arena, pool, 0, 0, h, size, 0, 0);
     return false;
   }
@@ -199,7 +197,7 @@ static bool retry_orphan(_tide_arena *arena, _tide_orphan_rec *o, bool unmapped_
   const _tide_backend *be = &arena->alloc->backend;
   if (o->map_addr && unmapped_only) return false;
   if (o->map_addr) {
-    if (be->ops->unmap(be->ctx, o->map_addr, o->map_size)) return false;
+    if (_tide_mem_unmap(arena->alloc, o->map_addr, o->map_size)) return false;
     o->map_addr = 0;
   }
   /* A page's handle still mapped at a stale address is released after that
@@ -211,7 +209,7 @@ static bool retry_orphan(_tide_arena *arena, _tide_orphan_rec *o, bool unmapped_
    * reserved. */
   if (o->handle && mappings_orphaned(arena)) return false;
   if (o->handle) {
-    if (be->ops->release(be->ctx, o->handle)) return false;
+    if (_tide_mem_release(arena->alloc, o->handle)) return false;
     drop_bytes(arena, o->pool, o->handle_size);
     arena->stats.counters[_TIDE_CT_DEVICE_FREE]++;
     o->handle = 0;
@@ -257,7 +255,7 @@ int _tide_arena_retry_orphans(_tide_arena *arena) {
 static void undo_fixed(_tide_arena *arena, int pool, uintptr_t addr, size_t size, _tide_handle h,
                        bool mapped) {
   const _tide_backend *be = &arena->alloc->backend;
-  if (mapped && be->ops->unmap(be->ctx, addr, size)) {
+  if (mapped && _tide_mem_unmap(arena->alloc, addr, size)) {
     _tide_orphan(arena, pool, addr, size, h, size, addr, size);
     return;
   }
@@ -288,13 +286,13 @@ static int grow_fixed(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_b
     goto fail;
   }
   if ((rc = create_handle(arena, seg_size, &h)) ||
-      (rc = be->ops->map(be->ctx, addr, seg_size, h))) {
+      (rc = _tide_mem_map(arena->alloc, addr, seg_size, h))) {
     _tide_error_save(&saved);
     undo_fixed(arena, pool->kind, addr, seg_size, h, false);
     _tide_error_restore(&saved);
     goto fail;
   }
-  if ((rc = be->ops->set_access(be->ctx, addr, seg_size))) {
+  if ((rc = _tide_mem_set_access(arena->alloc, addr, seg_size))) {
     _tide_error_save(&saved);
     undo_fixed(arena, pool->kind, addr, seg_size, h, true);
     _tide_error_restore(&saved);
@@ -327,7 +325,7 @@ static int release_fixed(_tide_arena *arena, _tide_block *b) {
   const _tide_backend *be = &a->backend;
   _tide_segment *seg = b->segment;
   _tide_pool *pool = &arena->pools[seg->pool];
-  int rc = be->ops->unmap(be->ctx, seg->base, seg->size);
+  int rc = _tide_mem_unmap(arena->alloc, seg->base, seg->size);
   if (rc) return rc; /* nothing changed: the block stays free and cached */
   _tide_pool_remove(arena, b);
   if (!release_handle(arena, seg->pool, seg->handle, seg->size)) rc = tide_last_status();
@@ -472,9 +470,8 @@ static void stale_handle_done(_tide_arena *arena, const struct _tide_stale_page 
  * A refused unmap keeps it (to try again), or at teardown makes it an
  * orphan. Returns the backend's status. */
 static int unmap_stale_page(_tide_arena *arena, size_t i, bool orphan_on_failure) {
-  const _tide_backend *be = &arena->alloc->backend;
   struct _tide_stale_page sp = arena->stale[i];
-  int rc = be->ops->unmap(be->ctx, sp.addr, sp.size);
+  int rc = _tide_mem_unmap(arena->alloc, sp.addr, sp.size);
   if (rc && !orphan_on_failure) return rc;
   arena->stats.counters[_TIDE_CT_UNMAPPINGS] += !rc;
   arena->stale[i] = arena->stale[--arena->nstale];
@@ -523,7 +520,6 @@ static bool stale_overlaps(const struct _tide_stale_page *sp, uintptr_t lo, uint
  * Returns how many stale mappings in the range are left. */
 static size_t unmap_idle_runs(_tide_arena *arena, uintptr_t lo, uintptr_t hi, uint64_t idle_before,
                               stale_ref *refs, int *failed) {
-  const _tide_backend *be = &arena->alloc->backend;
   size_t n = 0, left = 0;
   for (size_t i = 0; i < arena->nstale; i++) {
     const struct _tide_stale_page *sp = &arena->stale[i];
@@ -540,7 +536,7 @@ static size_t unmap_idle_runs(_tide_arena *arena, uintptr_t lo, uintptr_t hi, ui
          end < n && refs[end].size == size && refs[end].addr == refs[end - 1].addr + size; end++) {
     }
     size_t done = 0;
-    int rc = be->ops->unmap_run(be->ctx, refs[k].addr, size, end - k, &done);
+    int rc = _tide_mem_unmap_run(arena->alloc, refs[k].addr, size, end - k, &done);
     for (size_t j = k; j < k + done; j++) stale_unmapped(arena, refs[j].index);
     arena->stats.counters[_TIDE_CT_UNMAPPINGS] += done;
     left += end - k - done;
@@ -594,11 +590,10 @@ static void note_stale(_tide_arena *arena, const _tide_segment *seg, size_t firs
 /* Undo the mapping of pages [first, first+count) (whole handles): unmap and
  * release each handle; one the backend will not unmap is kept as an orphan. */
 static void unmap_new_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count) {
-  const _tide_backend *be = &arena->alloc->backend;
   size_t page = arena->alloc->page_size, n = seg->handle_pages;
   for (size_t i = first; i < first + count; i += n) {
     uintptr_t at = seg->base + i * page;
-    if (be->ops->unmap(be->ctx, at, n * page)) {
+    if (_tide_mem_unmap(arena->alloc, at, n * page)) {
       _tide_orphan(arena, seg->pool, at, n * page, seg->pages[i], n * page, 0, 0);
       note_handle(seg, i, 0);
     } else {
@@ -688,7 +683,6 @@ static void give_back_spares(_tide_arena *arena, const uint8_t *spare_state, uin
  * pages of new handles made. */
 static int map_piece(_tide_arena *arena, _tide_segment *seg, size_t at, const run_piece *pc,
                      size_t *created) {
-  const _tide_backend *be = &arena->alloc->backend;
   size_t n = seg->handle_pages, size = n * arena->alloc->page_size;
   uintptr_t addr = seg->base + at * arena->alloc->page_size;
   _tide_handle h = 0;
@@ -705,7 +699,7 @@ static int map_piece(_tide_arena *arena, _tide_segment *seg, size_t at, const ru
     if (rc) return rc;
     *created += n;
   }
-  int rc = be->ops->map(be->ctx, addr, size, h);
+  int rc = _tide_mem_map(arena->alloc, addr, size, h);
   if (rc) {
     _tide_saved_error saved;
     _tide_error_save(&saved);
@@ -722,7 +716,6 @@ static int map_piece(_tide_arena *arena, _tide_segment *seg, size_t at, const ru
 static int map_pieces(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count,
                       size_t request, run_piece *pieces, uint8_t *spare_state) {
   struct tide_allocator *a = arena->alloc;
-  const _tide_backend *be = &a->backend;
   size_t page = a->page_size, budgeted = 0, created = 0, done = 0;
   uintptr_t start = seg->base + first * page;
   size_t n = plan_run(arena, seg, start, count, pieces, spare_state, &budgeted);
@@ -737,7 +730,7 @@ static int map_pieces(_tide_arena *arena, _tide_segment *seg, size_t first, size
     if (!rc) done += seg->handle_pages;
   }
   give_back_spares(arena, spare_state, SPARE_PLANNED); /* those never reached */
-  if (!rc) rc = be->ops->set_access(be->ctx, start, count * page);
+  if (!rc) rc = _tide_mem_set_access(arena->alloc, start, count * page);
   if (rc) {
     _tide_saved_error saved;
     _tide_error_save(&saved);
@@ -994,10 +987,9 @@ int _tide_pool_grow(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_blo
  * one call. *done gets the pages unmapped, from the first. */
 static int unmap_handles(_tide_arena *arena, const _tide_segment *seg, size_t first, size_t count,
                          size_t *done) {
-  const _tide_backend *be = &arena->alloc->backend;
   size_t n = seg->handle_pages, unmapped = 0;
-  int rc = be->ops->unmap_run(be->ctx, seg->base + first * arena->alloc->page_size,
-                              n * arena->alloc->page_size, count / n, &unmapped);
+  int rc = _tide_mem_unmap_run(arena->alloc, seg->base + first * arena->alloc->page_size,
+                               n * arena->alloc->page_size, count / n, &unmapped);
   *done = unmapped * n;
   arena->stats.counters[_TIDE_CT_UNMAPPINGS] += unmapped;
   return rc;
@@ -1215,13 +1207,13 @@ void _tide_pool_teardown(_tide_arena *arena, _tide_pool *pool) {
       size_t size = seg->handle_pages * page;
       for (size_t i = 0; i < seg->npages; i += seg->handle_pages) {
         if (!seg->pages[i]) continue;
-        be->ops->unmap(be->ctx, seg->base + i * page, size);
-        be->ops->release(be->ctx, seg->pages[i]);
+        _tide_mem_unmap(arena->alloc, seg->base + i * page, size);
+        _tide_mem_release(arena->alloc, seg->pages[i]);
         _tide_budget_give(arena->alloc, size);
       }
     } else {
-      be->ops->unmap(be->ctx, seg->base, seg->size);
-      be->ops->release(be->ctx, seg->handle);
+      _tide_mem_unmap(arena->alloc, seg->base, seg->size);
+      _tide_mem_release(arena->alloc, seg->handle);
       _tide_budget_give(arena->alloc, seg->size);
     }
     be->ops->unreserve(be->ctx, seg->base, seg->size);

@@ -189,8 +189,8 @@ static int undo_import(tide_allocator *a, _tide_import *im, uint32_t made, uint3
   _tide_first_error first = {0};
   uintptr_t at = im->range;
   for (uint32_t i = 0; i < made; i++) {
-    if (i < mapped) _tide_first_error_note(&first, be->ops->unmap(be->ctx, at, im->sizes[i]));
-    _tide_first_error_note(&first, be->ops->release(be->ctx, im->handles[i]));
+    if (i < mapped) _tide_first_error_note(&first, _tide_mem_unmap(a, at, im->sizes[i]));
+    _tide_first_error_note(&first, _tide_mem_release(a, im->handles[i]));
     at += im->sizes[i];
   }
   _tide_first_error_note(&first, be->ops->unreserve(be->ctx, im->range, im->range_size));
@@ -207,7 +207,7 @@ static int map_pieces(tide_allocator *a, _tide_import *im, const tide_share_piec
     rc = be->ops->import_fd(be->ctx, pieces[made].fd, pieces[made].offset, pieces[made].size,
                             &im->handles[made]);
     if (rc) break;
-    rc = be->ops->map(be->ctx, at, pieces[made].size, im->handles[made]);
+    rc = _tide_mem_map(a, at, pieces[made].size, im->handles[made]);
     if (rc) {
       made++;
       break;
@@ -215,7 +215,7 @@ static int map_pieces(tide_allocator *a, _tide_import *im, const tide_share_piec
     mapped++;
     at += pieces[made].size;
   }
-  if (!rc) rc = be->ops->set_access(be->ctx, im->range, im->range_size);
+  if (!rc) rc = _tide_mem_set_access(a, im->range, im->range_size);
   if (rc) {
     _tide_saved_error saved;
     _tide_error_save(&saved);

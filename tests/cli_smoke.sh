@@ -182,21 +182,21 @@ expect_status 0 "stream of 4 frames" -- env TIDALLOC_CONF=backend:host \
   "frames,status,requested_height,requested_width,effective_height,effective_width,backend,dtype,seconds,peak_allocated_gib,peak_reserved_gib,error" ] ||
   fail "stream --csv header is '$(head -n 1 "$dir/stream.csv")'"
 [ "$(head -n 1 "$dir/driver.csv")" = \
-  "frames,status,backend,seconds,reserved_over_allocated,pages_mapped,pages_unmapped,mappings,unmappings,max_running_ratio,max_running_ratio_frame,median_frame_ms,p90_frame_ms,max_frame_ms,stream_waits,median_alloc_ms,median_issue_ms" ] ||
+  "frames,status,backend,seconds,reserved_over_allocated,pages_mapped,pages_unmapped,mappings,unmappings,max_running_ratio,max_running_ratio_frame,median_frame_ms,p90_frame_ms,max_frame_ms,stream_waits,median_alloc_ms,median_issue_ms,mapping_s" ] ||
   fail "stream --driver-csv header is '$(head -n 1 "$dir/driver.csv")'"
 # One row each; the label with a comma quoted; mappings at least one, as the table says.
 [ "$(wc -l <"$dir/driver.csv")" -eq 2 ] || fail "stream --driver-csv does not hold one row"
-tail -n 1 "$dir/driver.csv" | grep -Eq '^4,ok,"a,b",[0-9.]+,1\.[0-9]+,[1-9][0-9]*,[0-9]+,[1-9][0-9]*,[0-9]+,1\.[0-9]+,[1-4],[0-9.]+,[0-9.]+,[0-9.]+,[0-9]+,[0-9.]+,[0-9.]+$' ||
+tail -n 1 "$dir/driver.csv" | grep -Eq '^4,ok,"a,b",[0-9.]+,1\.[0-9]+,[1-9][0-9]*,[0-9]+,[1-9][0-9]*,[0-9]+,1\.[0-9]+,[1-4],[0-9.]+,[0-9.]+,[0-9.]+,[0-9]+,[0-9.]+,[0-9.]+,([1-9][0-9]*\.[0-9]+|0\.[0-9]*[1-9][0-9]*)$' ||
   fail "stream --driver-csv row is '$(tail -n 1 "$dir/driver.csv")'"
 table_maps=$(awk '$1 == 4 && $2 == "ok" { print $(NF - 1) }' "$dir/out")
-[ "$table_maps" = "$(tail -n 1 "$dir/driver.csv" | awk -F, '{ print $(NF - 9) }')" ] ||
+[ "$table_maps" = "$(tail -n 1 "$dir/driver.csv" | awk -F, '{ print $(NF - 10) }')" ] ||
   fail "stream: the table's maps '$table_maps' differ from --driver-csv's"
 
 # --frames-csv: a row per one-frame step (16 frames: the 8 scale frames in one batch, then 8).
 "$bin" stream --frames 16 --sync-frames --frames-csv "$dir/frames.csv" >/dev/null 2>&1 ||
   fail "stream --frames-csv failed"
 [ "$(head -n 1 "$dir/frames.csv")" = \
-  "backend,frames,frame,frame_ms,issue_ms,alloc_ms,mappings,unmappings,stream_waits,allocated_gib,reserved_gib" ] ||
+  "backend,frames,frame,frame_ms,issue_ms,alloc_ms,mappings,unmappings,stream_waits,allocated_gib,reserved_gib,mapping_ms" ] ||
   fail "stream --frames-csv header is '$(head -n 1 "$dir/frames.csv")'"
 [ "$(tail -n +2 "$dir/frames.csv" | cut -d, -f3 | tr '\n' ' ')" = "9 10 11 12 13 14 15 16 " ] ||
   fail "stream --frames-csv frames are '$(tail -n +2 "$dir/frames.csv" | cut -d, -f3 | tr '\n' ' ')'"

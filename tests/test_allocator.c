@@ -364,6 +364,31 @@ static void test_release_far_end_of_hole(void **state) {
   destroy_clean(a);
 }
 
+/* mapping_ns sums the time of the backend's calls that create, map, make
+ * accessible, unmap and release memory: it grows with growth and with giving
+ * memory back, and not at all on the cached path. */
+static void test_mapping_time(void **state) {
+  (void)state;
+  tide_allocator *a = make(NULL);
+  assert_int_equal(stats_of(a).mapping_ns, 0);
+  void *x = tide_malloc(a, 4 * MiB, NULL);
+  assert_non_null(x);
+  uint64_t grown = stats_of(a).mapping_ns;
+  assert_true(grown > 0);
+  tide_free(a, x, NULL);
+  for (int i = 0; i < 100; i++) {
+    void *y = tide_malloc(a, 4 * MiB, NULL);
+    assert_non_null(y);
+    tide_free(a, y, NULL);
+  }
+  assert_int_equal(stats_of(a).mapping_ns, grown);
+  assert_int_equal(tide_reset_peak_stats(a), TIDE_OK); /* a sum, not a peak */
+  assert_int_equal(stats_of(a).mapping_ns, grown);
+  assert_int_equal(tide_empty_cache(a), TIDE_OK);
+  assert_true(stats_of(a).mapping_ns > grown);
+  destroy_clean(a);
+}
+
 static void test_quick_reuse_and_flush(void **state) {
   (void)state;
   tide_allocator *a = make(NULL);
@@ -770,6 +795,7 @@ int main(void) {
       cmocka_unit_test(test_release_reuses_physical_pages),
       cmocka_unit_test(test_release_far_end_of_hole),
       cmocka_unit_test(test_release_waits_for_slack_with_one_stream),
+      cmocka_unit_test(test_mapping_time),
       cmocka_unit_test(test_quick_reuse_and_flush),
       cmocka_unit_test(test_stream_ordered_reuse),
       cmocka_unit_test(test_free_on_other_stream),

@@ -287,7 +287,8 @@ static void test_buffer_room_from_idle_blocks_does_not_wait(void **state) {
 }
 
 /* A buffer's pages are driver mappings like a segment's handles: they count
- * in the mappings and unmappings figures (a ring's twice). */
+ * in the mappings and unmappings figures (a ring's twice), and their calls'
+ * time in mapping_ns. */
 static void test_buffer_pages_count_as_mappings(void **state) {
   (void)state;
   tide_allocator *a = tu_create(NULL);
@@ -295,8 +296,11 @@ static void test_buffer_pages_count_as_mappings(void **state) {
   tide_buf *b = make(a, 16 * TU_MiB, 0, 0, 0);
   tu_assert_ok(tide_buf_resize(b, 3 * PAGE, NULL));
   assert_int_equal(tu_stats(a).mappings - before.mappings, 3);
+  uint64_t mapped_ns = tu_stats(a).mapping_ns;
+  assert_true(mapped_ns > before.mapping_ns);
   tu_assert_ok(tide_buf_destroy(b));
   assert_int_equal(tu_stats(a).unmappings - before.unmappings, 3);
+  assert_true(tu_stats(a).mapping_ns > mapped_ns);
   tide_buf *ring = make(a, 2 * PAGE, 0, 0, 1);
   assert_int_equal(tu_stats(a).mappings - before.mappings, 3 + 4);
   tu_assert_ok(tide_buf_destroy(ring));

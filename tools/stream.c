@@ -34,13 +34,13 @@ static const int default_sweep[] = {64, 128, 256, 512, 1024, 2048, 4096, 10000};
 #define DRIVER_CSV_HEADER                                                                          \
   "frames,status,backend,seconds,reserved_over_allocated,pages_mapped,pages_unmapped,mappings,"    \
   "unmappings,max_running_ratio,max_running_ratio_frame,median_frame_ms,p90_frame_ms,"             \
-  "max_frame_ms,stream_waits,median_alloc_ms,median_issue_ms"
+  "max_frame_ms,stream_waits,median_alloc_ms,median_issue_ms,mapping_s"
 
 /* --frames-csv: each one-frame step of every run, with the statistics'
  * running counts after it (their differences are the frame's). */
 #define FRAMES_CSV_HEADER                                                                          \
   "backend,frames,frame,frame_ms,issue_ms,alloc_ms,mappings,unmappings,stream_waits,"              \
-  "allocated_gib,reserved_gib"
+  "allocated_gib,reserved_gib,mapping_ms"
 
 typedef struct stream_args {
   int frames[MAX_SWEEP];
@@ -83,6 +83,9 @@ typedef struct stream_row {
    * work, before waiting for the device: whether a frame is bound by the
    * CPU, and how much of that is the allocator's. 0 without. */
   double median_alloc_ms, median_issue_ms;
+  /* Seconds spent in the device's calls that map and unmap memory
+   * (tide_stats.mapping_ns), over the whole run. */
+  double mapping_s;
   char error[ERROR_LEN]; /* why it ran out of memory; "" when ok */
 } stream_row;
 
@@ -266,12 +269,13 @@ static void write_field(FILE *f, const char *text);
 static void write_frame_row(tide_target *t, const tide_stats *stats, int frames_done) {
   int i = t->frame_count - 1;
   write_field(t->frames_csv, t->backend);
-  fprintf(t->frames_csv, ",%d,%d,%.3f,%.3f,%.3f,%llu,%llu,%llu,%.4f,%.4f\n", t->run_frames,
+  fprintf(t->frames_csv, ",%d,%d,%.3f,%.3f,%.3f,%llu,%llu,%llu,%.4f,%.4f,%.3f\n", t->run_frames,
           frames_done, t->frame_ms[i], t->issue_ms[i], t->alloc_ms[i],
           (unsigned long long)stats->mappings, (unsigned long long)stats->unmappings,
           (unsigned long long)stats->stream_waits,
           (double)stats->allocated_bytes[TIDE_POOL_ALL].current / 1073741824.0,
-          (double)stats->reserved_bytes[TIDE_POOL_ALL].current / 1073741824.0);
+          (double)stats->reserved_bytes[TIDE_POOL_ALL].current / 1073741824.0,
+          (double)stats->mapping_ns / 1e6);
 }
 
 static void target_progress(void *ctx, int frames_done, int frames_total) {
@@ -443,6 +447,7 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
   row->mappings = ok ? stats.mappings : 0;
   row->unmappings = ok ? stats.unmappings : 0;
   row->stream_waits = ok ? stats.stream_waits : 0;
+  row->mapping_s = ok ? (double)stats.mapping_ns / 1e9 : 0;
   row->max_running_ratio = target->max_running_ratio;
   row->max_running_ratio_frame = target->max_running_ratio_frame;
   summarise_frames(target, row);
@@ -521,11 +526,12 @@ static void write_driver_row(FILE *f, const stream_row *r) {
   double ratio = reserved_ratio(r);
   fprintf(f, "%d,%s,", r->frames, r->oom ? "oom" : "ok");
   write_field(f, r->backend);
-  fprintf(f, ",%.3f,%.4f,%llu,%llu,%llu,%llu,%.4f,%d,%.3f,%.3f,%.3f,%llu,%.3f,%.3f\n", r->seconds,
-          ratio, (unsigned long long)r->pages_mapped, (unsigned long long)r->pages_unmapped,
-          (unsigned long long)r->mappings, (unsigned long long)r->unmappings, r->max_running_ratio,
-          r->max_running_ratio_frame, r->median_frame_ms, r->p90_frame_ms, r->max_frame_ms,
-          (unsigned long long)r->stream_waits, r->median_alloc_ms, r->median_issue_ms);
+  fprintf(f, ",%.3f,%.4f,%llu,%llu,%llu,%llu,%.4f,%d,%.3f,%.3f,%.3f,%llu,%.3f,%.3f,%.4f\n",
+          r->seconds, ratio, (unsigned long long)r->pages_mapped,
+          (unsigned long long)r->pages_unmapped, (unsigned long long)r->mappings,
+          (unsigned long long)r->unmappings, r->max_running_ratio, r->max_running_ratio_frame,
+          r->median_frame_ms, r->p90_frame_ms, r->max_frame_ms, (unsigned long long)r->stream_waits,
+          r->median_alloc_ms, r->median_issue_ms, r->mapping_s);
 }
 
 /* Write `header` and every row so far (through `write`) to a file beside
@@ -603,7 +609,8 @@ static void print_help(void) {
          "  --csv FILE      write the rows to FILE (rewritten after each row):\n"
          "                  %s\n"
          "  --driver-csv FILE  the same rows' driver work (pages and handles mapped and\n"
-         "                  unmapped, which growth's time follows on a GPU) to FILE:\n"
+         "                  unmapped, which growth's time follows on a GPU, and the\n"
+         "                  seconds spent in those calls) to FILE:\n"
          "                  %s\n"
          "  --label NAME    the backend column (default: tidalloc-expandable or\n"
          "                  tidalloc-fixed, from expandable_segments)\n"
@@ -614,8 +621,8 @@ static void print_help(void) {
          "                  (median_alloc_ms, median_issue_ms)\n"
          "  --frames-csv FILE  every one-frame step of every run to FILE, a row each:\n"
          "                  %s\n"
-         "                  (the counts are the run's so far; frame, issue and\n"
-         "                  allocator times as in the driver CSV's medians)\n"
+         "                  (the counts and mapping_ms are the run's so far; frame,\n"
+         "                  issue and allocator times as in the driver CSV's medians)\n"
          "  --trace-csv FILE  write every allocation and free of the run through\n"
          "                  tide_malloc/tide_free to FILE, in the format `tidalloc\n"
          "                  replay` reads (each run rewrites it: with several frame\n"

@@ -19,13 +19,13 @@ _STAT_FIELDS = ("allocated_bytes", "requested_bytes", "active_bytes", "inactive_
 _COUNTERS = ("num_allocs", "num_frees", "pages_mapped", "pages_unmapped", "segments_created",
              "segments_released", "num_alloc_retries", "num_ooms", "num_sync_all_streams",
              "num_device_alloc", "num_device_free", "oversize_allocations", "memory_limit",
-             "mappings", "unmappings", "stream_waits")
+             "mappings", "unmappings", "stream_waits", "mapping_ns")
 
 
 class Stats(ctypes.Structure):
     _fields_ = ([(name, Stat * _KINDS) for name in _STAT_FIELDS] +
                 [(name, ctypes.c_uint64) for name in _COUNTERS] +
-                [("reserved_u64", ctypes.c_uint64 * 5)])
+                [("reserved_u64", ctypes.c_uint64 * 4)])
 
 
 class BufOptions(ctypes.Structure):
@@ -169,6 +169,8 @@ def memory_stats(index=0):
     result["num_device_unmap"] = st.unmappings
     # Not PyTorch's: how often the allocator waited for a stream's queue.
     result["num_stream_waits"] = st.stream_waits
+    # Not PyTorch's: the time spent in the driver's calls that map and unmap.
+    result["device_mapping_ns"] = st.mapping_ns
     return result
 
 
