@@ -19,25 +19,14 @@
  *
  * usage: copy_launch [--device D] [--launches N]      (default 0 and 50)
  * Build: cc -O2 copy_launch.c -I$CUDA/include -L$CUDA/lib64/stubs -lcuda */
+#define BENCH_NAME "copy_launch"
+#include "driver_check.h"
+
 #include <cuda.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-static double now_us(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec * 1e6 + (double)t.tv_nsec / 1e3;
-}
-
-static int check(CUresult r, const char *call) {
-  if (r == CUDA_SUCCESS) return 0;
-  const char *name = NULL;
-  cuGetErrorName(r, &name);
-  fprintf(stderr, "copy_launch: %s failed: %s\n", call, name ? name : "?");
-  return 1;
-}
 
 /* A range of `bytes` made of handles of `handle` bytes (0: cuMemAlloc). */
 typedef struct range {

@@ -23,6 +23,9 @@
  *
  * usage: vmm_costs [--device D] [--repeat R]      (default 0 and 20)
  * Build: cc -O2 vmm_costs.c -I$CUDA/include -L$CUDA/lib64/stubs -lcuda */
+#define BENCH_NAME "vmm_costs"
+#include "driver_check.h"
+
 #include <cuda.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,20 +33,6 @@
 #include <time.h>
 
 #define MAX_PAGES 64
-
-static double now_us(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec * 1e6 + (double)t.tv_nsec / 1e3;
-}
-
-static int check(CUresult r, const char *call) {
-  if (r == CUDA_SUCCESS) return 0;
-  const char *name = NULL;
-  cuGetErrorName(r, &name);
-  fprintf(stderr, "vmm_costs: %s failed: %s\n", call, name ? name : "?");
-  return 1;
-}
 
 typedef struct totals {
   double create, map, access, unmap, release;

@@ -42,14 +42,11 @@
 #include <time.h>
 #include <vector>
 
+#define BENCH_NAME "vmm_overlap"
+#include "driver_check.h" /* now_us; its own checks exit with the line */
+
 #define MIB ((size_t)1 << 20)
 #define BLOCK (256 * MIB)
-
-static double now_us(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec * 1e6 + (double)t.tv_nsec / 1e3;
-}
 
 static void die_cu(CUresult r, const char *call, int line) {
   const char *name = NULL;

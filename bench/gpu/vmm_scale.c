@@ -24,6 +24,9 @@
  *
  * usage: vmm_scale [--device D] [--repeat R] [--ops K]   (default 0, 10, 64)
  * Build: cc -O2 vmm_scale.c -I$CUDA/include -L$CUDA/lib64/stubs -lcuda */
+#define BENCH_NAME "vmm_scale"
+#include "driver_check.h"
+
 #include <cuda.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,20 +36,6 @@
 enum { OP_CREATE, OP_MAP, OP_ACCESS, OP_MOVE, OP_UNMAP, OP_RELEASE, OPS };
 static const char *const op_names[OPS] = {"create", "map",   "set_access",
                                           "move",   "unmap", "release"};
-
-static double now_us(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec * 1e6 + (double)t.tv_nsec / 1e3;
-}
-
-static int check(CUresult r, const char *call) {
-  if (r == CUDA_SUCCESS) return 0;
-  const char *name = NULL;
-  cuGetErrorName(r, &name);
-  fprintf(stderr, "vmm_scale: %s failed: %s\n", call, name ? name : "?");
-  return 1;
-}
 
 typedef struct setup {
   int device;
