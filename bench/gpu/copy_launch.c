@@ -107,12 +107,9 @@ int main(int argc, char **argv) {
     }
   }
   CUdevice dev;
-  CUcontext ctx;
   CUstream s;
   CUevent start, end;
-  if (check(cuInit(0), "cuInit") || check(cuDeviceGet(&dev, device), "cuDeviceGet") ||
-      check(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain") ||
-      check(cuCtxSetCurrent(ctx), "cuCtxSetCurrent") ||
+  if (open_primary_context(device, &dev) ||
       check(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate") ||
       check(cuEventCreate(&start, 0), "cuEventCreate") ||
       check(cuEventCreate(&end, 0), "cuEventCreate"))

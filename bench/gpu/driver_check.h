@@ -1,6 +1,7 @@
 /* driver_check.h: what the driver benchmarks (vmm_costs, vmm_scale,
- * copy_launch, vmm_overlap) share: a microsecond clock, and a check of a
- * driver call's result that says which call failed and how. Define
+ * copy_launch, vmm_overlap) share: a microsecond clock, a check of a
+ * driver call's result that says which call failed and how, and the set-up
+ * of a device's primary context. Define
  * BENCH_NAME, the program's name for its messages, before including. */
 #ifndef BENCH_GPU_DRIVER_CHECK_H
 #define BENCH_GPU_DRIVER_CHECK_H
@@ -22,6 +23,16 @@ static inline int check(CUresult r, const char *call) {
   cuGetErrorName(r, &name);
   fprintf(stderr, "%s: %s failed: %s\n", BENCH_NAME, call, name ? name : "?");
   return 1;
+}
+
+/* Initialize the driver and make device `device`'s primary context current
+ * (release it with cuDevicePrimaryCtxRelease(*dev)). 0 on success; else 1,
+ * with the failed call named. */
+static inline int open_primary_context(int device, CUdevice *dev) {
+  CUcontext ctx;
+  return check(cuInit(0), "cuInit") || check(cuDeviceGet(dev, device), "cuDeviceGet") ||
+         check(cuDevicePrimaryCtxRetain(&ctx, *dev), "cuDevicePrimaryCtxRetain") ||
+         check(cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
 }
 
 #endif

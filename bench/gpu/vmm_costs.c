@@ -139,11 +139,7 @@ int main(int argc, char **argv) {
     }
   }
   CUdevice dev;
-  CUcontext ctx;
-  if (check(cuInit(0), "cuInit") || check(cuDeviceGet(&dev, device), "cuDeviceGet") ||
-      check(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain") ||
-      check(cuCtxSetCurrent(ctx), "cuCtxSetCurrent"))
-    return 1;
+  if (open_primary_context(device, &dev)) return 1;
   run r = {0};
   r.prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   r.prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;

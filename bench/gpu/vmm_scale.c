@@ -173,11 +173,7 @@ int main(int argc, char **argv) {
     }
   }
   CUdevice dev;
-  CUcontext ctx;
-  if (check(cuInit(0), "cuInit") || check(cuDeviceGet(&dev, device), "cuDeviceGet") ||
-      check(cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain") ||
-      check(cuCtxSetCurrent(ctx), "cuCtxSetCurrent"))
-    return 1;
+  if (open_primary_context(device, &dev)) return 1;
   copier c = {.bytes = (size_t)256 << 20};
   if (check(cuStreamCreate(&c.stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate") ||
       check(cuMemAlloc(&c.a, c.bytes), "cuMemAlloc") ||
