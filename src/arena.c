@@ -578,7 +578,10 @@ static unsigned growth_handle_pages(const _tide_growth *g) {
  * wait fails, such pages stay cached). While the growth stays within
  * wait_limit such pages are passed over instead, for others: skipping them
  * always made 30-60% more mappings on the streaming workload, skipping them
- * up to wait_limit about 10% more and a fifth of the waits. */
+ * up to wait_limit about 10% more and a fifth of the waits. A load handle
+ * (load_handles), which no growth maps again, is deferred too: it stays
+ * reserved at its old address until the stream is past it, once for each
+ * load handle, rather than the growth waiting for the stream. */
 static void release_deferred(_tide_arena *arena, _tide_block **candidates, size_t n, size_t need,
                              bool whole, unsigned handle_pages) {
   poll_idle_marks(arena);
@@ -759,6 +762,7 @@ int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **o
 /* ------------------------------------------------------------------------ */
 
 void _tide_arena_free_block(_tide_arena *arena, _tide_block *b) {
+  arena->freed_any = true;
   b->state = _TIDE_FREE;
   b->stamp = arena->clock;
   _tide_block *p = b->prev, *n = b->next;

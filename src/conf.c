@@ -501,6 +501,14 @@ static void format_memory_limit(const _tide_conf_values *v, char *buf, size_t le
   format_bytes(v->memory_limit, buf, len);
 }
 
+static bool parse_load_handles(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  return parse_bool(s, &v->load_handles, why, why_len);
+}
+
+static void format_load_handles(const _tide_conf_values *v, char *buf, size_t len) {
+  format_bool(v->load_handles, buf, len);
+}
+
 static bool parse_release_holes(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
   return parse_bool(s, &v->release_holes, why, why_len);
 }
@@ -670,6 +678,11 @@ static const option options[] = {
      "when growing would raise reserved memory past its peak, first unmap whole free pages "
      "inside the segments, so physical memory is reused instead of added",
      "True or False (also true/false/1/0)", parse_release_holes, format_release_holes},
+    {"load_handles", "True",
+     "until a stream first frees a block (a model loading its weights), each growth of an "
+     "expandable segment for large requests maps its pages as one physical handle: far fewer "
+     "driver calls for memory that is kept, and freed, if ever, whole",
+     "True or False (also true/false/1/0)", parse_load_handles, format_load_handles},
     {"release_slack", "0.017",
      "with release_holes, free pages stay cached (no unmap, no stream synchronization) while "
      "reserved memory stays within this fraction above the allocated peak; larger trades "

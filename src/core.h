@@ -177,11 +177,14 @@ typedef struct _tide_segment {
   size_t npages;
   /* expandable: the pages each of its handles holds: 1, or, in a segment
    * for large requests, the allocator's handle_pages; then mapped memory is
-   * whole handles at multiples of handle_pages pages from the base. */
+   * whole handles at multiples of handle_pages pages from the base. A load
+   * handle (load_handles) is a whole number of those, from such a multiple:
+   * the page table names it on each of its pages. */
   uint16_t handle_pages;
-  _tide_handle handle; /* fixed: its one handle */
-  _tide_block *first;  /* lowest block; blocks cover [base, base+size) */
-  uint8_t pool;        /* _TIDE_SMALL or _TIDE_LARGE */
+  uint32_t load_handles; /* expandable: load handles mapped in it now */
+  _tide_handle handle;   /* fixed: its one handle */
+  _tide_block *first;    /* lowest block; blocks cover [base, base+size) */
+  uint8_t pool;          /* _TIDE_SMALL or _TIDE_LARGE */
   uint8_t expandable;
 } _tide_segment;
 
@@ -319,6 +322,7 @@ typedef struct _tide_block_chunk {
 typedef struct _tide_arena {
   _tide_lock lock;
   unsigned nquick;
+  bool freed_any;                        /* a block was freed here: the stream's loading is over */
   _tide_block *quick[_TIDE_QUICK_SLOTS]; /* oldest first */
   tide_stream stream;
   bool stream_gone; /* destroyed through tide_stream_destroy */
@@ -472,6 +476,9 @@ int _tide_pool_plan_growth(const _tide_arena *arena, _tide_pool *pool, size_t si
 int _tide_release_block(_tide_arena *arena, _tide_block *b, size_t limit);
 /* Release every segment of the pool (allocator teardown). */
 void _tide_pool_teardown(_tide_arena *arena, _tide_pool *pool);
+/* The pages of the handle that maps page i of expandable segment seg, from
+ * page *start: seg->handle_pages, or more for a load handle. */
+size_t _tide_handle_extent(const _tide_segment *seg, size_t i, size_t *start);
 /* Release every whole free page and fixed segment of the pool. */
 int _tide_pool_release_cached(_tide_arena *arena, _tide_pool *pool);
 /* Release expandable segments that have no page mapped. */

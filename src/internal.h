@@ -133,6 +133,7 @@ typedef struct _tide_conf_values {
   double memory_fraction;    /* (0, 1]; 1.0 (default): the whole device; treat 0 alike */
   size_t memory_limit;       /* bytes, 0: no limit */
   bool release_holes;        /* recycle free pages inside segments when growing */
+  bool load_handles;         /* one handle per growth until a stream first frees */
   double release_slack;      /* free pages stay cached up to this fraction above the peak */
   double release_limit;      /* past this fraction above the peak, room comes in whole handles */
   double wait_limit;         /* below this fraction above the peak, growth skips busy pages */

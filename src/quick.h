@@ -136,6 +136,7 @@ static inline _tide_block *_tide_quick_take(_tide_arena *arena, size_t rounded) 
  * the list has room. */
 static TIDE_ALWAYS_INLINE void _tide_quick_put(_tide_arena *arena, _tide_block *b) {
   _tide_count_quick_put(arena, b);
+  arena->freed_any = true; /* load_handles: the loading is over */
   b->state = _TIDE_QUICK;
   b->stamp = arena->clock;
   arena->quick[arena->nquick++] = b;

@@ -8,7 +8,10 @@
  * are unmapped blocks kept in address order. Growth maps the fewest pages it
  * can: next to the free block before a hole, or the one after it, or
  * bridging both (the lowest such place among equals), so that partial pages
- * already mapped are used before new ones.
+ * already mapped are used before new ones. Until its stream first frees a
+ * block, an arena maps each growth of a large request as one handle (a
+ * load handle, load_handles): a model's weights, loaded first and kept,
+ * then take a mapping each instead of one per page or handle.
  *
  * Every backend call here can fail. A failure leaves the segment as it was
  * before the call (undoing the steps already done), or, where the backend
@@ -432,22 +435,49 @@ static void give_back_handle(_tide_arena *arena, int pool, _tide_handle h, size_
   if (!(arena->nstale && stale_adopt(arena, h, pool))) release_handle(arena, pool, h, size);
 }
 
-/* Note handle h as mapping the segment's pages from page i (a handle's
- * first page); 0: they are unmapped. */
-static void note_handle(_tide_segment *seg, size_t i, _tide_handle h) {
-  for (size_t j = i; j < i + seg->handle_pages; j++) seg->pages[j] = h;
+/* ------------------------------------------------------------------------ */
+/* The page table                                                            */
+/* ------------------------------------------------------------------------ */
+
+/* Every page names the handle that maps it. A handle is handle_pages pages
+ * from a multiple of them, or, for a load handle, a longer run of such
+ * units: a handle is mapped in one place of the table at a time, so its run
+ * is the pages around i that name it. */
+size_t _tide_handle_extent(const _tide_segment *seg, size_t i, size_t *start) {
+  size_t unit = seg->handle_pages, lo = i - i % unit, hi = lo + unit;
+  _tide_handle h = seg->pages[i];
+  if (seg->load_handles && h) {
+    while (lo >= unit && seg->pages[lo - unit] == h) lo -= unit;
+    while (hi < seg->npages && seg->pages[hi] == h) hi += unit;
+  }
+  *start = lo;
+  return hi - lo;
+}
+
+/* Note handle h as mapping `count` pages from page i (a handle's first
+ * page). */
+static void note_handle(_tide_segment *seg, size_t i, size_t count, _tide_handle h) {
+  for (size_t j = i; j < i + count; j++) seg->pages[j] = h;
+  if (count > seg->handle_pages) seg->load_handles++;
+}
+
+/* Note the `count` pages from page i, one handle's, as unmapped. */
+static void forget_handle(_tide_segment *seg, size_t i, size_t count) {
+  for (size_t j = i; j < i + count; j++) seg->pages[j] = 0;
+  if (count > seg->handle_pages) seg->load_handles--;
 }
 
 /* Release the handles of pages [first, first+count) of a segment (whole
  * handles, already unmapped), or keep them as spares while room is being
  * made for a growth. */
 static void release_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count) {
-  size_t size = seg->handle_pages * arena->alloc->page_size;
-  for (size_t i = first; i < first + count; i += seg->handle_pages) {
+  for (size_t i = first, start, n; i < first + count; i += n) {
+    n = _tide_handle_extent(seg, i, &start);
+    size_t size = n * arena->alloc->page_size;
     _tide_handle h = seg->pages[i];
     if (!(arena->keep_spare_pages && keep_spare(arena, h, size, seg->pool)))
       give_back_handle(arena, seg->pool, h, size);
-    note_handle(seg, i, 0);
+    forget_handle(seg, i, n);
   }
 }
 
@@ -579,23 +609,26 @@ void _tide_stale_drop_all(_tide_arena *arena) {
 static void note_stale(_tide_arena *arena, const _tide_segment *seg, size_t first, size_t count,
                        uint64_t stamp) {
   size_t page = arena->alloc->page_size;
-  for (size_t i = first; i < first + count; i += seg->handle_pages)
+  for (size_t i = first, start, n; i < first + count; i += n) {
+    n = _tide_handle_extent(seg, i, &start);
     arena->stale[arena->nstale++] = (struct _tide_stale_page){.addr = seg->base + i * page,
-                                                              .size = seg->handle_pages * page,
+                                                              .size = n * page,
                                                               .handle = seg->pages[i],
                                                               .stamp = stamp,
                                                               .pool = seg->pool};
+  }
 }
 
 /* Undo the mapping of pages [first, first+count) (whole handles): unmap and
  * release each handle; one the backend will not unmap is kept as an orphan. */
 static void unmap_new_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_t count) {
-  size_t page = arena->alloc->page_size, n = seg->handle_pages;
-  for (size_t i = first; i < first + count; i += n) {
+  size_t page = arena->alloc->page_size;
+  for (size_t i = first, start, n; i < first + count; i += n) {
+    n = _tide_handle_extent(seg, i, &start);
     uintptr_t at = seg->base + i * page;
     if (_tide_mem_unmap(arena->alloc, at, n * page)) {
       _tide_orphan(arena, seg->pool, at, n * page, seg->pages[i], n * page, 0, 0);
-      note_handle(seg, i, 0);
+      forget_handle(seg, i, n);
     } else {
       release_pages(arena, seg, i, n);
     }
@@ -629,7 +662,21 @@ enum { SPARE_UNUSED, SPARE_PLANNED, SPARE_MAPPED };
 typedef struct run_piece {
   size_t spare; /* index into the spare handles, or SIZE_MAX */
   bool orphan;
+  size_t pages;
 } run_piece;
+
+/* Whether a run of `count` pages of segment seg is mapped as one handle: a
+ * large request's growth while the arena's stream has freed nothing yet
+ * (load_handles). A program loading a model allocates its weights first and
+ * keeps them, so such handles are freed, if ever, whole; one handle per
+ * weight instead of one per handle_pages takes far fewer driver calls
+ * (each mapping costs tens of microseconds, whatever its size). An
+ * orphaned mapping in the segment keeps the run in single handles (an
+ * orphan is adopted only where it fits one). */
+static bool load_run(const _tide_arena *arena, const _tide_segment *seg, size_t count) {
+  return arena->alloc->conf.load_handles && !arena->freed_any && arena->nquick == 0 &&
+         seg->pool == _TIDE_LARGE && count > seg->handle_pages && !arena->norphans;
+}
 
 /* Plan the handles of a run of `count` pages from `start` in segment seg
  * (a whole number of its handles): orphans where they are mapped, spare
@@ -640,27 +687,34 @@ static size_t plan_run(_tide_arena *arena, const _tide_segment *seg, uintptr_t s
                        run_piece *pieces, uint8_t *spare_state, size_t *created) {
   size_t page = arena->alloc->page_size, size = seg->handle_pages * page, n = 0, spare = 0;
   *created = 0;
-  for (size_t p = 0; p < count; p += seg->handle_pages, n++) {
+  if (load_run(arena, seg, count)) {
+    pieces[0] = (run_piece){.spare = SIZE_MAX, .pages = count};
+    *created = count;
+    return 1;
+  }
+  for (size_t p = 0; p < count; p += pieces[n].pages, n++) {
     uintptr_t at = start + p * page;
     size_t o = arena->norphans ? orphan_mapped_at(arena, at) : SIZE_MAX;
-    if (o != SIZE_MAX) {
-      if (arena->orphans[o].map_size != size) {
+    if (o != SIZE_MAX || (arena->norphans && _tide_orphan_mapped_in(arena, at, at + size))) {
+      /* An orphan is taken as it is, where the run holds it whole. */
+      size_t pages = o != SIZE_MAX ? arena->orphans[o].map_size / page : 0;
+      if (o == SIZE_MAX || arena->orphans[o].map_size % size || p + pages > count) {
         _tide_error_set(TIDE_ERR_BACKEND,
                         "memory the device backend refused to unmap is still mapped at %p, "
                         "where growth would map",
                         (void *)at);
         return 0;
       }
-      pieces[n] = (run_piece){.spare = SIZE_MAX, .orphan = true};
+      pieces[n] = (run_piece){.spare = SIZE_MAX, .orphan = true, .pages = pages};
       continue;
     }
     while (spare < arena->nspare_pages && arena->spare_pages[spare].size != size) spare++;
     if (spare < arena->nspare_pages) {
       spare_state[spare] = SPARE_PLANNED;
-      pieces[n] = (run_piece){.spare = spare++};
+      pieces[n] = (run_piece){.spare = spare++, .pages = seg->handle_pages};
       continue;
     }
-    pieces[n] = (run_piece){.spare = SIZE_MAX};
+    pieces[n] = (run_piece){.spare = SIZE_MAX, .pages = seg->handle_pages};
     *created += seg->handle_pages;
   }
   return n;
@@ -683,11 +737,11 @@ static void give_back_spares(_tide_arena *arena, const uint8_t *spare_state, uin
  * pages of new handles made. */
 static int map_piece(_tide_arena *arena, _tide_segment *seg, size_t at, const run_piece *pc,
                      size_t *created) {
-  size_t n = seg->handle_pages, size = n * arena->alloc->page_size;
+  size_t n = pc->pages, size = n * arena->alloc->page_size;
   uintptr_t addr = seg->base + at * arena->alloc->page_size;
   _tide_handle h = 0;
   if (pc->orphan) {
-    note_handle(seg, at, adopt_orphan(arena, orphan_mapped_at(arena, addr), seg->pool));
+    note_handle(seg, at, n, adopt_orphan(arena, orphan_mapped_at(arena, addr), seg->pool));
     return TIDE_OK;
   }
   if (pc->spare != SIZE_MAX) {
@@ -706,7 +760,7 @@ static int map_piece(_tide_arena *arena, _tide_segment *seg, size_t at, const ru
     give_back_handle(arena, seg->pool, h, size); /* gives its bytes back */
     return _tide_error_restore(&saved);
   }
-  note_handle(seg, at, h);
+  note_handle(seg, at, n, h);
   return TIDE_OK;
 }
 
@@ -727,7 +781,7 @@ static int map_pieces(_tide_arena *arena, _tide_segment *seg, size_t first, size
   for (size_t i = 0; i < n && !rc; i++) {
     if (pieces[i].spare != SIZE_MAX) spare_state[pieces[i].spare] = SPARE_MAPPED;
     rc = map_piece(arena, seg, first + done, &pieces[i], &created);
-    if (!rc) done += seg->handle_pages;
+    if (!rc) done += pieces[i].pages;
   }
   give_back_spares(arena, spare_state, SPARE_PLANNED); /* those never reached */
   if (!rc) rc = _tide_mem_set_access(arena->alloc, start, count * page);
@@ -983,10 +1037,28 @@ int _tide_pool_grow(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_blo
   return grow_fixed(arena, pool, size, out);
 }
 
+/* Unmap the handles of pages [first, first + count) (whole handles), one
+ * call each. *done gets the pages unmapped, from the first. */
+static int unmap_each(_tide_arena *arena, const _tide_segment *seg, size_t first, size_t count,
+                      size_t *done) {
+  size_t page = arena->alloc->page_size;
+  *done = 0;
+  for (size_t i = first, start, n; i < first + count; i += n) {
+    n = _tide_handle_extent(seg, i, &start);
+    int rc = _tide_mem_unmap(arena->alloc, seg->base + i * page, n * page);
+    if (rc) return rc;
+    *done += n;
+    arena->stats.counters[_TIDE_CT_UNMAPPINGS]++;
+  }
+  return TIDE_OK;
+}
+
 /* Unmap the handles of pages [first, first + count) (whole handles) with
- * one call. *done gets the pages unmapped, from the first. */
+ * one call, or one a handle where load handles make their sizes differ.
+ * *done gets the pages unmapped, from the first. */
 static int unmap_handles(_tide_arena *arena, const _tide_segment *seg, size_t first, size_t count,
                          size_t *done) {
+  if (seg->load_handles) return unmap_each(arena, seg, first, count, done);
   size_t n = seg->handle_pages, unmapped = 0;
   int rc = _tide_mem_unmap_run(arena->alloc, seg->base + first * arena->alloc->page_size,
                                n * arena->alloc->page_size, count / n, &unmapped);
@@ -995,8 +1067,45 @@ static int unmap_handles(_tide_arena *arena, const _tide_segment *seg, size_t fi
   return rc;
 }
 
+/* Narrow [*lo, *hi) (whole units of handle_pages pages) to the handles that
+ * lie inside it whole: a load handle reaching past either end stays. False
+ * when none is left. */
+static bool whole_handles(const _tide_segment *seg, size_t page, uintptr_t *lo, uintptr_t *hi) {
+  size_t first = (*lo - seg->base) / page, end = (*hi - seg->base) / page, start, n;
+  while (first < end && (n = _tide_handle_extent(seg, first, &start), start != first))
+    first = start + n;
+  while (end > first && (n = _tide_handle_extent(seg, end - 1, &start), start + n != end))
+    end = start;
+  *lo = seg->base + first * page;
+  *hi = seg->base + end * page;
+  return end > first;
+}
+
+/* Narrow [*lo, *hi) (whole handles) to the fewest handles at its low end
+ * (`low`) or its high end that make `limit` bytes, one at least: a load
+ * handle goes whole even where that is more than asked, or a free one might
+ * never go (once it is unmapped, growth maps handles of the usual size). */
+static void limit_handles(const _tide_segment *seg, size_t page, size_t limit, bool low,
+                          uintptr_t *lo, uintptr_t *hi) {
+  size_t first = (*lo - seg->base) / page, end = (*hi - seg->base) / page, start;
+  if (low) {
+    size_t at = first;
+    do {
+      at += _tide_handle_extent(seg, at, &start);
+    } while (at < end && (at - first) * page < limit);
+    *hi = seg->base + at * page;
+  } else {
+    size_t at = end;
+    do {
+      _tide_handle_extent(seg, at - 1, &start);
+      at = start;
+    } while (at > first && (end - at) * page < limit);
+    *lo = seg->base + at * page;
+  }
+}
+
 /* Unmap the whole pages inside free block `b` of an expandable segment, at
- * most `limit` bytes of them. The block splits into a free head, the
+ * most `limit` bytes of them (a load handle goes whole). The block splits into a free head, the
  * unmapped middle (merged with unmapped neighbours) and a free tail. A
  * limited release takes the pages next to unmapped space, so that the hole
  * grows instead of a new one opening. `resume` gets the block after all of
@@ -1012,10 +1121,14 @@ static int release_expandable(_tide_arena *arena, _tide_block *b, size_t limit,
   uintptr_t hi = seg->base + round_down(end - seg->base, unit);
   *resume = b->next;
   if (hi <= lo) return TIDE_OK;
-  if (hi - lo > limit) {
+  bool next_to_hole = b->prev && b->prev->state == _TIDE_UNMAPPED;
+  if (seg->load_handles) {
+    if (!whole_handles(seg, page, &lo, &hi)) return TIDE_OK;
+    if (hi - lo > limit) limit_handles(seg, page, limit, next_to_hole, &lo, &hi);
+  } else if (hi - lo > limit) {
     size_t keep = hi - lo - round_down(limit, unit);
     if (keep == hi - lo) return TIDE_OK;
-    if (b->prev && b->prev->state == _TIDE_UNMAPPED)
+    if (next_to_hole)
       hi -= keep;
     else
       lo += keep;
@@ -1204,8 +1317,9 @@ void _tide_pool_teardown(_tide_arena *arena, _tide_pool *pool) {
   while (pool->segments) {
     _tide_segment *seg = pool->segments;
     if (seg->expandable) {
-      size_t size = seg->handle_pages * page;
-      for (size_t i = 0; i < seg->npages; i += seg->handle_pages) {
+      for (size_t i = 0, start, n; i < seg->npages; i += n) {
+        n = _tide_handle_extent(seg, i, &start);
+        size_t size = n * page;
         if (!seg->pages[i]) continue;
         _tide_mem_unmap(arena->alloc, seg->base + i * page, size);
         _tide_mem_release(arena->alloc, seg->pages[i]);

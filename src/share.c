@@ -62,10 +62,12 @@ static void plan_pieces(const _tide_block *b, size_t page, piece_plan *plan) {
     *plan = (piece_plan){.count = 1, .offset = b->addr - seg->base};
     return;
   }
-  size_t unit = page * seg->handle_pages;                         /* a handle's bytes */
-  size_t head = (b->addr - seg->base) / unit * seg->handle_pages; /* maps the first page */
-  size_t last = (b->addr + b->size - 1 - seg->base) / unit * seg->handle_pages;
-  uint32_t count = (uint32_t)((last - head) / seg->handle_pages + 1);
+  size_t first = (b->addr - seg->base) / page, last = (b->addr + b->size - 1 - seg->base) / page;
+  size_t head, n;
+  _tide_handle_extent(seg, first, &head); /* the handle that maps the first page */
+  uint32_t count = 0;
+  for (size_t at = head; at <= last; at += n, count++)
+    n = _tide_handle_extent(seg, at, &(size_t){0});
   *plan = (piece_plan){.seg = seg,
                        .head = head,
                        .page = page,
@@ -80,8 +82,9 @@ static int export_pieces(tide_allocator *a, const _tide_block *b, const piece_pl
   size_t at = plan->head;
   for (uint32_t i = 0; i < plan->count; i++) {
     _tide_handle h = plan->seg ? plan->seg->pages[at] : b->segment->handle;
-    size_t size = plan->seg ? plan->seg->handle_pages * plan->page : b->segment->size;
-    at += plan->seg ? plan->seg->handle_pages : 0;
+    size_t pages = plan->seg ? _tide_handle_extent(plan->seg, at, &(size_t){0}) : 0;
+    size_t size = plan->seg ? pages * plan->page : b->segment->size;
+    at += pages;
     out[i] = (tide_share_piece){.fd = -1, .size = size};
     int rc = be->ops->export_fd(be->ctx, h, &out[i].fd, &out[i].offset);
     if (rc) {

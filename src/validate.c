@@ -186,7 +186,9 @@ UNCHECKED_LOADS static size_t count_mapped(const _tide_handle *pages, size_t n) 
 
 /* The handles of an expandable segment's page table: its pages go in
  * groups of handle_pages from the base, each group unmapped (no handle) or
- * mapped by one handle that every page of the group names. */
+ * mapped by one handle that every page of the group names; a load handle
+ * spans several groups next to each other, and as many as the segment
+ * counts. */
 UNCHECKED_LOADS static bool check_handles(checker *c, const _tide_segment *seg, size_t *handles) {
   size_t n = seg->handle_pages;
   CHECK(c, n == 1 || n == c->a->handle_pages,
@@ -195,6 +197,7 @@ UNCHECKED_LOADS static bool check_handles(checker *c, const _tide_segment *seg, 
   CHECK(c, seg->npages % n == 0, "segment %#lx of %zu pages is not whole handles of %zu",
         (unsigned long)seg->base, seg->npages, n);
   *handles = 0;
+  size_t load = 0;
   for (size_t i = 0; i < seg->npages; i += n) {
     for (size_t j = i + 1; j < i + n; j++)
       CHECK(c, seg->pages[j] == seg->pages[i],
@@ -202,8 +205,13 @@ UNCHECKED_LOADS static bool check_handles(checker *c, const _tide_segment *seg, 
             "names handle %#llx",
             j, (unsigned long)seg->base, n, i, (unsigned long long)seg->pages[i],
             (unsigned long long)seg->pages[j]);
-    *handles += seg->pages[i] != 0;
+    bool continues = i >= n && seg->pages[i] && seg->pages[i - n] == seg->pages[i];
+    bool goes_on = i + n < seg->npages && seg->pages[i] && seg->pages[i + n] == seg->pages[i];
+    *handles += seg->pages[i] != 0 && !continues;
+    load += goes_on && !continues;
   }
+  CHECK(c, load == seg->load_handles, "segment %#lx counts %u load handles, its page table has %zu",
+        (unsigned long)seg->base, seg->load_handles, load);
   return true;
 }
 

@@ -216,7 +216,7 @@ static void test_fixed_large_segments(void **state) {
 
 static void test_expandable_maps_pages_on_demand(void **state) {
   (void)state;
-  tide_allocator *a = make("release_holes:False");
+  tide_allocator *a = make("release_holes:False,load_handles:False");
   void *p = tide_malloc(a, 3 * MiB, NULL);
   tide_stats s = stats_of(a);
   assert_int_equal(s.pages_mapped, 2);
@@ -310,7 +310,7 @@ static void test_release_waits_for_slack_with_one_stream(void **state) {
 
 static void test_release_reuses_physical_pages(void **state) {
   (void)state;
-  tide_allocator *a = make("release_holes:True");
+  tide_allocator *a = make("release_holes:True,load_handles:False");
   void *x = tide_malloc(a, 4 * MiB, NULL), *y = tide_malloc(a, 4 * MiB, NULL);
   tide_stats s = stats_of(a);
   assert_int_equal(s.num_device_alloc, 4);
@@ -337,7 +337,7 @@ static void test_release_reuses_physical_pages(void **state) {
  * free block at its other end: only the block the new pages join is kept. */
 static void test_release_far_end_of_hole(void **state) {
   (void)state;
-  tide_allocator *a = make("release_holes:True");
+  tide_allocator *a = make("release_holes:True,load_handles:False");
   void *pin0 = tide_malloc(a, 2 * MiB, NULL), *f1 = tide_malloc(a, 4 * MiB, NULL);
   void *h = tide_malloc(a, 8 * MiB, NULL), *f2 = tide_malloc(a, 8 * MiB, NULL);
   void *pin1 = tide_malloc(a, 2 * MiB, NULL);

@@ -1534,7 +1534,7 @@ static void test_fake_unmap_runs(void **state) {
     fake_config cfg = healthy();
     cfg.refuse_unmap_spans = refuse;
     use_fake(cfg);
-    tide_allocator *a = create_ok("backend:cuda");
+    tide_allocator *a = create_ok("backend:cuda,load_handles:False");
     void *p = tide_malloc(a, 64 * MiB, NULL);
     assert_non_null(p);
     assert_int_equal(tide_free(a, p, NULL), TIDE_OK);

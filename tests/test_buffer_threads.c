@@ -261,7 +261,7 @@ static void test_buffer_growth_releases_larger_handles(void **state) {
  * room still comes from the cache instead of piling pages on top of it. */
 static void test_buffer_room_from_idle_blocks_does_not_wait(void **state) {
   (void)state;
-  tide_allocator *a = tu_create("handle_size_mb:2,release_slack:0");
+  tide_allocator *a = tu_create("handle_size_mb:2,release_slack:0,load_handles:False");
   tide_stream s;
   tu_assert_ok(tide_stream_create(a, &s));
   void *p = tide_malloc(a, 8 * TU_MiB, s);

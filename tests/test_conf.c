@@ -60,6 +60,7 @@ static const char *const all_keys[] = {
     "memory_fraction",
     "memory_limit",
     "release_holes",
+    "load_handles",
     "release_slack",
     "release_limit",
     "wait_limit",
@@ -89,6 +90,7 @@ static void test_defaults(void **state) {
   assert_true(v->memory_fraction == 1.0);
   assert_int_equal(v->memory_limit, 0);
   assert_true(v->release_holes);
+  assert_true(v->load_handles);
   assert_false(v->capture_detection);
   assert_int_equal(v->trace_capacity, 0);
   assert_int_equal(v->host_capacity, 24 * TIDE_GiB);
@@ -103,6 +105,7 @@ static void test_defaults(void **state) {
   assert_string_equal(get(config, "host_granularity"), "2MiB");
   assert_string_equal(get(config, "host_queue_depth"), "0");
   assert_string_equal(get(config, "release_holes"), "True");
+  assert_string_equal(get(config, "load_handles"), "True");
   assert_string_equal(get(config, "release_slack"), "0.017");
   assert_string_equal(get(config, "release_limit"), "0.0175");
   assert_string_equal(get(config, "wait_limit"), "0.019");
@@ -204,6 +207,8 @@ static void test_good_values(void **state) {
       {"memory_limit", "1073741824", "1GiB"},
       {"release_holes", "True", "True"},
       {"release_holes", "false", "False"},
+      {"load_handles", "False", "False"},
+      {"load_handles", "1", "True"},
       {"release_slack", "0", "0"},
       {"release_slack", "0.015", "0.015"},
       {"release_slack", "1", "1.0"},
@@ -246,14 +251,15 @@ static void test_values_reach_the_struct(void **state) {
   (void)state;
   tide_config *config = new_config();
   assert_int_equal(
-      tide_config_parse(config, "backend:host,expandable_segments:False,page_size_mb:20,"
-                                "handle_size_mb:40,handle_threshold_mb:64,"
-                                "max_split_size_mb:200,garbage_collection_threshold:0.75,"
-                                "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
-                                "release_slack:0.05,release_limit:0.25,wait_limit:0.3,"
-                                "peer_access:False,capture_detection:True,"
-                                "trace:100,host_capacity:8GiB,host_granularity:64KiB,"
-                                "host_devices:4,host_queue_depth:3,roundup_power2_divisions:8"),
+      tide_config_parse(config,
+                        "backend:host,expandable_segments:False,page_size_mb:20,"
+                        "handle_size_mb:40,handle_threshold_mb:64,"
+                        "max_split_size_mb:200,garbage_collection_threshold:0.75,"
+                        "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
+                        "load_handles:False,release_slack:0.05,release_limit:0.25,wait_limit:0.3,"
+                        "peer_access:False,capture_detection:True,"
+                        "trace:100,host_capacity:8GiB,host_granularity:64KiB,"
+                        "host_devices:4,host_queue_depth:3,roundup_power2_divisions:8"),
       TIDE_OK);
   const _tide_conf_values *v = _tide_config_values(config);
   assert_int_equal(v->backend, TIDE_BACKEND_HOST);
@@ -266,6 +272,7 @@ static void test_values_reach_the_struct(void **state) {
   assert_true(v->memory_fraction == 0.5);
   assert_int_equal(v->memory_limit, 3 * TIDE_GiB);
   assert_false(v->release_holes);
+  assert_false(v->load_handles);
   assert_true(v->release_slack == 0.05);
   assert_true(v->release_limit == 0.25);
   assert_true(v->wait_limit == 0.3);
@@ -341,6 +348,7 @@ static void test_bad_values(void **state) {
       {"memory_limit", "18446744073709551615"},
       {"memory_limit", "1PiB"},
       {"release_holes", "maybe"},
+      {"load_handles", "sometimes"},
       {"release_slack", "1.5"},
       {"release_slack", "-0.01"},
       {"release_limit", "2"},

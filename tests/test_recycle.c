@@ -178,7 +178,8 @@ static void test_growth_does_not_wait_for_a_held_stream(void **state) {
  * the cache is emptied, the free ones go, whole. */
 static void test_large_handles(void **state) {
   (void)state;
-  tide_allocator *a = tu_create("host_capacity:1GiB,handle_size_mb:16,handle_threshold_mb:0");
+  tide_allocator *a =
+      tu_create("host_capacity:1GiB,handle_size_mb:16,handle_threshold_mb:0,load_handles:False");
   void *small = tide_malloc(a, 6 * TU_MiB, NULL);
   assert_non_null(small);
   tide_stats st = tu_stats(a);
@@ -216,7 +217,8 @@ static void test_large_handles(void **state) {
  * 128 MiB, the next one gets large handles. */
 static void test_large_handles_after_threshold(void **state) {
   (void)state;
-  tide_allocator *a = tu_create("host_capacity:1GiB,handle_size_mb:16,handle_threshold_mb:128");
+  tide_allocator *a =
+      tu_create("host_capacity:1GiB,handle_size_mb:16,handle_threshold_mb:128,load_handles:False");
   void *first = tide_malloc(a, 130 * TU_MiB, NULL);
   assert_non_null(first);
   tide_stats st = tu_stats(a);
@@ -265,7 +267,7 @@ static tide_stats small_growth_beside_a_free_handle(const char *limit) {
   char conf[160];
   snprintf(conf, sizeof conf,
            "host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0,release_slack:0,"
-           "release_limit:%s",
+           "load_handles:False,release_limit:%s",
            limit);
   tide_allocator *a = tu_create(conf);
   void *first = tide_malloc(a, 16 * TU_MiB, NULL), *second = tide_malloc(a, 16 * TU_MiB, NULL);
@@ -307,7 +309,7 @@ static tide_stats small_growth_beside_a_busy_handle(const char *wait_limit, uint
   char conf[160];
   snprintf(conf, sizeof conf,
            "host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0,release_slack:0,"
-           "release_limit:0,wait_limit:%s",
+           "load_handles:False,release_limit:0,wait_limit:%s",
            wait_limit);
   tide_allocator *a = tu_create(conf);
   tide_stream s;
@@ -386,7 +388,7 @@ static tide_buf *buffer_beside_a_freed_block(tide_allocator *a, void **y) {
 static void test_room_waits_for_the_mark_not_the_stream(void **state) {
   (void)state;
   tide_allocator *a = tu_create("backend:host,host_capacity:1GiB,release_slack:0,"
-                                "release_limit:0,host_queue_depth:1000000");
+                                "release_limit:0,host_queue_depth:1000000,load_handles:False");
   void *y;
   tide_buf *b = buffer_beside_a_freed_block(a, &y);
   /* x's first page: x is not idle and no mark follows its free, so the
@@ -419,7 +421,8 @@ static void test_room_waits_for_the_mark_not_the_stream(void **state) {
 static void test_room_skips_busy_pages_within_wait_limit(void **state) {
   (void)state;
   tide_allocator *a = tu_create("backend:host,host_capacity:1GiB,release_slack:0,"
-                                "release_limit:0,wait_limit:0.5,host_queue_depth:1000000");
+                                "release_limit:0,wait_limit:0.5,host_queue_depth:1000000,"
+                                "load_handles:False");
   void *y;
   tide_buf *b = buffer_beside_a_freed_block(a, &y); /* x busy: no mark after its free */
   for (size_t mib = 2; mib <= 8; mib += 2) tu_assert_ok(tide_buf_resize(b, mib * TU_MiB, NULL));
@@ -449,7 +452,7 @@ static void test_growth_waits_for_the_mark_not_the_stream(void **state) {
   (void)state;
   tide_allocator *a = tu_create("backend:host,host_capacity:1GiB,handle_size_mb:4,"
                                 "handle_threshold_mb:0,release_slack:0,release_limit:0,"
-                                "host_queue_depth:1000000");
+                                "host_queue_depth:1000000,load_handles:False");
   void *x = tide_malloc(a, 16 * TU_MiB, NULL), *y = tide_malloc(a, 16 * TU_MiB, NULL);
   assert_non_null(x);
   assert_non_null(y);

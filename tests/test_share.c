@@ -17,7 +17,9 @@
 
 #include "testutil.h"
 
-#define HOST_CONF "backend:host,host_capacity:4GiB"
+/* Blocks of several pages export a piece per page: no load handles (their
+ * pieces are test_load_handles.c's). */
+#define HOST_CONF "backend:host,host_capacity:4GiB,load_handles:False"
 
 /* Open descriptors of this process: a failed export or import must leave
  * this unchanged. */
@@ -85,13 +87,15 @@ static void test_roundtrip_pages(void **state) {
 }
 
 /* Blocks in a segment of 8 MiB handles (handle_size_mb:8, requests of
- * 32 MiB or more): one piece per handle, the second block starting inside
- * the handle the first one ends in. */
+ * 32 MiB or more, no load handles): one piece per handle, the second block
+ * starting inside the handle the first one ends in. */
 static void test_roundtrip_large_handles(void **state) {
   (void)state;
-  roundtrip(HOST_CONF ",handle_size_mb:8,handle_threshold_mb:0", 40 * TU_MiB, 0);
-  roundtrip(HOST_CONF ",handle_size_mb:8,handle_threshold_mb:0", 44 * TU_MiB, 36 * TU_MiB);
-  tide_allocator *a = tu_create(HOST_CONF ",handle_size_mb:8,handle_threshold_mb:0");
+  roundtrip(HOST_CONF ",handle_size_mb:8,handle_threshold_mb:0,load_handles:False", 40 * TU_MiB, 0);
+  roundtrip(HOST_CONF ",handle_size_mb:8,handle_threshold_mb:0,load_handles:False", 44 * TU_MiB,
+            36 * TU_MiB);
+  tide_allocator *a =
+      tu_create(HOST_CONF ",handle_size_mb:8,handle_threshold_mb:0,load_handles:False");
   void *filler = tide_malloc(a, 36 * TU_MiB, NULL), *p = tide_malloc(a, 44 * TU_MiB, NULL);
   assert_non_null(filler);
   assert_non_null(p);

@@ -56,12 +56,12 @@ def test_empty_cache_and_fraction():
     maps = tidalloc.memory_stats(0)["num_device_map"]
     waits = tidalloc.memory_stats(0)["num_stream_waits"]
     mapping_ns = tidalloc.memory_stats(0)["device_mapping_ns"]
-    assert maps >= 4  # 8 MiB of 2 MiB pages, one mapping each
+    assert maps >= 1  # 2 MiB pages, one mapping each, or one load handle before any free
     assert mapping_ns > 0
     assert lib.tide_torch_empty_cache(0) == 0
     st = tidalloc.memory_stats(0)
     assert st["reserved_bytes.all.current"] == 0
-    assert st["num_device_unmap"] >= 4 and st["num_device_map"] == maps
+    assert st["num_device_unmap"] >= 1 and st["num_device_map"] == maps
     assert st["device_mapping_ns"] > mapping_ns  # the unmapping took time too
     # Giving the cache back waits for the stream first (and the count is read
     # from the right field of the C structure, not its neighbours).
