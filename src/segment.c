@@ -862,11 +862,37 @@ static void link_after(_tide_segment *seg, _tide_block *after, _tide_block *m, u
     seg->first = m;
 }
 
+/* Widen growth `g` to every orphaned mapping it overlaps, whole: growth
+ * takes an orphan's handle as it is (its bytes are held already), and a
+ * load handle's orphan may be longer than the pages the growth needs. The
+ * orphan lies in the unmapped block (its pages were given back to it);
+ * one that does not is left to plan_run's refusal. */
+static void widen_to_orphans(const _tide_arena *arena, _tide_growth *g, size_t page) {
+  const _tide_block *u = g->unmapped;
+  uintptr_t base = u->segment->base, lo = base + g->first * page, hi = lo + g->count * page;
+  for (bool widened = true; widened;) {
+    widened = false;
+    for (size_t i = 0; i < arena->norphans; i++) {
+      const _tide_orphan_rec *o = &arena->orphans[i];
+      uintptr_t olo = o->map_addr, ohi = olo + o->map_size;
+      if (!olo || !o->handle || o->range || olo >= hi || ohi <= lo) continue;
+      if (olo < u->addr || ohi > u->addr + u->size || (olo >= lo && ohi <= hi)) continue;
+      lo = olo < lo ? olo : lo;
+      hi = ohi > hi ? ohi : hi;
+      widened = true;
+    }
+  }
+  g->first = (lo - base) / page;
+  g->count = (hi - lo) / page;
+}
+
 /* Map the pages of plan `g` and return the free block they join (merged
  * with the free blocks around them). The unmapped block keeps what is left
  * on either side, split in two when the pages lie in its middle. */
-static int map_planned(_tide_arena *arena, _tide_pool *pool, const _tide_growth *g, size_t request,
-                       _tide_block **out) {
+static int map_planned(_tide_arena *arena, _tide_pool *pool, const _tide_growth *plan,
+                       size_t request, _tide_block **out) {
+  _tide_growth widened = *plan, *g = &widened;
+  if (arena->norphans) widen_to_orphans(arena, g, arena->alloc->page_size);
   _tide_block *u = g->unmapped;
   _tide_segment *seg = u->segment;
   size_t page = arena->alloc->page_size;
