@@ -166,3 +166,19 @@ def test_fresh_every_starts_new_workers_and_resamples_them(monkeypatch, capsys):
     assert len([line for line in out.splitlines() if line.startswith("gpt2,")]) == 12
     assert "resampling the worker pairs as well" in err
     assert "geometric mean 1.0100" in err
+
+
+def test_tidalloc_with_options(monkeypatch):
+    monkeypatch.setenv("TIDALLOC_CONF", "trace:10")
+    allocator, env = paired_time.config_env("tidalloc:load_handles:False,release_slack:0.02")
+    assert allocator == "tidalloc"
+    assert env["TIDALLOC_CONF"] == "trace:10,load_handles:False,release_slack:0.02"
+    monkeypatch.delenv("TIDALLOC_CONF")
+    assert paired_time.config_env("tidalloc:load_handles:False")[1]["TIDALLOC_CONF"] == \
+        "load_handles:False"
+    try:
+        paired_time.config_env("tidalloc:")
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("an empty option list was accepted")

@@ -17,7 +17,9 @@ geometric mean with a 95% bootstrap interval, and the same split by order
 
 Configurations as in run_validation.sh: native, expandable
 (expandable_segments:True), tidalloc (tidalloc.torch.install(), capture
-detection on), tidalloc-nodetect. stdout: one CSV row per run
+detection on), tidalloc-nodetect; and tidalloc:KEY:VALUE,... (tidalloc with
+those options added to TIDALLOC_CONF), so that two settings of tidalloc can
+be paired (--configs tidalloc:load_handles:False tidalloc). stdout: one CSV row per run
 (program,pair,position,config,seconds,digest,maps,unmaps); stderr: each
 configuration's peak allocated and reserved memory over its runs, and the
 summary. `paired_time.py --summarize FILE [A B]` summarizes saved rows, runs
@@ -57,6 +59,10 @@ def config_env(config):
         if config == "tidalloc-nodetect":
             conf = env.get("TIDALLOC_CONF", "")
             env["TIDALLOC_CONF"] = (conf + "," if conf else "") + "capture_detection:False"
+        return "tidalloc", env
+    if config.startswith("tidalloc:") and len(config) > len("tidalloc:"):
+        conf = env.get("TIDALLOC_CONF", "")
+        env["TIDALLOC_CONF"] = (conf + "," if conf else "") + config[len("tidalloc:"):]
         return "tidalloc", env
     raise ValueError("unknown configuration %r" % config)
 
