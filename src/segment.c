@@ -1097,11 +1097,17 @@ static int unmap_handles(_tide_arena *arena, const _tide_segment *seg, size_t fi
  * lie inside it whole: a load handle reaching past either end stays. False
  * when none is left. */
 static bool whole_handles(const _tide_segment *seg, size_t page, uintptr_t *lo, uintptr_t *hi) {
-  size_t first = (*lo - seg->base) / page, end = (*hi - seg->base) / page, start, n;
-  while (first < end && (n = _tide_handle_extent(seg, first, &start), start != first))
+  size_t first = (*lo - seg->base) / page, end = (*hi - seg->base) / page, start;
+  while (first < end) { /* past a handle that began before *lo */
+    size_t n = _tide_handle_extent(seg, first, &start);
+    if (start == first) break;
     first = start + n;
-  while (end > first && (n = _tide_handle_extent(seg, end - 1, &start), start + n != end))
+  }
+  while (end > first) { /* back before a handle that ends after *hi */
+    size_t n = _tide_handle_extent(seg, end - 1, &start);
+    if (start + n == end) break;
     end = start;
+  }
   *lo = seg->base + first * page;
   *hi = seg->base + end * page;
   return end > first;
