@@ -162,6 +162,12 @@ TIDE_API tide_status tide_free(tide_allocator *alloc, void *ptr, tide_stream str
  * size frees nothing and returns TIDE_ERR_INVALID. */
 TIDE_API tide_status tide_free_sized(tide_allocator *alloc, void *ptr, size_t size,
                                      tide_stream stream);
+/* Free a block on the stream it was allocated on, for callers that do not
+ * know that stream (PyTorch's deleters get only the pointer): as tide_free
+ * with the block's own stream. `hint` is the stream to look in first; when
+ * it is the block's stream the call costs what tide_free costs, otherwise
+ * every stream's blocks are searched. */
+TIDE_API tide_status tide_free_home(tide_allocator *alloc, void *ptr, tide_stream hint);
 /* Mark a block as used on another stream: when freed, it is reused only after
  * the work queued on `stream` up to the free is done. */
 TIDE_API tide_status tide_record_stream(tide_allocator *alloc, void *ptr, tide_stream stream);
@@ -272,6 +278,48 @@ TIDE_API tide_status tide_reset_peak_stats(tide_allocator *alloc);
  * requested size, mapped or not. Free the text with tide_string_free. */
 TIDE_API tide_status tide_snapshot_json(tide_allocator *alloc, char **out, size_t *len);
 TIDE_API void tide_string_free(char *text);
+
+/* The same picture as arrays, for programs that build their own (PyTorch's
+ * memory snapshot): every segment, with its blocks in address order (they
+ * tile it: unmapped ranges of expandable segments are blocks too). */
+enum {
+  TIDE_BLOCK_FREE = 0,      /* cached, free for the segment's stream */
+  TIDE_BLOCK_ALLOCATED = 1, /* handed out */
+  TIDE_BLOCK_PENDING = 2,   /* freed, waiting for work queued on other streams */
+  TIDE_BLOCK_UNMAPPED = 3,  /* address space of an expandable segment with no memory */
+};
+
+typedef struct tide_block_view {
+  uint64_t address;
+  uint64_t size;
+  uint64_t requested; /* allocated blocks: the bytes asked for; 0 otherwise */
+  uint32_t state;     /* TIDE_BLOCK_* */
+  uint32_t reserved_;
+} tide_block_view;
+
+typedef struct tide_segment_view {
+  uint64_t address;
+  uint64_t size;   /* address space, mapped or not */
+  uint64_t mapped; /* bytes of memory mapped into it */
+  tide_stream stream;
+  uint64_t capture_pool; /* tide_pool_id of the capture pool it serves; 0: usual memory */
+  uint32_t large;        /* 1: the large pool (requests over 1 MiB), 0: the small pool */
+  uint32_t expandable;   /* 1: an expandable segment, 0: a fixed one */
+  size_t first_block;    /* its blocks: blocks[first_block .. first_block + num_blocks) */
+  size_t num_blocks;
+} tide_segment_view;
+
+typedef struct tide_layout {
+  tide_segment_view *segments;
+  size_t num_segments;
+  tide_block_view *blocks;
+  size_t num_blocks;
+} tide_layout;
+
+/* Fill *out (free it with tide_layout_free). Each arena is read under its
+ * lock, one after the other. */
+TIDE_API tide_status tide_layout_get(tide_allocator *alloc, tide_layout *out);
+TIDE_API void tide_layout_free(tide_layout *layout);
 
 typedef enum tide_trace_kind {
   TIDE_TRACE_ALLOC = 0,
@@ -472,6 +520,25 @@ TIDE_API tide_status tide_capture_end(tide_allocator *alloc, tide_stream stream)
  * (and *out NULL) when it would go to the allocator's usual memory. */
 TIDE_API tide_status tide_capture_pool(tide_allocator *alloc, tide_stream stream, tide_pool **out);
 
+/* For callers that decide themselves which allocations go to a pool (such
+ * as PyTorch, whose beginAllocateToPool gives a filter of streams or
+ * threads): tide_pool_malloc allocates in `pool` for `stream`, as
+ * tide_malloc does in the allocator's usual memory (free it with tide_free
+ * or tide_free_home). While such a caller's capture is under way, it
+ * brackets it with tide_capture_watch_begin and _end: frees then ask
+ * whether the streams they wait for are being captured, and are deferred
+ * until the capture ends where they must be, as during tide_capture_begin's
+ * captures. The calls nest. */
+TIDE_API void *tide_pool_malloc(tide_pool *pool, size_t size, tide_stream stream);
+TIDE_API tide_status tide_capture_watch_begin(tide_allocator *alloc);
+/* TIDE_ERR_STATE without a begin to end. */
+TIDE_API tide_status tide_capture_watch_end(tide_allocator *alloc);
+/* The addresses of the blocks allocated in `pool` now: up to `cap` of them
+ * into `out` (may be NULL with cap 0), their number into *count (which may
+ * be more than cap: call again with room for them). What PyTorch's
+ * checkPoolLiveAllocations compares with the tensors it knows are alive. */
+TIDE_API tide_status tide_pool_allocated(tide_pool *pool, void **out, size_t cap, size_t *count);
+
 /* Checkpoint and restore: what graph-tree runtimes do between replays of
  * different graphs that share a pool (PyTorch's getCheckpointState and
  * setCheckpointPoolState).
@@ -512,6 +579,14 @@ TIDE_API tide_status tide_pool_checkpoint(tide_pool *pool, tide_checkpoint **out
 TIDE_API tide_status tide_pool_restore(tide_pool *pool, const tide_checkpoint *checkpoint,
                                        tide_restore_delta *delta);
 TIDE_API void tide_checkpoint_free(tide_checkpoint *checkpoint);
+/* The blocks allocated in a checkpoint, in address order: up to `cap` of
+ * them into `out` (may be NULL with cap 0); returns how many there are.
+ * With a restore's delta it gives what PyTorch's CheckpointDelta holds: the
+ * blocks allocated before the restore are `released` plus those of the
+ * checkpoint that are not `restored` (they stayed allocated), the blocks
+ * allocated after it are all of the checkpoint's. */
+TIDE_API size_t tide_checkpoint_allocated(const tide_checkpoint *checkpoint, void **out,
+                                          size_t cap);
 TIDE_API void tide_restore_delta_free(tide_restore_delta *delta);
 
 /* ------------------------------------------------------------------------ */

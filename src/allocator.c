@@ -618,6 +618,40 @@ void *tide_malloc(tide_allocator *a, size_t size, tide_stream stream) {
   return malloc_in_arena(a, arena, size, rounded, stream);
 }
 
+/* An allocation in a pool chosen by the caller (PyTorch's
+ * beginAllocateToPool filters are evaluated by the caller, which then knows
+ * the pool): the pool's arena of the stream, then the usual path there. */
+void *tide_pool_malloc(tide_pool *pool, size_t size, tide_stream stream) {
+  if (!_tide_capture_pool_valid(pool)) {
+    _tide_error_set(TIDE_ERR_INVALID, "tide_pool_malloc: not a live tidalloc capture pool (NULL, "
+                                      "gone after its last release, or corrupted handle)");
+    return NULL;
+  }
+  tide_allocator *a = pool->alloc;
+  if (TIDE_UNLIKELY(size == 0 || size > TIDE_MAX_ALLOC)) {
+    _tide_error_set(TIDE_ERR_INVALID,
+                    size == 0
+                        ? "tide_pool_malloc: size 0 asks for nothing; no block was allocated"
+                        : "tide_pool_malloc: size %zu is larger than any device (limit 4 PiB)",
+                    size);
+    return NULL;
+  }
+  pthread_mutex_lock(&a->captures.mutex);
+  int rc = _tide_capture_pool_live(pool, __func__);
+  pthread_mutex_unlock(&a->captures.mutex);
+  _tide_arena *arena = NULL;
+  if (!rc) rc = _tide_arena_of_pool(a, pool, stream, &arena);
+  if (rc) {
+    _tide_error_prefix("tide_pool_malloc(%zu bytes) on stream %p", size, (void *)stream);
+    return NULL;
+  }
+  size_t rounded = TIDE_LIKELY(a->plain_rounding)
+                       ? (size + TIDE_MIN_BLOCK - 1) & ~(TIDE_MIN_BLOCK - 1)
+                       : _tide_round_size(&a->conf, size);
+  _tide_lock_acquire(&arena->lock);
+  return malloc_in_arena(a, arena, size, rounded, stream);
+}
+
 /* Look for the block in every arena: a free on another stream than the
  * allocation's, of a block of a capture pool, or a bad pointer. */
 tide_status _tide_free_slow(tide_allocator *a, uintptr_t addr, size_t size, bool sized,
@@ -740,6 +774,57 @@ tide_status tide_free(tide_allocator *a, void *ptr, tide_stream stream) {
   if (TIDE_UNLIKELY(!_tide_lock_try(&arena->lock)))
     return free_contended(a, arena, (uintptr_t)ptr, stream);
   return free_in_arena(a, arena, (uintptr_t)ptr, stream);
+}
+
+/* The stream of the arena whose live block starts at addr, found by a
+ * walk over every arena; TIDE_ERR_BAD_POINTER (with the reason) if none. */
+static int home_stream(tide_allocator *a, uintptr_t addr, tide_stream *out) {
+  _tide_arena **arenas;
+  size_t n = _tide_arenas_snapshot(a, &arenas);
+  bool found = false;
+  for (size_t i = 0; i < n && !found; i++) {
+    _tide_lock_acquire(&arenas[i]->lock);
+    if (_tide_arena_live(arenas[i], addr)) {
+      *out = arenas[i]->stream;
+      found = true;
+    }
+    _tide_lock_release(&arenas[i]->lock);
+  }
+  free(arenas);
+  if (found) return TIDE_OK;
+  return _tide_free_slow(a, addr, 0, false, NULL); /* says why: freed, interior or foreign */
+}
+
+static TIDE_NOINLINE tide_status free_home_slow(tide_allocator *a, void *ptr) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  if (!ptr) return TIDE_OK;
+  tide_stream stream = NULL;
+  int rc = home_stream(a, (uintptr_t)ptr, &stream);
+  return rc ? (tide_status)rc : free_any(a, ptr, 0, false, stream);
+}
+
+/* tide_free on the block's own stream, looked for first in the arena of
+ * `hint`: a free that does not know the stream (PyTorch's deleters get only
+ * the pointer) costs what tide_free costs when the hint is right. */
+tide_status tide_free_home(tide_allocator *a, void *ptr, tide_stream hint) {
+  if (TIDE_UNLIKELY(!valid(a) || !ptr)) return free_home_slow(a, ptr);
+  _tide_arena *arena =
+      stream_arena_home(atomic_load_explicit(&a->free_streams, memory_order_relaxed), hint);
+  if (TIDE_UNLIKELY(!arena)) return free_home_slow(a, ptr);
+  _tide_lock_acquire(&arena->lock);
+  _tide_block *b = _tide_arena_live(arena, (uintptr_t)ptr);
+  if (TIDE_UNLIKELY(!b)) {
+    _tide_lock_release(&arena->lock);
+    return free_home_slow(a, ptr);
+  }
+  if (TIDE_LIKELY(_tide_arena_free_quick(arena, b))) {
+    if (TIDE_UNLIKELY(_tide_hit_has_extras(a))) return free_hit_extras(arena, b, hint);
+    _tide_lock_release(&arena->lock);
+    return TIDE_OK;
+  }
+  int rc = _tide_arena_free(arena, b, hint);
+  _tide_lock_release(&arena->lock);
+  return (tide_status)rc;
 }
 
 tide_status tide_free_sized(tide_allocator *a, void *ptr, size_t size, tide_stream stream) {

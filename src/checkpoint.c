@@ -161,6 +161,43 @@ tide_status tide_pool_checkpoint(tide_pool *pool, tide_checkpoint **out) {
   return TIDE_OK;
 }
 
+size_t tide_checkpoint_allocated(const tide_checkpoint *k, void **out, size_t cap) {
+  size_t count = 0;
+  for (size_t i = 0; k && i < k->nblocks; i++) {
+    if (k->blocks[i].state != CK_ALLOCATED) continue;
+    if (out && count < cap) out[count] = (void *)k->blocks[i].addr;
+    count++;
+  }
+  return count;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Live allocations                                                          */
+/* ------------------------------------------------------------------------ */
+
+tide_status tide_pool_allocated(tide_pool *pool, void **out, size_t cap, size_t *count) {
+  if (!_tide_capture_pool_valid(pool) || !count)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID,
+                                        "tide_pool_allocated: %s is NULL or invalid",
+                                        count ? "the pool" : "count");
+  *count = 0;
+  _tide_arena **arenas;
+  size_t n;
+  int rc = enter_pool(pool, __func__, &arenas, &n);
+  if (rc) return (tide_status)rc;
+  for (size_t i = 0; i < n; i++) {
+    EACH_SEGMENT(arenas[i], seg) {
+      for (const _tide_block *b = seg->first; b; b = b->next) {
+        if (b->state != _TIDE_ALLOCATED) continue;
+        if (out && *count < cap) out[*count] = (void *)b->addr;
+        ++*count;
+      }
+    }
+  }
+  leave_pool(pool, arenas, n);
+  return TIDE_OK;
+}
+
 void tide_checkpoint_free(tide_checkpoint *k) {
   if (!k) return;
   free(k->segments);

@@ -556,6 +556,7 @@ typedef struct _tide_captures {
   struct tide_pool *pools;
   _tide_deferred *deferred;
   int unlisted; /* deferrals and retries in progress: their frees may be off the list */
+  int watchers; /* tide_capture_watch_begin calls not yet ended: captures routed elsewhere */
   uint64_t next_pool_id;
 } _tide_captures;
 

@@ -49,6 +49,7 @@ static void update_watch(tide_allocator *a) {
   int watch = 0;
   for (const _tide_capture *c = a->captures.active; c; c = c->next) watch++;
   if (a->captures.deferred) watch++;
+  watch += a->captures.watchers;
   atomic_store_explicit(&a->capture_watch, watch, memory_order_release);
   _tide_fast_paths_update(a, watch != 0 || a->conf.capture_detection);
 }
@@ -58,6 +59,7 @@ void _tide_captures_init(tide_allocator *a) {
   a->captures.active = NULL;
   a->captures.pools = NULL;
   a->captures.deferred = NULL;
+  a->captures.watchers = 0;
   atomic_init(&a->capture_watch, 0);
 }
 
@@ -270,6 +272,39 @@ tide_status tide_pool_release(tide_pool *pool) {
   return (tide_status)rc;
 }
 
+static void retry_deferred(tide_allocator *a);
+
+/* A caller that routes a capture's allocations itself (tide_pool_malloc)
+ * still needs frees to be deferred while a stream they wait for is being
+ * captured: while watched, frees take the capture path, which asks. */
+tide_status tide_capture_watch_begin(tide_allocator *a) {
+  if (!_tide_allocator_valid(a))
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID,
+                                        "tide_capture_watch_begin: not a live tidalloc allocator");
+  pthread_mutex_lock(&a->captures.mutex);
+  a->captures.watchers++;
+  update_watch(a);
+  pthread_mutex_unlock(&a->captures.mutex);
+  return TIDE_OK;
+}
+
+tide_status tide_capture_watch_end(tide_allocator *a) {
+  if (!_tide_allocator_valid(a))
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID,
+                                        "tide_capture_watch_end: not a live tidalloc allocator");
+  pthread_mutex_lock(&a->captures.mutex);
+  int rc = TIDE_OK;
+  if (a->captures.watchers == 0)
+    rc = _tide_error_set(TIDE_ERR_STATE,
+                         "tide_capture_watch_end: no tide_capture_watch_begin to end");
+  else
+    a->captures.watchers--;
+  update_watch(a);
+  pthread_mutex_unlock(&a->captures.mutex);
+  if (!rc) retry_deferred(a); /* frees deferred by the capture may go now */
+  return (tide_status)rc;
+}
+
 /* ------------------------------------------------------------------------ */
 /* Which pool an allocation goes to                                          */
 /* ------------------------------------------------------------------------ */
@@ -334,8 +369,6 @@ static int pool_of_stream(tide_allocator *a, tide_stream stream, tide_pool **out
   pthread_mutex_unlock(&a->captures.mutex);
   return rc;
 }
-
-static void retry_deferred(tide_allocator *a);
 
 bool _tide_capture_detected(tide_allocator *a, tide_stream stream) {
   bool capturing;

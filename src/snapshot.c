@@ -1,6 +1,7 @@
-/* snapshot.c: a JSON picture of every segment and block of an allocator,
- * and of its growable buffers, for tools that draw memory maps or find what
- * holds memory. */
+/* snapshot.c: a picture of every segment and block of an allocator, as
+ * JSON (with its growable buffers) for tools that draw memory maps or find
+ * what holds memory, and as arrays (tide_layout_get) for programs that
+ * build their own, such as PyTorch's memory snapshot. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -131,3 +132,81 @@ tide_status tide_snapshot_json(tide_allocator *a, char **out, size_t *len) {
 }
 
 void tide_string_free(char *s) { free(s); }
+
+/* ------------------------------------------------------------------------ */
+/* The layout as arrays                                                      */
+/* ------------------------------------------------------------------------ */
+
+static uint32_t view_state(uint8_t state) {
+  switch (state) {
+  case _TIDE_FREE:
+  case _TIDE_QUICK: return TIDE_BLOCK_FREE;
+  case _TIDE_ALLOCATED: return TIDE_BLOCK_ALLOCATED;
+  case _TIDE_PENDING: return TIDE_BLOCK_PENDING;
+  default: return TIDE_BLOCK_UNMAPPED;
+  }
+}
+
+typedef struct layout_builder {
+  tide_layout *out;
+  size_t segments_cap, blocks_cap;
+} layout_builder;
+
+static int add_segment(layout_builder *lb, const _tide_arena *arena, const _tide_segment *seg) {
+  tide_layout *l = lb->out;
+  if (!_tide_grow_array((void **)&l->segments, &lb->segments_cap, l->num_segments + 1,
+                        sizeof *l->segments))
+    return TIDE_ERR_OOM;
+  tide_segment_view *sv = &l->segments[l->num_segments++];
+  *sv = (tide_segment_view){.address = seg->base,
+                            .size = seg->size,
+                            .mapped = seg->mapped,
+                            .stream = arena->stream,
+                            .capture_pool = arena->pool_id,
+                            .large = seg->pool == _TIDE_LARGE,
+                            .expandable = seg->expandable,
+                            .first_block = l->num_blocks};
+  for (const _tide_block *b = seg->first; b; b = b->next) {
+    if (!_tide_grow_array((void **)&l->blocks, &lb->blocks_cap, l->num_blocks + 1,
+                          sizeof *l->blocks))
+      return TIDE_ERR_OOM;
+    uint32_t state = view_state(b->state);
+    l->blocks[l->num_blocks++] = (tide_block_view){
+        .address = b->addr,
+        .size = b->size,
+        .requested = state == TIDE_BLOCK_ALLOCATED ? b->requested : 0,
+        .state = state,
+    };
+  }
+  sv->num_blocks = l->num_blocks - sv->first_block;
+  return TIDE_OK;
+}
+
+tide_status tide_layout_get(tide_allocator *a, tide_layout *out) {
+  if (out) memset(out, 0, sizeof *out);
+  if (!_tide_allocator_valid(a) || !out)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_layout_get: %s is NULL or invalid",
+                                        out ? "the allocator" : "out");
+  layout_builder lb = {.out = out};
+  _tide_arena **arenas;
+  size_t n = _tide_arenas_snapshot(a, &arenas);
+  int rc = arenas ? TIDE_OK : TIDE_ERR_OOM;
+  for (size_t i = 0; i < n && !rc; i++) {
+    _tide_lock_acquire(&arenas[i]->lock);
+    for (int kind = 0; kind < 2 && !rc; kind++)
+      for (const _tide_segment *seg = arenas[i]->pools[kind].segments; seg && !rc; seg = seg->next)
+        rc = add_segment(&lb, arenas[i], seg);
+    _tide_lock_release(&arenas[i]->lock);
+  }
+  free(arenas);
+  if (!rc) return TIDE_OK;
+  tide_layout_free(out);
+  return (tide_status)_tide_error_set(TIDE_ERR_OOM, "tide_layout_get: out of host memory");
+}
+
+void tide_layout_free(tide_layout *layout) {
+  if (!layout) return;
+  free(layout->segments);
+  free(layout->blocks);
+  memset(layout, 0, sizeof *layout);
+}
