@@ -1,22 +1,26 @@
 """tidalloc.torch: tidalloc as PyTorch's CUDA allocator, for unmodified
-programs. install() must run before CUDA is initialised; afterwards
-torch.cuda.memory_allocated, max_memory_allocated, memory_reserved,
-max_memory_reserved, reset_peak_memory_stats, memory_stats and empty_cache
-report and act on tidalloc (with a pluggable allocator PyTorch raises on
-them otherwise).
+programs. install() must run before CUDA is initialised.
 
-install() turns on tidalloc's capture_detection unless the user set it
-(TIDALLOC_CONF, install(conf=...) or tidalloc.configure): PyTorch's
-pluggable-allocator path never tells an allocator that a CUDA graph capture
-begins or ends, so without it a block freed during torch.cuda.graph capture
-goes back to the ordinary cache and can be handed out again while replays
-still write it (docs/torch_compile.md)."""
+Two bridges. The shim (tidalloc/shim, the default): a C++ subclass of
+PyTorch's CUDAAllocator, built once against the torch in use, so that CUDA
+graph pools, torch.compile(mode="reduce-overhead") (cudagraph trees and
+their checkpoints), torch.cuda.MemPool, memory_stats, memory_summary and
+memory._snapshot work as with PyTorch's own allocator. The pluggable
+allocator (two C functions, CUDAPluggableAllocator), where the shim cannot
+be built: there PyTorch never says when a graph capture begins or ends, so
+install() turns on tidalloc's capture_detection unless the user set it, a
+graph's memory stays until the process ends, cudagraph trees fail, and
+torch.cuda's figures are patched in Python to report tidalloc's.
+
+TIDALLOC_TORCH_BRIDGE=shim or pluggable (or install(bridge=...)) chooses;
+with shim, a shim that cannot be built is an error instead of a warning."""
 import functools
+import os
 import warnings
 
 from . import _lib
 
-_installed = False
+_installed = None  # the bridge in use: "shim" or "pluggable"
 
 
 def _index(device):
@@ -85,11 +89,42 @@ def _configure(conf=None):
                           (key, value, e, key, value), RuntimeWarning, stacklevel=3)
 
 
-def install(conf=None):
+BRIDGES = ("shim", "pluggable")
+
+
+def bridge():
+    """The bridge tidalloc is installed with ("shim" or "pluggable"), or None."""
+    return _installed
+
+
+def _choose(requested):
+    choice = requested or os.environ.get("TIDALLOC_TORCH_BRIDGE") or "auto"
+    if choice not in BRIDGES + ("auto",):
+        raise ValueError("tidalloc.torch.install(): bridge %r is not one of shim, pluggable"
+                         % choice)
+    return choice
+
+
+def _install_shim(conf):
+    from . import shim
+    if conf:
+        _lib.configure(conf)
+    shim.install()
+
+
+def _install_pluggable(torch, conf):
+    _configure(conf)
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(_lib.library_path(), "tide_torch_alloc",
+                                                         "tide_torch_free")
+    torch.cuda.memory.change_current_allocator(allocator)
+    _patch(torch)
+
+
+def install(conf=None, bridge=None):
     """Make tidalloc PyTorch's CUDA allocator. `conf` ("key:value,...")
-    adds to TIDALLOC_CONF. capture_detection is turned on unless TIDALLOC_CONF
-    or `conf` sets it (capture_detection:False turns it off). Raises if CUDA
-    is already initialised."""
+    adds to TIDALLOC_CONF. `bridge`: "shim" or "pluggable" (default: the
+    shim where it can be built, else the pluggable allocator with one
+    warning saying what is missing). Raises if CUDA is already initialised."""
     global _installed
     import torch
     if _installed:
@@ -99,11 +134,22 @@ def install(conf=None):
             "tidalloc.torch.install() must run before CUDA is initialised (before the first "
             "tensor on a GPU or torch.cuda call that creates a context); call it at the top of "
             "the program, or run the program with `python -m tidalloc run SCRIPT`")
-    _configure(conf)
-    allocator = torch.cuda.memory.CUDAPluggableAllocator(_lib.library_path(), "tide_torch_alloc",
-                                                         "tide_torch_free")
-    torch.cuda.memory.change_current_allocator(allocator)
-    _patch(torch)
+    choice = _choose(bridge)
+    if choice in ("auto", "shim"):
+        from . import shim
+        try:
+            _install_shim(conf)
+            _installed = "shim"
+        except shim.ShimUnavailable as e:
+            if choice == "shim":
+                raise
+            warnings.warn("tidalloc: PyTorch's own allocator interface could not be built (%s); "
+                          "tidalloc runs as a pluggable allocator instead, where "
+                          "torch.compile(mode='reduce-overhead'), torch.cuda.MemPool and CUDA "
+                          "graph pools do not work and graph memory is kept until exit" % e,
+                          RuntimeWarning, stacklevel=2)
+    if not _installed:
+        _install_pluggable(torch, conf)
+        _installed = "pluggable"
     from . import share
     share.enable_torch_sharing()  # torch.multiprocessing sends CUDA tensors through tidalloc
-    _installed = True
