@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# gpu_torch_session.sh: the PyTorch work of a GPU session in one go, from the
+# repository root: the library, the shim built for the machine's torch, the
+# native-allocator tests (tests/torch/native_shim.py under PyTorch's allocator
+# and under tidalloc, then compared), the cost of one cached allocation
+# (tests/torch/alloc_pair.py), PyTorch's own graph tests under both
+# allocators when their sources are in UPSTREAM_DIR (default .upstream:
+# test/inductor/test_cudagraph_trees.py and test/test_cuda.py of the
+# installed torch's version), and the streaming model (bench/torch) when
+# STREAM_FRAMES is set. Logs and results go to $OUT (default out/torch);
+# the summary is printed last.
+#   OUT=/some/dir STEPS="build shim native alloc upstream" scripts/gpu_torch_session.sh
+# WHEELS=dir installs wheels from dir first (packages the machine lacks).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+out=${OUT:-out/torch}
+mkdir -p "$out"
+steps=${STEPS:-build shim native alloc upstream}
+upstream=${UPSTREAM_DIR:-.upstream}
+py=${TIDE_PYTHON:-python3}
+summary=$out/summary.txt
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+want() { [[ " $steps " == *" $1 "* ]]; }
+
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+export TIDALLOC_CACHE=${TIDALLOC_CACHE:-$PWD/build-torch/shim-cache}
+if [[ -n ${WHEELS:-} ]]; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl &&
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+
+{
+  echo "date: $(date -u)"
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1
+} | tee "$out/machine.txt"
+
+if want build; then
+  t0=$SECONDS
+  if cmake -S . -B build-torch -DCMAKE_BUILD_TYPE=Release -DTIDE_BUILD_TESTS=OFF \
+       -DTIDE_BUILD_TOOLS=OFF -DTIDE_BUILD_EXAMPLES=OFF >"$out/build.log" 2>&1 &&
+     cmake --build build-torch -j"$(nproc)" --target tidalloc >>"$out/build.log" 2>&1; then
+    note "build: ok ($((SECONDS - t0)) s)"
+  else
+    note "build: FAILED (build.log)"
+  fi
+fi
+export TIDALLOC_LIB=$PWD/build-torch/libtidalloc.so
+
+if want shim; then
+  t0=$SECONDS
+  if "$py" -c 'import tidalloc.shim as s; print(s.build(verbose=True))' >"$out/shim_build.log" 2>&1; then
+    note "shim: built ($((SECONDS - t0)) s)"
+  else
+    note "shim: FAILED: $(tail -3 "$out/shim_build.log" | tr '\n' ' ')"
+  fi
+fi
+
+if want native; then
+  for alloc in native tidalloc; do
+    t0=$SECONDS
+    timeout 420 "$py" tests/torch/native_shim.py --allocator $alloc --out "$out/native_shim_$alloc.pt" \
+      --kv-steps "${KV_STEPS:-128}" >"$out/native_shim_$alloc.log" 2>&1
+    note "native_shim $alloc: exit $? ($((SECONDS - t0)) s): $(grep -E 'passed|FAIL' "$out/native_shim_$alloc.log" | tr '\n' ' ')"
+  done
+  "$py" tests/torch/native_shim.py --compare "$out/native_shim_native.pt" "$out/native_shim_tidalloc.pt" \
+    >"$out/native_shim_compare.txt" 2>&1
+  note "native_shim compare: exit $?"
+  tee -a "$summary" <"$out/native_shim_compare.txt"
+fi
+
+if want alloc; then
+  timeout 300 "$py" tests/torch/alloc_pair.py --rounds "${ALLOC_ROUNDS:-3}" --csv "$out/alloc_pair.csv" \
+    >"$out/alloc_pair.log" 2>&1
+  note "alloc_pair: exit $?"
+  tail -7 "$out/alloc_pair.log" | tee -a "$summary"
+fi
+
+# PyTorch's own tests: one pytest run per allocator, tidalloc installed in
+# every process through tests/torch/upstream/sitecustomize.py.
+if want upstream; then
+  for f in test/inductor/test_cudagraph_trees.py test/test_cuda.py; do
+    [[ -f $upstream/$f ]] || { note "upstream: $f not in $upstream, skipped"; continue; }
+    base=$(basename "$f" .py)
+    sel=()
+    [[ $base == test_cuda ]] && sel=(-k "graph or Graph or mem_pool or MemPool")
+    for alloc in native tidalloc; do
+      t0=$SECONDS
+      (cd "$upstream/$(dirname "$f")" &&
+        TIDALLOC_INSTALL=$([[ $alloc == tidalloc ]] && echo 1 || echo 0) \
+        PYTHONPATH=$OLDPWD/tests/torch/upstream:$PYTHONPATH \
+        timeout "${UPSTREAM_SECONDS:-400}" "$py" -m pytest -q -p no:cacheprovider -n "${UPSTREAM_JOBS:-8}" \
+          "$(basename "$f")" "${sel[@]}" --junitxml="$OLDPWD/$out/${base}_$alloc.xml" \
+          >"$OLDPWD/$out/${base}_$alloc.log" 2>&1)
+      note "upstream $base $alloc: exit $? ($((SECONDS - t0)) s): $(tail -1 "$out/${base}_$alloc.log")"
+    done
+    "$py" tests/torch/upstream/compare_junit.py "$out/${base}_native.xml" "$out/${base}_tidalloc.xml" \
+      >"$out/${base}_compare.txt" 2>&1
+    tail -5 "$out/${base}_compare.txt" | tee -a "$summary"
+  done
+fi
+
+if [[ -n ${STREAM_FRAMES:-} && -f bench/torch/stream_gct.py ]]; then
+  for alloc in native expandable tidalloc; do
+    env=()
+    [[ $alloc == expandable ]] && env=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
+    runner=("$py")
+    [[ $alloc == tidalloc ]] && runner=("$py" -m tidalloc run)
+    env "${env[@]}" timeout 300 "${runner[@]}" bench/torch/stream_gct.py --frame-counts $STREAM_FRAMES \
+      ${STREAM_ARGS:-} --csv "$out/stream_gct_$alloc.csv" >"$out/stream_gct_$alloc.log" 2>&1
+    note "stream_gct $alloc: exit $?: $(tail -2 "$out/stream_gct_$alloc.csv" 2>/dev/null | tr '\n' ' ')"
+  done
+fi
+echo "== summary"
+cat "$summary"

@@ -1,0 +1,447 @@
+"""native_shim.py: CUDA graphs and torch.compile(mode="reduce-overhead") with
+tidalloc as PyTorch's own allocator (the shim), against PyTorch's allocator.
+
+One process per allocator (the allocator is chosen before CUDA starts):
+  python tests/torch/native_shim.py --allocator tidalloc --out t.pt
+  python tests/torch/native_shim.py --allocator native --out n.pt
+  python tests/torch/native_shim.py --compare n.pt t.pt
+Each case checks what it can alone (replays equal eager, fillers intact,
+memory given back, checkpoints taken, no growth) and saves its outputs; the
+compare step checks that both allocators gave the same outputs, and prints
+the memory and time figures of the growing-KV model side by side.
+
+Cases: graph capture and replay with allocations between replays; two
+graphs sharing a pool; make_graphed_callables; torch.cuda.MemPool with
+use_mem_pool; a pool's memory back when its graphs are deleted; compiled
+(reduce-overhead) training step; compiled decoding with a KV cache grown by
+torch.cat every step, replayed and then grown further so that cudagraph
+trees checkpoint and restore the pool (the case fails if they never do);
+dynamic shapes that re-record; 1000 compiled steps with no growth; the
+statistics and snapshot. Exit status 1 if a case failed."""
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+
+MiB = 1 << 20
+
+
+def setup(allocator):
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if allocator == "tidalloc":
+        import tidalloc.torch
+        tidalloc.torch.install(bridge=os.environ.get("TIDALLOC_TORCH_BRIDGE", "shim"))
+    import torch
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch
+
+
+class Failed(AssertionError):
+    pass
+
+
+def check(cond, what):
+    if not cond:
+        raise Failed(what)
+
+
+# ---------------------------------------------------------------------------
+# Plain CUDA graphs
+# ---------------------------------------------------------------------------
+
+def mlp(torch, width=512):
+    return torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                               torch.nn.Linear(4 * width, width)).cuda()
+
+
+def case_graph_replay(torch, out):
+    model = mlp(torch)
+    static_in = torch.randn(64, 512, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            model(static_in)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(g):
+        static_out = model(static_in)
+    fillers, results = [], []
+    for i in range(5):
+        # Allocations between replays, of the sizes the capture freed and others.
+        for size in (64 * 2048 * 4, 64 * 512 * 4, 3 * MiB, 17 * 1024):
+            t = torch.full((size // 4,), float(i + 1), device="cuda")
+            fillers.append((t, float(i + 1)))
+        x = torch.randn(64, 512, device="cuda")
+        static_in.copy_(x)
+        g.replay()
+        with torch.no_grad():
+            ref = model(x)
+        check(torch.equal(static_out, ref), "replay %d differs from eager" % i)
+        results.append(static_out.clone())
+        if len(fillers) > 8:
+            fillers = fillers[4:]
+    torch.cuda.synchronize()
+    for t, v in fillers:
+        check(bool((t == v).all()), "a tensor allocated between replays was overwritten")
+    out["graph_replay"] = torch.stack(results).cpu()
+
+
+def case_shared_pool(torch, out):
+    a, b = mlp(torch, 256), mlp(torch, 256)
+    xa, xb = torch.randn(32, 256, device="cuda"), torch.randn(32, 256, device="cuda")
+    for m, x in ((a, xa), (b, xb)):
+        with torch.no_grad():
+            m(x)
+    g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        with torch.cuda.graph(g1):
+            ya = a(xa)
+        with torch.cuda.graph(g2, pool=g1.pool()):
+            yb = b(ya + xb)
+    res = []
+    for i in range(4):
+        xa.copy_(torch.randn(32, 256, device="cuda"))
+        xb.copy_(torch.randn(32, 256, device="cuda"))
+        g1.replay()
+        g2.replay()
+        with torch.no_grad():
+            ref_a = a(xa)
+            ref_b = b(ref_a + xb)
+        check(torch.equal(ya, ref_a) and torch.equal(yb, ref_b), "shared-pool replay %d" % i)
+        res.append(yb.clone())
+    out["shared_pool"] = torch.stack(res).cpu()
+
+
+def case_graphed_callables(torch, out):
+    torch.manual_seed(1)
+    model = mlp(torch, 128)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(16, 128, device="cuda", requires_grad=False)
+    graphed = torch.cuda.make_graphed_callables(model, (x,))
+    losses = []
+    for i in range(10):
+        xi = torch.randn(16, 128, device="cuda")
+        loss = graphed(xi).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    out["graphed_callables"] = torch.stack(losses).cpu()
+    out["graphed_callables_w"] = model[0].weight.detach().cpu()
+
+
+def case_mempool(torch, out):
+    if not hasattr(torch.cuda, "MemPool"):
+        out["mempool"] = "skipped: no torch.cuda.MemPool"
+        return
+    pool = torch.cuda.MemPool()
+    check(pool.use_count() >= 1, "a new MemPool has a user")
+    with torch.cuda.use_mem_pool(pool):
+        xs = [torch.randn(n, device="cuda") for n in (1000, 300_000, 3_000_000)]
+    y = torch.randn(1000, device="cuda")  # outside: the usual memory
+    segs = pool.snapshot()
+    in_pool = sum(s["total_size"] for s in segs)
+    check(in_pool >= sum(x.numel() * 4 for x in xs), "the pool's snapshot holds its tensors")
+    addrs = [(s["address"], s["address"] + s["total_size"]) for s in segs]
+    inside = lambda p: any(lo <= p < hi for lo, hi in addrs)
+    check(all(inside(x.data_ptr()) for x in xs), "tensors made under use_mem_pool are in the pool")
+    check(not inside(y.data_ptr()), "a tensor made outside use_mem_pool is not in the pool")
+    out["mempool"] = torch.stack([x[:1000].cpu() for x in xs])
+    del xs, segs
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    del pool
+    gc.collect()
+    torch.cuda.empty_cache()
+    after = torch.cuda.memory_reserved()
+    out["mempool_reserved_back"] = before - after
+
+
+def case_pool_freed(torch, out):
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    big = torch.randn(4096, 4096, device="cuda")
+    graphs, keep = [], []
+    for i in range(3):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            t = big @ big  # 64 MiB outputs and a temporary each
+            u = (t * 2).sum()
+        graphs.append(g)
+        keep.append(u)
+    held = torch.cuda.memory_reserved() - base
+    del graphs, keep, t, u
+    gc.collect()
+    torch.cuda.synchronize()
+    right_after = torch.cuda.memory_reserved() - base
+    torch.cuda.empty_cache()
+    after_empty = torch.cuda.memory_reserved() - base
+    out["pool_freed"] = {"held": held, "after_delete": right_after, "after_empty_cache": after_empty}
+    check(held >= 3 * 64 * MiB, "the graphs' pools held their memory (%d bytes)" % held)
+    check(after_empty <= 64 * MiB + 2 * MiB,
+          "the pools' memory came back once the graphs were deleted (%d of %d bytes left)"
+          % (after_empty, held))
+
+
+# ---------------------------------------------------------------------------
+# torch.compile(mode="reduce-overhead")
+# ---------------------------------------------------------------------------
+
+def case_compile_train(torch, out):
+    torch.manual_seed(2)
+    model = mlp(torch, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def step(x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    cstep = torch.compile(step, mode="reduce-overhead")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    losses = []
+    for i in range(30):
+        torch.compiler.cudagraph_mark_step_begin()
+        x = torch.randn(64, 256, device="cuda", generator=gen)
+        y = torch.randn(64, 256, device="cuda", generator=gen)
+        loss = cstep(x, y)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        losses.append(loss.detach().clone())
+    out["compile_train"] = torch.stack(losses).cpu()
+    out["compile_train_w"] = model[2].weight.detach().cpu()
+
+
+class Decoder(object):
+    """A small transformer decoder whose layers keep K and V caches grown by
+    torch.cat every step (the pattern of streaming models)."""
+
+    def __init__(self, torch, layers, width, heads):
+        self.torch = torch
+        g = torch.Generator(device="cuda").manual_seed(4)
+        self.layers = []
+        for _ in range(layers):
+            self.layers.append({
+                "qkv": torch.randn(width, 3 * width, device="cuda", generator=g) / width ** 0.5,
+                "o": torch.randn(width, width, device="cuda", generator=g) / width ** 0.5,
+                "up": torch.randn(width, 4 * width, device="cuda", generator=g) / width ** 0.5,
+                "down": torch.randn(4 * width, width, device="cuda", generator=g) / (4 * width) ** 0.5,
+            })
+        self.heads = heads
+
+    def step(self, x, caches):
+        """x: [B, 1, W]; caches: list of (k, v) [B, H, T, D]; returns the
+        output and the grown caches."""
+        torch = self.torch
+        F = torch.nn.functional
+        b, _, w = x.shape
+        h, d = self.heads, w // self.heads
+        grown = []
+        for layer, (k_cache, v_cache) in zip(self.layers, caches):
+            q, k, v = (F.layer_norm(x, (w,)) @ layer["qkv"]).split(w, dim=-1)
+            q, k, v = (t.view(b, 1, h, d).transpose(1, 2) for t in (q, k, v))
+            k_all = torch.cat([k_cache, k], dim=2)
+            v_all = torch.cat([v_cache, v], dim=2)
+            a = F.scaled_dot_product_attention(q, k_all, v_all)
+            x = x + a.transpose(1, 2).reshape(b, 1, w) @ layer["o"]
+            x = x + F.gelu(F.layer_norm(x, (w,)) @ layer["up"]) @ layer["down"]
+            grown.append((k_all, v_all))
+        return x, grown
+
+
+def decode(torch, fn, dec, steps, batch, width, gen, keep_out):
+    h, d = dec.heads, width // dec.heads
+    caches = [(torch.zeros(batch, h, 1, d, device="cuda"), torch.zeros(batch, h, 1, d, device="cuda"))
+              for _ in dec.layers]
+    x = torch.randn(batch, 1, width, device="cuda", generator=gen)
+    outs = []
+    for i in range(steps):
+        torch.compiler.cudagraph_mark_step_begin()
+        y, new = fn(x, caches)
+        # What a user keeps across steps is cloned out of the graph's memory.
+        caches = [(k.clone(), v.clone()) for k, v in new]
+        x = y.clone()
+        if keep_out:
+            outs.append(y[:, 0, :8].clone())
+    return outs, caches
+
+
+def case_compile_kv(torch, out, steps, batch=4, width=512, layers=4, heads=8):
+    dec = Decoder(torch, layers, width, heads)
+    fn = torch.compile(dec.step, mode="reduce-overhead")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    # Pass 1 records a graph per length; pass 2 replays them and records the
+    # longer ones, which makes the tree restore checkpoints of its pool.
+    decode(torch, fn, dec, steps // 2, batch, width, gen, False)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    gen.manual_seed(6)
+    t0 = time.perf_counter()
+    outs, caches = decode(torch, fn, dec, steps, batch, width, gen, True)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    peak_alloc = torch.cuda.max_memory_allocated()
+    peak_res = torch.cuda.max_memory_reserved()
+    out["compile_kv"] = torch.stack(outs).cpu()
+    out["compile_kv_figures"] = {"seconds": seconds, "peak_allocated": peak_alloc,
+                                 "peak_reserved": peak_res,
+                                 "ratio": peak_res / max(peak_alloc, 1), "steps": steps}
+
+
+def case_dynamic_shapes(torch, out):
+    model = mlp(torch, 128)
+    fn = torch.compile(model, mode="reduce-overhead")
+    res = []
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    with torch.no_grad():
+        for rnd in range(3):
+            for bs in (8, 16, 8, 32, 16):
+                torch.compiler.cudagraph_mark_step_begin()
+                x = torch.randn(bs, 128, device="cuda", generator=gen)
+                y = fn(x)
+                check(torch.allclose(y, model(x), rtol=1e-4, atol=1e-5),
+                      "compiled output at batch %d differs from eager" % bs)
+                res.append(y.sum().reshape(1).clone())
+    out["dynamic_shapes"] = torch.cat(res).cpu()
+
+
+def case_steady(torch, out):
+    model = mlp(torch, 256)
+    fn = torch.compile(model, mode="reduce-overhead")
+    x = torch.randn(32, 256, device="cuda")
+    figures = {}
+    with torch.no_grad():
+        for i in range(1000):
+            torch.compiler.cudagraph_mark_step_begin()
+            y = fn(x)
+            x = y.clone().tanh()
+            if i in (100, 999):
+                torch.cuda.synchronize()
+                figures[i] = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+    out["steady"] = x[:4, :8].cpu()
+    out["steady_figures"] = {str(k): v for k, v in figures.items()}
+    check(figures[999] == figures[100], "memory grew between step 100 and 999: %s" % figures)
+
+
+def case_stats(torch, out):
+    x = torch.randn(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    st = torch.cuda.memory_stats()
+    for key in ("allocated_bytes.all.current", "reserved_bytes.all.current",
+                "active_bytes.all.current", "allocation.all.current", "segment.all.current"):
+        check(key in st, "memory_stats has %s" % key)
+    check(st["allocated_bytes.all.current"] == torch.cuda.memory_allocated(), "allocated agrees")
+    check(0 < st["allocated_bytes.all.current"] <= st["reserved_bytes.all.current"],
+          "0 < allocated <= reserved")
+    check(st["allocated_bytes.all.peak"] >= st["allocated_bytes.all.current"], "peak >= current")
+    snap = torch.cuda.memory._snapshot()
+    total = sum(s["total_size"] for s in snap["segments"])
+    check(total == st["reserved_bytes.all.current"],
+          "the snapshot's segments add up to reserved (%d vs %d)"
+          % (total, st["reserved_bytes.all.current"]))
+    found = any(s["address"] <= x.data_ptr() < s["address"] + s["total_size"]
+                for s in snap["segments"])
+    check(found, "the snapshot holds a live tensor")
+    summary = torch.cuda.memory_summary()
+    check("Allocated memory" in summary, "memory_summary renders")
+    torch.cuda.reset_peak_memory_stats()
+    out["stats"] = "ok"
+    del x
+
+
+CASES = ["graph_replay", "shared_pool", "graphed_callables", "mempool", "pool_freed",
+         "compile_train", "compile_kv", "dynamic_shapes", "steady", "stats"]
+
+
+def run(args):
+    torch = setup(args.allocator)
+    out, failed, notes = {}, [], {}
+    for name in args.cases or CASES:
+        t0 = time.perf_counter()
+        try:
+            if name == "compile_kv":
+                case_compile_kv(torch, out, args.kv_steps)
+            else:
+                globals()["case_" + name](torch, out)
+            status = "PASS"
+        except Exception as e:  # one failing case does not stop the others
+            status = "FAIL"
+            failed.append(name)
+            notes[name] = "%s: %s" % (type(e).__name__, e)
+            traceback.print_exc()
+        print("%-18s %s  %.1f s%s" % (name, status, time.perf_counter() - t0,
+                                       ("  " + notes[name][:300]) if name in notes else ""),
+              flush=True)
+        gc.collect()
+    if args.allocator == "tidalloc":
+        import tidalloc.shim
+        import tidalloc.torch
+        out["bridge"] = tidalloc.torch.bridge()
+        out["counts"] = tidalloc.shim.counts()
+        print("bridge %s, calls %s" % (out["bridge"], json.dumps(out["counts"])))
+        if out["bridge"] == "shim" and "compile_kv" in (args.cases or CASES):
+            c = out["counts"]
+            if not c.get("set_checkpoint_pool_state") or not c.get("get_checkpoint_state"):
+                failed.append("checkpoints")
+                print("checkpoints        FAIL  cudagraph trees never restored a checkpoint")
+            else:
+                print("checkpoints        PASS  %d taken, %d restored"
+                      % (c["get_checkpoint_state"], c["set_checkpoint_pool_state"]))
+    out["failed"] = failed
+    out["torch"] = torch.__version__
+    torch.save(out, args.out)
+    print("%d passed, %d failed" % (len(args.cases or CASES) - len(set(failed) - {"checkpoints"}),
+                                    len(failed)))
+    return 1 if failed else 0
+
+
+def compare(a_path, b_path):
+    import torch
+    a, b = torch.load(a_path, weights_only=False), torch.load(b_path, weights_only=False)
+    bad = 0
+    for key in sorted(set(a) & set(b)):
+        va, vb = a[key], b[key]
+        if isinstance(va, torch.Tensor):
+            same = va.shape == vb.shape and torch.equal(va, vb)
+            diff = (va.double() - vb.double()).abs().max().item() if va.shape == vb.shape else None
+            print("%-24s %s%s" % (key, "equal" if same else "DIFFERENT",
+                                  "" if same else " (max abs diff %s)" % diff))
+            bad += not same
+    ka, kb = a.get("compile_kv_figures"), b.get("compile_kv_figures")
+    if ka and kb:
+        print("growing-KV model, %d steps: reserved/peak allocated %.4f vs %.4f; "
+              "seconds %.3f vs %.3f (ratio %.3f)" % (ka["steps"], ka["ratio"], kb["ratio"],
+                                                     ka["seconds"], kb["seconds"],
+                                                     kb["seconds"] / ka["seconds"]))
+    for k in ("pool_freed", "mempool_reserved_back"):
+        print("%-24s %s | %s" % (k, a.get(k), b.get(k)))
+    print("compare: %d output(s) differ" % bad)
+    return 1 if bad else 0
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--allocator", choices=["native", "tidalloc"])
+    p.add_argument("--out")
+    p.add_argument("--cases", nargs="*")
+    p.add_argument("--kv-steps", type=int, default=128)
+    p.add_argument("--compare", nargs=2, metavar=("NATIVE", "TIDALLOC"))
+    args = p.parse_args()
+    if args.compare:
+        return compare(*args.compare)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
