@@ -63,12 +63,22 @@ if want native; then
     t0=$SECONDS
     timeout 420 "$py" tests/torch/native_shim.py --allocator $alloc --out "$out/native_shim_$alloc.pt" \
       --kv-steps "${KV_STEPS:-128}" >"$out/native_shim_$alloc.log" 2>&1
-    note "native_shim $alloc: exit $? ($((SECONDS - t0)) s): $(grep -E 'passed|FAIL' "$out/native_shim_$alloc.log" | tr '\n' ' ')"
+    note "native_shim $alloc: exit $? ($((SECONDS - t0)) s): $(grep -E 'passed|FAIL|checkpoints|bridge' "$out/native_shim_$alloc.log" | tr '\n' ' ')"
   done
   "$py" tests/torch/native_shim.py --compare "$out/native_shim_native.pt" "$out/native_shim_tidalloc.pt" \
     >"$out/native_shim_compare.txt" 2>&1
   note "native_shim compare: exit $?"
   tee -a "$summary" <"$out/native_shim_compare.txt"
+fi
+
+# The growing-KV model at a size where fixed costs do not decide the ratio.
+if want kv; then
+  for alloc in native tidalloc; do
+    timeout 300 "$py" tests/torch/native_shim.py --allocator $alloc --cases compile_kv \
+      --kv-steps "${KV_BIG_STEPS:-512}" --kv-batch 8 --kv-width 1024 --kv-layers 16 \
+      --out "$out/kv_$alloc.pt" >"$out/kv_$alloc.log" 2>&1
+    note "kv $alloc: exit $?: $(grep -E 'compile_kv:|checkpoints' "$out/kv_$alloc.log" | tr '\n' ' ')"
+  done
 fi
 
 if want alloc; then
@@ -113,5 +123,8 @@ if [[ -n ${STREAM_FRAMES:-} && -f bench/torch/stream_gct.py ]]; then
     note "stream_gct $alloc: exit $?: $(tail -2 "$out/stream_gct_$alloc.csv" 2>/dev/null | tr '\n' ' ')"
   done
 fi
+# Fewer files come back than are written: the logs travel as one archive.
+tar -czf "$out/logs.tar.gz" -C "$out" --exclude logs.tar.gz --exclude summary.txt . 2>/dev/null &&
+  find "$out" -mindepth 1 ! -name logs.tar.gz ! -name summary.txt -delete
 echo "== summary"
 cat "$summary"

@@ -181,7 +181,7 @@ def case_pool_freed(torch, out):
         graphs.append(g)
         keep.append(u)
     held = torch.cuda.memory_reserved() - base
-    del graphs, keep, t, u
+    del graphs, g, keep, t, u
     gc.collect()
     torch.cuda.synchronize()
     right_after = torch.cuda.memory_reserved() - base
@@ -216,9 +216,9 @@ def case_compile_train(torch, out):
         x = torch.randn(64, 256, device="cuda", generator=gen)
         y = torch.randn(64, 256, device="cuda", generator=gen)
         loss = cstep(x, y)
+        losses.append(loss.detach().clone())  # before the next replay overwrites it
         opt.step()
-        opt.zero_grad(set_to_none=False)
-        losses.append(loss.detach().clone())
+        opt.zero_grad(set_to_none=True)
     out["compile_train"] = torch.stack(losses).cpu()
     out["compile_train_w"] = model[2].weight.detach().cpu()
 
@@ -277,7 +277,8 @@ def decode(torch, fn, dec, steps, batch, width, gen, keep_out):
     return outs, caches
 
 
-def case_compile_kv(torch, out, steps, batch=4, width=512, layers=4, heads=8):
+def case_compile_kv(torch, out, steps, batch=4, width=512, layers=4):
+    heads = width // 64
     dec = Decoder(torch, layers, width, heads)
     fn = torch.compile(dec.step, mode="reduce-overhead")
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -296,7 +297,11 @@ def case_compile_kv(torch, out, steps, batch=4, width=512, layers=4, heads=8):
     out["compile_kv"] = torch.stack(outs).cpu()
     out["compile_kv_figures"] = {"seconds": seconds, "peak_allocated": peak_alloc,
                                  "peak_reserved": peak_res,
-                                 "ratio": peak_res / max(peak_alloc, 1), "steps": steps}
+                                 "ratio": peak_res / max(peak_alloc, 1), "steps": steps,
+                                 "batch": batch, "width": width, "layers": layers}
+    print("compile_kv: %d steps, batch %d, width %d, %d layers: %.3f s, peak allocated %d, "
+          "peak reserved %d (%.4f)" % (steps, batch, width, layers, seconds, peak_alloc, peak_res,
+                                       peak_res / max(peak_alloc, 1)))
 
 
 def case_dynamic_shapes(torch, out):
@@ -371,7 +376,8 @@ def run(args):
         t0 = time.perf_counter()
         try:
             if name == "compile_kv":
-                case_compile_kv(torch, out, args.kv_steps)
+                case_compile_kv(torch, out, args.kv_steps, args.kv_batch, args.kv_width,
+                                args.kv_layers)
             else:
                 globals()["case_" + name](torch, out)
             status = "PASS"
@@ -436,6 +442,9 @@ def main():
     p.add_argument("--out")
     p.add_argument("--cases", nargs="*")
     p.add_argument("--kv-steps", type=int, default=128)
+    p.add_argument("--kv-batch", type=int, default=4)
+    p.add_argument("--kv-width", type=int, default=512)
+    p.add_argument("--kv-layers", type=int, default=4)
     p.add_argument("--compare", nargs=2, metavar=("NATIVE", "TIDALLOC"))
     args = p.parse_args()
     if args.compare:

@@ -9,6 +9,9 @@
 #                    torch.multiprocessing (tidalloc's sharing)
 #   distributed.py   NCCL collectives and DDP training on 2 GPUs (skips itself
 #                    with fewer)
+#   native_shim.py   CUDA graphs, MemPool and torch.compile(mode="reduce-overhead")
+#                    with tidalloc as PyTorch's own allocator, and the same under
+#                    PyTorch's allocator: every case passes and the outputs agree
 # A test passes with exit status 0, is skipped with 77 (it says why), and fails
 # otherwise or after TORCH_TEST_TIMEOUT seconds (default 900). The last line
 # counts them; the exit status is 1 if one failed.
@@ -71,6 +74,13 @@ run_test graph_safety "$py" tests/torch/graph_safety.py
 run_test growable_kv "$py" -m tidalloc run tests/torch/growable_kv.py 128 --repeats 1
 run_test share_mp "$py" tests/torch/share_mp.py
 run_test distributed "$py" tests/torch/distributed.py
+# tidalloc as PyTorch's own allocator (the shim), against PyTorch's, then
+# the same with the pluggable bridge for the cases it can run.
+shim_out=${TMPDIR:-/tmp}/tidalloc_native_shim.$$
+run_test native_shim_native "$py" tests/torch/native_shim.py --allocator native --out "$shim_out.native.pt"
+run_test native_shim_tidalloc "$py" tests/torch/native_shim.py --allocator tidalloc --out "$shim_out.tidalloc.pt"
+run_test native_shim_same_outputs "$py" tests/torch/native_shim.py --compare "$shim_out.native.pt" "$shim_out.tidalloc.pt"
+rm -f "$shim_out".*.pt
 
 [[ -n $failures ]] && echo "gpu-test: torch tests failed:$failures"
 echo "torch: $passed passed, $failed failed, $skipped skipped"
