@@ -7,7 +7,8 @@
 # more tidalloc process that records TRACE_FRAMES (default 96: past the window
 # of 72, so eviction is in it) frames as a trace for `tidalloc replay`,
 # replayed at once on the GPU with tidalloc's default settings. Prints a
-# table at the end (also in $OUT/summary.txt). About 4-5 minutes on an H200.
+# table at the end (also in $OUT/summary.txt). Estimated at 4-5 minutes on an
+# H200 (not yet measured; each run is cut at RUN_SECONDS, default 150).
 #
 #   OUT=/some/dir TIDE_PYTHON=/path/to/python scripts/stream_gct_session.sh
 #
