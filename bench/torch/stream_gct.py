@@ -290,8 +290,8 @@ class CatKVCache:
             self._evict()
 
     def _evict(self):
-        s, w, t, keep = self.shape.scale_frames, self.shape.window, self.shape.tokens, self.shape.special
-        n = self.frames
+        shape, n = self.shape, self.frames
+        s, w, t, keep = shape.scale_frames, shape.window, shape.tokens, shape.special
         k, v = (c.view(1, c.shape[1], n, t, c.shape[3]) for c in (self.k, self.v))
         evicted = slice(s, n - w)
         self.special_k = torch.cat([self.special_k, k[:, :, evicted, :keep].flatten(2, 3)], dim=2)
@@ -554,7 +554,8 @@ class CameraHead(nn.Module):
         self.modulation = nn.Linear(c, 3 * c)
         self.trunk = nn.ModuleList(CameraBlock(c, shape.camera_heads)
                                    for _ in range(shape.camera_blocks))
-        self.pose_branch = nn.Sequential(nn.Linear(c, shape.dim), nn.GELU(), nn.Linear(shape.dim, 9))
+        self.pose_branch = nn.Sequential(nn.Linear(c, shape.dim), nn.GELU(),
+                                         nn.Linear(shape.dim, 9))
 
     def forward(self, tokens, state):
         tokens = self.token_norm(tokens)
@@ -676,8 +677,9 @@ def build_model(shape, device, seed=0, compile_hot=False):
     with torch.device(device):
         model = StreamModel(shape).eval()
     if compile_hot:
-        # 24 blocks of each kind reuse one graph; the default limit of
-        # recompilations would send the later ones back to eager.
+        # The blocks of a kind share their code: one graph per step shape
+        # (4 for Block.forward on the CPU's tiny run). Room is left for
+        # recompilations per module instance, so that none falls back to eager.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         torch._dynamo.config.accumulated_cache_size_limit = max(
             torch._dynamo.config.accumulated_cache_size_limit, 1024)
@@ -891,7 +893,8 @@ def check_environment(args):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--frame-counts", type=int, nargs="+", default=list(DEFAULT_SWEEP),
-                   metavar="N", help="frames per run (default: %s)" % " ".join(map(str, DEFAULT_SWEEP)))
+                   metavar="N",
+                   help="frames per run (default: %s)" % " ".join(map(str, DEFAULT_SWEEP)))
     p.add_argument("--stop-on-oom", action="store_true", help="end the sweep at the first oom")
     p.add_argument("--csv", help="one row per frame count, rewritten after each row")
     p.add_argument("--per-frame-csv", help="one row per step (timed by CUDA events, no "
