@@ -728,19 +728,28 @@ def memory_figures(device):
     return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
 
 
+def backend_name(tidalloc_installed, torch_backend, environ):
+    """The CSV's backend column: tidalloc when it is PyTorch's allocator,
+    else what PyTorch's settings say (PYTORCH_CUDA_ALLOC_CONF, or its newer
+    name PYTORCH_ALLOC_CONF)."""
+    if tidalloc_installed:
+        return "tidalloc"
+    if torch_backend == "cudaMallocAsync":
+        return "cudaMallocAsync"
+    conf = ",".join(environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF",
+                                                        "PYTORCH_ALLOC_CONF"))
+    if "expandable_segments:true" in conf.replace(" ", "").lower():
+        return "expandable"
+    return "native"
+
+
 def allocator_backend(device):
     """native, expandable, cudaMallocAsync or tidalloc (cpu off a GPU)."""
     if torch.device(device).type != "cuda":
         return "cpu"
     tide = sys.modules.get("tidalloc.torch")
-    if tide is not None and getattr(tide, "_installed", False):
-        return "tidalloc"
-    if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
-        return "cudaMallocAsync"
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
-    if "expandable_segments:true" in conf:
-        return "expandable"
-    return "native"
+    return backend_name(tide is not None and getattr(tide, "_installed", False),
+                        torch.cuda.get_allocator_backend(), os.environ)
 
 
 def is_out_of_memory(error):

@@ -45,6 +45,20 @@ def test_step_batches_put_the_scale_frames_first():
     assert sg.step_batches(11, 8) == [8, 1, 1, 1]
 
 
+@pytest.mark.parametrize("installed, torch_backend, environ, expected", [
+    (False, "native", {}, "native"),
+    (False, "native", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "expandable"),
+    (False, "native", {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:true"},
+     "expandable"),
+    (False, "native", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, "native"),
+    (False, "cudaMallocAsync", {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
+     "cudaMallocAsync"),
+    (True, "native", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "tidalloc"),
+])
+def test_backend_column_names_the_allocator(installed, torch_backend, environ, expected):
+    assert sg.backend_name(installed, torch_backend, environ) == expected
+
+
 def test_full_shape_has_the_workload_token_counts():
     shape = sg.make_shape()
     assert shape.grid == (27, 37) and shape.patches == 999 and shape.tokens == 1005
