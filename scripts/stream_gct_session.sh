@@ -114,12 +114,27 @@ if [[ ${TRACE:-1} != 0 ]]; then
   fi
 fi
 
-# The table: every row of every run.
+# The table: every row of every run; from the per-step CSVs, the median
+# one-frame step while the window fills and once it is full (evicting).
 "$py" - "$out" <<'EOF' | tee -a "$summary"
-import csv, glob, os, sys
+import csv, glob, os, statistics, sys
 out = sys.argv[1]
-print("%-18s %6s %-6s %9s %10s %10s %9s %8s" % ("run", "frames", "status", "seconds",
-      "alloc GiB", "resv GiB", "resv/alloc", "ms/frame"))
+
+
+def step_medians(path, frames):
+    """(filling, full) median ms of the one-frame steps of that row."""
+    if not os.path.exists(path):
+        return "-", "-"
+    rows = [r for r in csv.DictReader(open(path)) if r["frames"] == frames and r["batch"] == "1"]
+    parts = ([r for r in rows if r["special_tokens"] == "0"],
+             [r for r in rows if r["special_tokens"] != "0"])
+    return tuple("%.1f" % (1e3 * statistics.median(float(r["seconds"]) for r in p)) if p else "-"
+                 for p in parts)
+
+
+print("%-18s %6s %-6s %8s %9s %9s %10s %8s %8s %8s" % (
+    "run", "frames", "status", "seconds", "alloc GiB", "resv GiB", "resv/alloc", "ms/frame",
+    "ms fill", "ms full"))
 for path in sorted(glob.glob(os.path.join(out, "stream_gct_*.csv"))):
     name = os.path.basename(path)[len("stream_gct_"):-len(".csv")]
     if name.endswith("_frames"):
@@ -128,8 +143,10 @@ for path in sorted(glob.glob(os.path.join(out, "stream_gct_*.csv"))):
         a, res = r["peak_allocated_gib"], r["peak_reserved_gib"]
         ratio = "%.4f" % (float(res) / float(a)) if a and res and float(a) else "-"
         per = "%.1f" % (1e3 * float(r["seconds"]) / int(r["frames"])) if r["seconds"] else "-"
-        print("%-18s %6s %-6s %9s %10s %10s %9s %8s  %s" % (name, r["frames"], r["status"],
-              r["seconds"] or "-", a or "-", res or "-", ratio, per, r["error"][:60]))
+        fill, full = step_medians(path[:-len(".csv")] + "_frames.csv", r["frames"])
+        print("%-18s %6s %-6s %8s %9s %9s %10s %8s %8s %8s  %s" % (
+            name, r["frames"], r["status"], r["seconds"] or "-", a or "-", res or "-", ratio,
+            per, fill, full, r["error"][:60]))
 EOF
 note "stream_gct_session: $(($(date +%s) - start)) s in all, $([[ $failed == 0 ]] && echo 'every run completed' || echo 'a run failed: see its log')"
 exit $failed
