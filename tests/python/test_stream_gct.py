@@ -216,3 +216,18 @@ def test_growable_buffers_follow_the_rule_in_place():
                        timeout=600)
     assert r.returncode == 0, r.stderr
     assert "growable ok" in r.stdout
+
+
+@pytest.mark.skipif(not os.environ.get("STREAM_GCT_COMPILE_TEST"),
+                    reason="slow (torch.compile of the tiny model takes minutes on a CPU); "
+                    "set STREAM_GCT_COMPILE_TEST=1")
+def test_compiled_model_runs(tmp_path):
+    out = tmp_path / "compiled.csv"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, SCRIPT, "--tiny", "--device", "cpu", "--compile", "--frame-counts",
+           str(FRAMES), "--csv", str(out)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["frames"], r["status"]) for r in rows] == [(str(FRAMES), "ok")]
