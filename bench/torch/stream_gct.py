@@ -40,8 +40,6 @@ import argparse
 import csv
 import dataclasses
 import gc
-import hashlib
-import math
 import os
 import sys
 import time
