@@ -16,8 +16,10 @@
 # and stream_gct_<run>_frames.csv (per step) for native, expandable,
 # cudaMallocAsync, tidalloc, tidalloc_growable; stream_gct_<run>.log;
 # stream_gct_trace.csv.gz (every allocation and free of the trace process),
-# stream_gct_trace_replay.txt; summary.txt. GROWABLE=0 leaves the growable
-# run out, TRACE=0 the trace, COMPILE=1 adds a native run with --compile.
+# stream_gct_trace_replay.txt; summary.txt. RUNS picks the runs, in order
+# (default "native expandable cudaMallocAsync tidalloc tidalloc_growable
+# trace"; also native_compile: the native allocator with --compile, whose
+# compilation takes minutes, so run it alone with a larger RUN_SECONDS).
 # Exit status: 0 if every run completed.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -91,17 +93,7 @@ sweep() { # NAME CONF [tidalloc] [-- extra args]
     --per-frame-csv "$out/stream_gct_${name}_frames.csv"
 }
 
-sweep native "" --
-sweep expandable "expandable_segments:True" --
-sweep cudaMallocAsync "backend:cudaMallocAsync" --
-sweep tidalloc "" tidalloc --
-if [[ ${GROWABLE:-1} != 0 ]]; then
-  sweep tidalloc_growable "" tidalloc -- --growable
-fi
-if [[ ${COMPILE:-0} != 0 ]]; then
-  sweep native_compile "" -- --compile
-fi
-if [[ ${TRACE:-1} != 0 ]]; then
+record_trace() {
   # shellcheck disable=SC2086 # $trace_frames: one word per frame count
   TIDALLOC_CONF=${TRACE_CONF:-trace:4000000} run trace "" tidalloc -- \
     --frame-counts $trace_frames --csv "$out/stream_gct_trace.csv" \
@@ -112,7 +104,20 @@ if [[ ${TRACE:-1} != 0 ]]; then
     note "replay of the trace (CUDA backend, default settings):"
     sed 's/^/  /' "$out/stream_gct_trace_replay.txt" | tee -a "$summary"
   fi
-fi
+}
+
+for name in ${RUNS:-native expandable cudaMallocAsync tidalloc tidalloc_growable trace}; do
+  case $name in
+    native) sweep native "" -- ;;
+    expandable) sweep expandable "expandable_segments:True" -- ;;
+    cudaMallocAsync) sweep cudaMallocAsync "backend:cudaMallocAsync" -- ;;
+    tidalloc) sweep tidalloc "" tidalloc -- ;;
+    tidalloc_growable) sweep tidalloc_growable "" tidalloc -- --growable ;;
+    native_compile) sweep native_compile "" -- --compile ;;
+    trace) record_trace ;;
+    *) note "stream_gct_session: unknown run '$name'"; failed=1 ;;
+  esac
+done
 
 # The table: every row of every run; from the per-step CSVs, the median
 # one-frame step while the window fills and once it is full (evicting).
