@@ -138,9 +138,12 @@ class FakeProcess:
     """Stands in for a validate.py --serve worker: each new one runs at its
     own speed (the machine's differences between processes)."""
     started = []
+    args = []
 
-    def __init__(self, program, config):
+    def __init__(self, program, config, program_args=()):
         self.config = config
+        self.program_args = list(program_args)
+        FakeProcess.args.append(self.program_args)
         FakeProcess.started.append(config)
         self.speed = 1.0 + 0.1 * ((len(FakeProcess.started) - 1) // 2 % 2)
 
@@ -166,6 +169,17 @@ def test_fresh_every_starts_new_workers_and_resamples_them(monkeypatch, capsys):
     assert len([line for line in out.splitlines() if line.startswith("gpt2,")]) == 12
     assert "resampling the worker pairs as well" in err
     assert "geometric mean 1.0100" in err
+
+
+def test_stream_gct_workers_get_the_frame_count(monkeypatch, capsys):
+    FakeProcess.started, FakeProcess.args = [], []
+    monkeypatch.setattr(paired_time, "Worker", FakeProcess)
+    monkeypatch.setattr("sys.argv", ["paired_time.py", "stream_gct", "--frames", "64",
+                                     "--pairs", "2"])
+    assert paired_time.main() == 0
+    assert FakeProcess.args == [["--frames", "64"], ["--frames", "64"]]
+    out, _ = capsys.readouterr()
+    assert len([line for line in out.splitlines() if line.startswith("stream_gct,")]) == 4
 
 
 def test_tidalloc_with_options(monkeypatch):

@@ -14,6 +14,11 @@ geometric mean with a 95% bootstrap interval, and the same split by order
 
     taskset -c 4-7 python tests/torch/paired_time.py gpt2 --pairs 40 \\
         [--configs expandable tidalloc] [--budget-s 480] [--fresh-every 8] > pairs.csv
+    python tests/torch/paired_time.py stream_gct --frames 512 --pairs 20 > pairs.csv
+
+Programs: validate.py's (gpt2, vit, stream_gct: bench/torch/stream_gct.py's
+model, built once per worker, --frames frames with fresh caches each run;
+stream_gct_growable: its caches in GrowableTensors).
 
 Configurations as in run_validation.sh: native, expandable
 (expandable_segments:True), tidalloc (tidalloc.torch.install(), capture
@@ -70,11 +75,12 @@ def config_env(config):
 class Worker:
     """One validate.py --serve process: run() times one run in it."""
 
-    def __init__(self, program, config, python=sys.executable):
+    def __init__(self, program, config, python=sys.executable, program_args=()):
         allocator, env = config_env(config)
         self.config = config
         self.proc = subprocess.Popen(
-            [python, os.path.join(HERE, "validate.py"), program, allocator, "--serve"],
+            [python, os.path.join(HERE, "validate.py"), program, allocator, "--serve"]
+            + list(program_args),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
 
     def wait_ready(self):
@@ -231,7 +237,9 @@ def main():
         names = sys.argv[3:5] if len(sys.argv) == 5 else ["expandable", "tidalloc"]
         return summarize_file(sys.argv[2], *names)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("program", choices=("gpt2", "vit"))
+    parser.add_argument("program", choices=("gpt2", "vit", "stream_gct", "stream_gct_growable"))
+    parser.add_argument("--frames", type=int, default=128,
+                        help="frames per run of the stream_gct programs (default 128)")
     parser.add_argument("--configs", nargs=2, default=["expandable", "tidalloc"],
                         metavar=("A", "B"))
     parser.add_argument("--pairs", type=int, default=40)
@@ -279,7 +287,8 @@ def main():
 
 def run_set(args, pairs, budget_s, emit):
     """One pair of worker processes for up to `pairs` pairs; (status, pairs)."""
-    a, b = (Worker(args.program, c) for c in args.configs)
+    extra = ["--frames", str(args.frames)] if args.program.startswith("stream_gct") else []
+    a, b = (Worker(args.program, c, program_args=extra) for c in args.configs)
     status, done = 0, []
     try:
         a.wait_ready()

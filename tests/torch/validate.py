@@ -18,6 +18,11 @@ seconds,repeats,median_seconds,min_seconds,max_seconds,peak_reserved_all_mib
   vit:  timm vit_base_patch16_224 (random weights, seed 0), inference over
         batch sizes 1, 8, 32, 64, 17, 3 (inputs drawn once, before timing;
         the copy to the GPU is timed); the output is every logit.
+  stream_gct: bench/torch/stream_gct.py's model (random weights, seed 0,
+        built once), --frames frames (default 128) streamed with fresh
+        caches each run, grown by torch.cat; stream_gct_growable: the same
+        with the caches in tidalloc GrowableTensors. The output is every
+        frame's pose and the last frame's depth and confidence.
 
 The allocator: native (PyTorch's default; PYTORCH_CUDA_ALLOC_CONF is the
 caller's, e.g. expandable_segments:True), or tidalloc (installed before CUDA
@@ -36,8 +41,8 @@ mappings), until "quit" or the end of its input; then a line "peaks
 ALLOCATED_MIB RESERVED_MIB" (torch.cuda.max_memory_allocated/reserved over
 all its runs).
 
-    python tests/torch/validate.py gpt2|vit native|tidalloc [--repeats N]
-                                   [--trace-csv FILE.csv.gz] [--serve]"""
+    python tests/torch/validate.py gpt2|vit|stream_gct|stream_gct_growable native|tidalloc
+                                   [--repeats N] [--frames N] [--trace-csv FILE.csv.gz] [--serve]"""
 import argparse
 import hashlib
 import os
@@ -79,6 +84,26 @@ def vit(torch, dev):
                 # Logits are copied out inside the timed part, as before repeats existed.
                 digest.update(model(x).float().cpu().numpy().tobytes())
     return run
+
+
+def stream_gct(torch, dev, frames, growable=False):
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "torch",
+                        "stream_gct.py")
+    spec = importlib.util.spec_from_file_location("stream_gct", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.paired_runner(dev, frames, growable=growable)
+
+
+PROGRAMS = ("gpt2", "vit", "stream_gct", "stream_gct_growable")
+
+
+def make_program(name, torch, dev, frames):
+    """The run(digest) function of a validation program."""
+    if name.startswith("stream_gct"):
+        return stream_gct(torch, dev, frames, growable=name == "stream_gct_growable")
+    return {"gpt2": gpt2, "vit": vit}[name](torch, dev)
 
 
 def device_mappings(torch):
@@ -130,10 +155,12 @@ def serve(torch, run):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("program", choices=("gpt2", "vit"))
+    parser.add_argument("program", choices=PROGRAMS)
     parser.add_argument("allocator", choices=("native", "tidalloc"))
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after the first "
                         "(default 3)")
+    parser.add_argument("--frames", type=int, default=128,
+                        help="frames per run of the stream_gct programs (default 128)")
     parser.add_argument("--trace-csv", metavar="FILE.csv.gz",
                         help="under tidalloc, write every allocation and free of the whole run "
                         "as a trace that `tidalloc replay` reads (turns the trace ring on)")
@@ -153,7 +180,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.device("cuda")
-    run = {"gpt2": gpt2, "vit": vit}[args.program](torch, dev)
+    run = make_program(args.program, torch, dev, args.frames)
 
     if args.serve:
         sys.exit(serve(torch, run))

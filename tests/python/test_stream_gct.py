@@ -1,0 +1,233 @@
+"""test_stream_gct.py: bench/torch/stream_gct.py's tiny model on the CPU:
+the CSV it writes, and caches that grow and evict as the workload says
+(scale frames kept, a window of recent frames, evicted frames' special
+tokens kept, camera caches grown every frame), with torch.cat and with
+--growable (tidalloc's host backend). Skipped without torch."""
+import csv
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="stream_gct.py needs torch (not installed here)")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..", "..")
+SCRIPT = os.path.join(ROOT, "bench", "torch", "stream_gct.py")
+spec = importlib.util.spec_from_file_location("stream_gct", SCRIPT)
+sg = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sg)
+
+FRAMES = 9  # tiny: 2 scale frames + a window of 4, so the last 3 frames evict one each
+
+
+def expected_cache(shape, frames):
+    """(frames held, special tokens) after `frames` frames, by the spec's
+    rule: past scale_frames + window, keep the first scale_frames and the
+    last window frames, and keep the evicted frames' special tokens."""
+    held = shape.scale_frames + shape.window
+    return min(frames, held), shape.special * max(0, frames - held)
+
+
+def frames_after_each_step(shape, frames):
+    done, out = 0, []
+    for batch in sg.step_batches(frames, shape.scale_frames):
+        done += batch
+        out.append(done)
+    return out
+
+
+def test_step_batches_put_the_scale_frames_first():
+    assert sg.step_batches(5, 8) == [5]
+    assert sg.step_batches(11, 8) == [8, 1, 1, 1]
+
+
+@pytest.mark.parametrize("installed, torch_backend, environ, expected", [
+    (False, "native", {}, "native"),
+    (False, "native", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "expandable"),
+    (False, "native", {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:true"},
+     "expandable"),
+    (False, "native", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, "native"),
+    (False, "cudaMallocAsync", {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"},
+     "cudaMallocAsync"),
+    (True, "native", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "tidalloc"),
+])
+def test_backend_column_names_the_allocator(installed, torch_backend, environ, expected):
+    assert sg.backend_name(installed, torch_backend, environ) == expected
+
+
+def test_full_shape_has_the_workload_token_counts():
+    shape = sg.make_shape()
+    assert shape.grid == (27, 37) and shape.patches == 999 and shape.tokens == 1005
+    assert (shape.dim, shape.heads, shape.head_dim, shape.mlp) == (1024, 16, 64, 4096)
+    assert (shape.scale_frames, shape.window, shape.camera_head_dim) == (8, 64, 128)
+    # K of one global layer and frame: 16 x 1005 x 64 fp32 = 4.1 MB.
+    assert shape.heads * shape.tokens * shape.head_dim * 4 == 4116480
+
+
+def test_cat_caches_grow_and_evict_by_the_rule():
+    torch.set_num_threads(1)
+    shape = sg.make_shape(tiny=True)
+    model = sg.build_model(shape, "cpu")
+    state = sg.StreamState(shape, "cpu", FRAMES)
+    generator = torch.Generator().manual_seed(1)
+    h, d, t = shape.heads, shape.head_dim, shape.tokens
+    seen = []
+
+    def check(batch):
+        n = state.frames_done
+        held, special = expected_cache(shape, n)
+        for cache in state.kv:
+            assert cache.k.shape == (1, h, held * t, d) and cache.k.dtype == torch.float32
+            assert cache.v.shape == (1, h, held * t, d) and cache.v.dtype == torch.bfloat16
+            assert cache.special_k.shape == (1, h, special, d)
+            assert cache.special_k.dtype == torch.float32
+            assert cache.special_v.shape == (1, h, special, d)
+        for cache in state.camera:
+            assert cache.k.shape == (1, shape.camera_heads, n, 1, shape.camera_head_dim)
+            assert cache.k.dtype == cache.v.dtype == torch.float32
+        depth, confidence, pose = state.outputs[-1]
+        assert depth.shape == confidence.shape == (batch, 1, 56, 70)
+        assert depth.dtype == torch.float32 and pose.shape == (batch, 9)
+        seen.append(n)
+
+    sg.stream(model, state, FRAMES, "cpu", generator, on_step=check)
+    assert seen == frames_after_each_step(shape, FRAMES)
+    assert len(state.outputs) == len(seen)
+
+
+def test_eviction_keeps_the_scale_frames_and_the_latest_window():
+    # Frames tagged by value: after eviction the cache holds the first
+    # scale_frames and the last window frames, in order, and the special
+    # tokens of the frames in between.
+    shape = sg.make_shape(tiny=True)
+    cache = sg.CatKVCache(shape, "cpu")
+    h, d, t = shape.heads, shape.head_dim, shape.tokens
+    for f in range(FRAMES):
+        frame = torch.full((1, h, t, d), float(f))
+        cache.append(frame, frame)
+    held = list(range(shape.scale_frames)) + list(range(FRAMES - shape.window, FRAMES))
+    per_frame = cache.k.view(1, h, len(held), t, d)[0, 0, :, 0, 0].tolist()
+    assert per_frame == [float(f) for f in held]
+    evicted = range(shape.scale_frames, FRAMES - shape.window)
+    assert cache.special_k[0, 0, :, 0].tolist() == [float(f) for f in evicted
+                                                     for _ in range(shape.special)]
+
+
+def test_paired_runner_repeats_its_outputs():
+    torch.set_num_threads(1)
+    run = sg.paired_runner("cpu", frames=4, tiny=True)
+    digests = []
+    for _ in range(2):
+        digest = hashlib.sha256()
+        run(digest)
+        digests.append(digest.hexdigest())
+    assert digests[0] == digests[1]
+
+
+def library_found():
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    try:
+        import tidalloc
+        return os.path.exists(tidalloc.library_path())
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("growable", [False, True], ids=["cat", "growable"])
+def test_command_writes_its_csvs(tmp_path, growable):
+    if growable and not library_found():
+        pytest.skip("--growable needs libtidalloc.so (make build, or set TIDALLOC_LIB)")
+    out, frames_csv = tmp_path / "sweep.csv", tmp_path / "frames.csv"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TIDALLOC_CONF="backend:host")
+    cmd = [sys.executable, SCRIPT, "--tiny", "--device", "cpu", "--frame-counts", "3",
+           str(FRAMES), "--warmup-frames", "0", "--csv", str(out),
+           "--per-frame-csv", str(frames_csv)] + (["--growable"] if growable else [])
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0].keys()) == list(sg.CSV_COLUMNS)
+    assert [int(r["frames"]) for r in rows] == [3, FRAMES]
+    for row in rows:
+        assert row["status"] == "ok" and row["error"] == ""
+        assert (row["requested_height"], row["requested_width"]) == ("56", "70")
+        assert (row["effective_height"], row["effective_width"]) == ("56", "70")
+        assert row["backend"] == "cpu" and row["dtype"] == "bfloat16"
+        assert float(row["seconds"]) > 0
+    shape = sg.make_shape(tiny=True)
+    with open(frames_csv) as f:
+        steps = [r for r in csv.DictReader(f) if int(r["frames"]) == FRAMES]
+    assert [int(r["frame"]) for r in steps] == frames_after_each_step(shape, FRAMES)
+    for r in steps:
+        held, special = expected_cache(shape, int(r["frame"]))
+        assert (int(r["cache_frames"]), int(r["special_tokens"])) == (held, special)
+
+
+GROWABLE_CHECK = r"""
+import sys, torch
+sys.path.insert(0, %(root)r + "/python")
+import importlib.util
+spec = importlib.util.spec_from_file_location("stream_gct", %(script)r)
+sg = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sg)
+torch.set_num_threads(1)
+shape = sg.make_shape(tiny=True)
+model = sg.build_model(shape, "cpu")
+held_max, t = shape.scale_frames + shape.window, shape.tokens
+outputs = {}
+for growable in (False, True):
+    state = sg.StreamState(shape, "cpu", %(frames)d, growable)
+    ptrs = [c.k.data_ptr for c in state.kv] if growable else None
+
+    def check(batch):
+        if not growable:
+            return
+        n = state.frames_done
+        special = shape.special * max(0, n - held_max)
+        for cache, ptr in zip(state.kv, ptrs):
+            rows = min(n, held_max) * t + special
+            assert cache.k.rows == cache.v.rows == rows, (n, cache.k.rows, rows)
+            assert cache.k.tensor().data_ptr() == ptr
+            assert cache.k.dtype == torch.float32 and cache.v.dtype == torch.bfloat16
+        for cache in state.camera:
+            assert cache.k.rows == cache.v.rows == n
+
+    sg.stream(model, state, %(frames)d, "cpu", torch.Generator().manual_seed(1), on_step=check)
+    outputs[growable] = [o[2] for o in state.outputs] + [state.outputs[-1][0]]
+    state.close()
+# The ring holds the same keys in another order: attention's result agrees
+# up to the order of its sums.
+for a, b in zip(outputs[False], outputs[True]):
+    assert torch.allclose(a, b, rtol=1e-2, atol=1e-2), (a - b).abs().max()
+print("growable ok")
+"""
+
+
+def test_growable_buffers_follow_the_rule_in_place():
+    if not library_found():
+        pytest.skip("--growable needs libtidalloc.so (make build, or set TIDALLOC_LIB)")
+    code = GROWABLE_CHECK % {"root": ROOT, "script": SCRIPT, "frames": FRAMES}
+    env = dict(os.environ, OMP_NUM_THREADS="1", TIDALLOC_CONF="backend:host")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "growable ok" in r.stdout
+
+
+@pytest.mark.skipif(not os.environ.get("STREAM_GCT_COMPILE_TEST"),
+                    reason="slow (torch.compile of the tiny model takes minutes on a CPU); "
+                    "set STREAM_GCT_COMPILE_TEST=1")
+def test_compiled_model_runs(tmp_path):
+    out = tmp_path / "compiled.csv"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, SCRIPT, "--tiny", "--device", "cpu", "--compile", "--frame-counts",
+           str(FRAMES), "--csv", str(out)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["frames"], r["status"]) for r in rows] == [(str(FRAMES), "ok")]
