@@ -10,9 +10,10 @@ set -euo pipefail
 # cmake, compilers, cmocka, zlib and mimalloc build the project (g++ the C++
 # consumer of the install test); clang and its
 # runtimes build the sanitizer and fuzzing builds; python3 merges benchmark tables
-# and, with pytest, tests the Python layer (python/).
+# and, with pytest, tests the Python layer (python/); python3-venv lets the
+# package test (tests/package/run.sh) install it into a fresh environment.
 packages=(cmake make gcc g++ libc6-dev binutils pkg-config libcmocka-dev zlib1g-dev
-          libmimalloc-dev clang valgrind python3 python3-pytest)
+          libmimalloc-dev clang valgrind python3 python3-pytest python3-venv)
 case "${1:-}" in
   format) packages+=(clang-format) ;;
   gpu) packages=(cmake make gcc g++ libc6-dev) ;;

@@ -394,9 +394,11 @@ int _tide_budget_take(tide_allocator *a, size_t bytes, size_t request) {
   do {
     if ((size_t)cur + bytes > limit) {
       char want[32], held[32], lim[32];
+      /* With no limit set, the device's memory is the limit. */
       return _tide_error_set(TIDE_ERR_OOM,
-                             "the memory limit of %s would be passed: %s reserved, %s more "
+                             "%s %s would be passed: %s reserved, %s more "
                              "needed for a request of %zu bytes",
+                             limit < a->total_memory ? "the memory limit of" : "the device's",
                              _tide_format_bytes(limit, lim, sizeof lim),
                              _tide_format_bytes((uint64_t)cur, held, sizeof held),
                              _tide_format_bytes(bytes, want, sizeof want), request);
@@ -462,8 +464,16 @@ static void out_of_memory(tide_allocator *a, tide_stream stream, size_t size, si
                           const char *cause) {
   tide_stats st;
   size_t dev_free = 0, dev_total = 0;
-  char b[6][32];
+  char b[7][32], on_stream[48];
   _tide_stats_collect(a, &st);
+  if (stream == NULL)
+    snprintf(on_stream, sizeof on_stream, "the default stream");
+  else
+    snprintf(on_stream, sizeof on_stream, "stream %p", (void *)stream);
+  size_t limit = atomic_load(&a->limit);
+  bool limited = limit < a->total_memory;
+  /* The emulated device's size is an option: name it, not PyTorch's remedies. */
+  bool host = strcmp(a->backend.ops->name, "host") == 0;
   if (a->backend.ops->mem_info(a->backend.ctx, &dev_free, &dev_total)) dev_free = dev_total = 0;
   size_t largest = _tide_largest_free_block(a);
   int64_t reserved = st.reserved_bytes[0].current, allocated = st.allocated_bytes[0].current;
@@ -471,20 +481,21 @@ static void out_of_memory(tide_allocator *a, tide_stream stream, size_t size, si
   _tide_trace(a, TIDE_TRACE_OOM, rounded <= TIDE_SMALL_SIZE ? 1 : 2, 0, rounded, stream);
   _tide_error_set(
       TIDE_ERR_OOM,
-      "out of memory on device %d: tried to allocate %s (%zu bytes) on stream %p. "
+      "out of memory on device %d: tried to allocate %s (%zu bytes) on %s. "
       "Allocated %s, reserved %s (%s cached in free blocks), device free %s of %s, "
       "memory limit %s; largest free block %s. Cause: %s. "
-      "Try: free tensors no longer needed; %s%s"
-      "reduce the batch or sequence length",
-      a->device, _tide_format_bytes(rounded, b[0], 32), size, (void *)stream,
+      "Try: free %s no longer needed%s%s%s",
+      a->device, _tide_format_bytes(rounded, b[0], 32), size, on_stream,
       _tide_format_bytes((uint64_t)allocated, b[1], 32),
       _tide_format_bytes((uint64_t)reserved, b[2], 32),
       _tide_format_bytes((uint64_t)(reserved - allocated), b[3], 32),
       _tide_format_bytes(dev_free, b[4], 32), _tide_format_bytes(dev_total, b[5], 32),
-      atomic_load(&a->limit) < a->total_memory ? "set" : "none",
-      _tide_format_bytes(largest, (char[32]){0}, 32), cause,
-      a->conf.expandable_segments ? "" : "set expandable_segments:True to stop fragmentation; ",
-      atomic_load(&a->limit) < a->total_memory ? "raise memory_fraction/memory_limit; " : "");
+      limited ? _tide_format_bytes(limit, b[6], 32) : "none (the device's memory)",
+      _tide_format_bytes(largest, (char[32]){0}, 32), cause, host ? "blocks" : "tensors",
+      a->conf.expandable_segments ? "" : "; set expandable_segments:True to stop fragmentation",
+      limited ? "; raise memory_fraction or memory_limit" : "",
+      !host ? "; reduce the batch or sequence length"
+            : (limited ? "" : "; raise host_capacity (the emulated device's memory)"));
 }
 
 void _tide_reclaim_for_retry(tide_allocator *a) {

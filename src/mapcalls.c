@@ -2,8 +2,8 @@
  * and release device memory, timed. tide_stats.mapping_ns sums the time the
  * calling threads spent in them: on a GPU, tens of microseconds a mapping,
  * most of what growing and shrinking expandable memory costs a program
- * (docs/design.md, "What mapping costs the GPU"). The clock's own cost, tens
- * of nanoseconds, is noise beside any of these calls. */
+ * (bench/results/history/README.md, "What mapping costs the GPU"). The
+ * clock's own cost, tens of nanoseconds, is noise beside any of these calls. */
 #include "core.h"
 
 static int timed(tide_allocator *a, uint64_t start, int rc) {

@@ -66,7 +66,14 @@ TIDALLOC_CONF=expandable_segments:false "$bin" info --conf backend:host >"$dir/o
 grep -Eq '^ +expandable_segments +[^ ]+ +[^ ]+ +environment ' "$dir/out" ||
   fail "info does not show expandable_segments as set by the environment"
 expect_status nonzero "info with a bad option" -- "$bin" info --conf no_such_key:1
-grep -q 'host_capacity' "$dir/out" || fail "info with a bad option printed no options"
+grep -q 'no_such_key' "$dir/err" || fail "info with a bad option does not name it"
+# A bad value: one message on stderr with one "configuration", and no table.
+expect_status 1 "info --conf backend:gpu" -- "$bin" info --conf backend:gpu
+[ -s "$dir/out" ] && fail "info with a bad value printed on stdout: $(head -3 "$dir/out")"
+[ "$(wc -l <"$dir/err")" -eq 1 ] || fail "info with a bad value printed $(wc -l <"$dir/err") lines"
+grep -q 'gpu' "$dir/err" || fail "info with a bad value does not name it: $(cat "$dir/err")"
+grep -q 'configuration.*configuration' "$dir/err" &&
+  fail "info with a bad value repeats itself: $(cat "$dir/err")"
 
 # --- micro -------------------------------------------------------------------
 expect_status 0 "micro --csv" -- "$bin" micro --csv --ops 20 --repeat 3 --conf backend:host
@@ -90,6 +97,14 @@ expect_status 0 "micro --sizes" -- "$bin" micro --csv --sizes 512,mixed --only t
 [ "$(tail -n +2 "$dir/out" | cut -d, -f1,2 | tr '\n' ' ')" = "pair,512 mixed,mixed " ] ||
   fail "micro --sizes 512,mixed printed: $(cat "$dir/out")"
 expect_status 2 "micro --sizes 0" -- "$bin" micro --sizes 0
+# Calibrated (no --ops), it says up front how long it takes, and with stderr
+# not a terminal it still shows progress, a line at a time.
+expect_status 0 "micro with its estimate" -- "$bin" micro --csv --sizes 512 --only tidalloc \
+  --threads 1 --repeat 1 --conf backend:host
+grep -Eq 'measurements, roughly [0-9]+-[0-9]+ s' "$dir/err" ||
+  fail "micro does not say how long it takes: $(cat "$dir/err")"
+grep -q '100% (1 of 1 measurements' "$dir/err" ||
+  fail "micro shows no progress when stderr is not a terminal: $(cat "$dir/err")"
 
 # --- replay: peaks computed by hand -----------------------------------------
 # alloc 1 MiB, alloc 2 MiB, free the first, alloc 512 KiB: 3 MiB live at most.
@@ -200,6 +215,37 @@ table_maps=$(awk '$1 == 4 && $2 == "ok" { print $(NF - 1) }' "$dir/out")
   fail "stream --frames-csv header is '$(head -n 1 "$dir/frames.csv")'"
 [ "$(tail -n +2 "$dir/frames.csv" | cut -d, -f3 | tr '\n' ' ')" = "9 10 11 12 13 14 15 16 " ] ||
   fail "stream --frames-csv frames are '$(tail -n +2 "$dir/frames.csv" | cut -d, -f3 | tr '\n' ' ')'"
+
+# With no options: a sweep that fits the default emulated device, every row ok.
+expect_status 0 "stream with no options" -- env TIDALLOC_CONF=backend:host "$bin" stream
+[ "$(awk '$2 == "ok"' "$dir/out" | wc -l)" -ge 1 ] || fail "stream with no options ran nothing"
+awk '$2 == "oom"' "$dir/out" | grep -q . && fail "stream with no options ran out of memory"
+# A frame count that runs out of memory fails the command, and its message
+# names the emulated device's size, not PyTorch's remedies or a limit not set.
+expect_status 1 "stream out of memory" -- env TIDALLOC_CONF=backend:host \
+  "$bin" stream --frames 16 --conf host_capacity:4GiB
+grep -q '^ *16 *oom' "$dir/out" || fail "stream out of memory has no oom row: $(cat "$dir/out")"
+grep -q 'host_capacity' "$dir/out" || fail "stream's out-of-memory message does not name host_capacity"
+grep -q '(nil)' "$dir/out" && fail "stream's out-of-memory message prints the stream as (nil)"
+grep -q 'memory limit none.*the memory limit of' "$dir/out" &&
+  fail "stream's out-of-memory message blames a memory limit it says is not set"
+grep -q 'ran out of memory' "$dir/err" || fail "stream out of memory does not say so on stderr"
+# Bad frame counts: one message for all of them.
+expect_status 2 "stream --frames 0" -- "$bin" stream --frames 0
+zero=$(sed "s/'0'/N/" "$dir/err")
+expect_status 2 "stream --frames -5" -- "$bin" stream --frames -5
+[ "$(sed "s/'-5'/N/" "$dir/err")" = "$zero" ] ||
+  fail "stream --frames -5 says '$(cat "$dir/err")', --frames 0 '$zero'"
+# An output that cannot be written fails before any run.
+expect_status 1 "stream --csv to an unwritable path" -- env TIDALLOC_CONF=backend:host \
+  "$bin" stream --frames 1024 --csv "$dir/no/such/dir/stream.csv"
+grep -q 'no/such/dir/stream.csv' "$dir/err" || fail "stream --csv unwritable: $(cat "$dir/err")"
+[ -s "$dir/out" ] && fail "stream --csv unwritable ran the benchmark first: $(cat "$dir/out")"
+# The backend column fits its longest label: the header and the row line up.
+expect_status 0 "stream --mode grow" -- env TIDALLOC_CONF=backend:host \
+  "$bin" stream --frames 2 --mode grow
+[ "$(awk 'NR <= 2 { print length($0) }' "$dir/out" | sort -u | wc -l)" -eq 1 ] ||
+  fail "stream's table columns do not line up: $(head -2 "$dir/out")"
 
 if [ "$failures" -ne 0 ]; then
   echo "cli_smoke: $failures failures" >&2

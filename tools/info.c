@@ -94,7 +94,8 @@ static void print_help(void) {
          "mapping granularity, page size) and every configuration option with its\n"
          "value, default, source (default, environment or code) and meaning. The\n"
          "configuration is the defaults, then TIDALLOC_CONF, then --conf. Exits\n"
-         "non-zero, after printing the options, if no allocator can be created.\n"
+         "non-zero with one message if the configuration does not parse, and after\n"
+         "printing the options if no allocator can be created.\n"
          "\n"
          "  --conf STR   options, \"key:value,...\"\n");
 }
@@ -116,17 +117,19 @@ int tide_cli_info(int argc, char **argv) {
     }
   }
 
-  printf("tidalloc %s\n", tide_version());
+  /* A configuration that does not parse is the one thing said: the message
+   * names the bad entry and what is accepted. */
   tide_config *config = NULL;
-  bool ok = cli_config_build(NULL, conf, &config) == TIDE_OK;
-  if (!ok) cli_report_tide_error("info: configuration");
-  if (config == NULL) return CLI_EXIT_FAILURE;
-  if (ok) {
-    int count = 1;
-    ok = show_device(config, 0, &count);
-    for (int device = 1; ok && device < count; device++) {
-      ok = show_device(config, device, &count);
-    }
+  if (cli_config_build(NULL, conf, &config) != TIDE_OK) {
+    cli_report_tide_error("info");
+    tide_config_free(config);
+    return CLI_EXIT_FAILURE;
+  }
+  printf("tidalloc %s\n", tide_version());
+  int count = 1;
+  bool ok = show_device(config, 0, &count);
+  for (int device = 1; ok && device < count; device++) {
+    ok = show_device(config, device, &count);
   }
   if (!print_options(config)) ok = false;
   tide_config_free(config);

@@ -27,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli.h"
 
@@ -623,6 +624,44 @@ static int parse_args(int argc, char **argv, micro_args *args) {
   return -1;
 }
 
+/* CPUs the process may run on (at least 1). */
+static int usable_cpus(void) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (sched_getaffinity(0, sizeof allowed, &allowed) != 0) return 1;
+  int count = CPU_COUNT(&allowed);
+  return count > 0 ? count : 1;
+}
+
+/* A rough length of the run, said before it starts: each measurement runs
+ * a warm-up and `repeat` batches of at least MIN_BATCH_NS (1.1 times it, as
+ * calibrated) per thread, threads beyond the CPUs taking turns, plus the
+ * calibration: the least it takes; contention between threads makes their
+ * batches longer (up to about twice the total on 2 CPUs). Negative when --ops fixes the batches
+ * (their length is then unknown). */
+static double estimated_seconds(const micro_args *args, size_t anchors_run) {
+  if (args->ops != 0) return -1.0;
+  int cpus = usable_cpus();
+  double seconds = 0.0;
+  for (size_t t = 0; t < args->thread_count; t++) {
+    int rounds = (args->threads[t] + cpus - 1) / cpus;
+    seconds += (double)(args->repeat + 1) * MIN_BATCH_NS * 1.1 / 1e9 * rounds + 0.05;
+  }
+  return seconds * (double)args->size_count * (double)anchors_run;
+}
+
+/* Progress where stderr is not a terminal (cli_progress draws nothing
+ * there): a line at every tenth of the measurements. */
+static void progress_line(size_t done, size_t total, uint64_t start_ns) {
+  static size_t last_tenth = 0;
+  if (total == 0 || isatty(STDERR_FILENO)) return;
+  size_t tenth = done * 10 / total;
+  if (tenth == last_tenth || done == 0) return;
+  last_tenth = tenth;
+  fprintf(stderr, "tidalloc micro: %zu%% (%zu of %zu measurements, %.0f s)\n", done * 100 / total,
+          done, total, (double)(cli_now_ns() - start_ns) / 1e9);
+}
+
 int tide_cli_micro(int argc, char **argv) {
   micro_args args;
   int code = parse_args(argc, argv, &args);
@@ -639,6 +678,20 @@ int tide_cli_micro(int argc, char **argv) {
     cli_error("micro: out of host memory");
     return CLI_EXIT_FAILURE;
   }
+  size_t anchors_run = 0;
+  for (size_t a = 0; a < anchor_count; a++) anchors_run += selected(args.only, anchors[a].name);
+  const size_t measurements = size_count * thread_count * anchors_run;
+  double estimate = estimated_seconds(&args, anchors_run);
+  if (estimate >= 0.0) {
+    fprintf(stderr,
+            "tidalloc micro: %zu measurements, roughly %.0f-%.0f s on %d CPUs (--sizes, "
+            "--threads, --only and --repeat make it shorter)\n",
+            measurements, estimate, 2.0 * estimate, usable_cpus());
+  } else {
+    fprintf(stderr, "tidalloc micro: %zu measurements of %llu-op batches\n", measurements,
+            (unsigned long long)args.ops);
+  }
+  const uint64_t start_ns = cli_now_ns();
   size_t n = 0;
   for (size_t s = 0; s < size_count; s++) {
     size_t size = args.sizes[s];
@@ -648,7 +701,7 @@ int tide_cli_micro(int argc, char **argv) {
        * too, so that contention shows as longer batches. */
       uint64_t ops = args.ops;
       for (size_t t = 0; t < thread_count; t++) {
-        cli_progress("micro", (double)n / (double)total);
+        cli_progress("micro", (double)n / (double)measurements);
         int threads = args.threads[t];
         bool calibrate_here = ops == 0 && threads != 1;
         if (calibrate_here) {
@@ -662,6 +715,7 @@ int tide_cli_micro(int argc, char **argv) {
         }
         ops = slot->ops;
         n++;
+        progress_line(n, measurements, start_ns);
       }
     }
   }

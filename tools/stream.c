@@ -23,7 +23,9 @@
 enum { FRAME_HEIGHT = 378, FRAME_WIDTH = 518 };
 enum { MAX_SWEEP = 64, MAX_FRAMES = 10000000, ERROR_LEN = 1024 };
 
-static const int default_sweep[] = {64, 128, 256, 512, 1024, 2048, 4096, 10000};
+/* What fits the host backend's default 24 GiB emulated device in either
+ * mode, in a few seconds: longer runs are asked for with --frames. */
+static const int default_sweep[] = {64, 128, 256, 512, 1024};
 
 #define CSV_HEADER                                                                                 \
   "frames,status,requested_height,requested_width,effective_height,effective_width,"               \
@@ -555,7 +557,7 @@ static bool write_csv(const char *path, const char *header,
   }
   if (ok) ok = rename(tmp, path) == 0;
   if (!ok) {
-    cli_error("stream: cannot write %s", path);
+    cli_error("stream: cannot write %s: %s", path, strerror(errno));
     remove(tmp);
   }
   free(tmp);
@@ -563,15 +565,19 @@ static bool write_csv(const char *path, const char *header,
 }
 
 static void print_table(const stream_row *rows, int count) {
-  printf("%8s  %-6s  %-20s  %9s  %14s  %13s  %9s  %12s  %14s  %8s  %8s\n", "frames", "status",
-         "backend", "seconds", "allocated GiB", "reserved GiB", "res/alloc", "pages mapped",
-         "pages unmapped", "maps", "unmaps");
+  /* The backend column as wide as its longest label. */
+  int backend_w = 7;
+  for (int i = 0; i < count; i++)
+    if ((int)strlen(rows[i].backend) > backend_w) backend_w = (int)strlen(rows[i].backend);
+  printf("%8s  %-6s  %-*s  %9s  %14s  %13s  %9s  %12s  %14s  %8s  %8s\n", "frames", "status",
+         backend_w, "backend", "seconds", "allocated GiB", "reserved GiB", "res/alloc",
+         "pages mapped", "pages unmapped", "maps", "unmaps");
   for (int i = 0; i < count; i++) {
     const stream_row *r = &rows[i];
     double ratio = reserved_ratio(r);
-    printf("%8d  %-6s  %-20s  %9.3f  %14.3f  %13.3f  %9.3f  %12llu  %14llu  %8llu  %8llu\n",
-           r->frames, r->oom ? "oom" : "ok", r->backend, r->seconds, r->peak_allocated_gib,
-           r->peak_reserved_gib, ratio, (unsigned long long)r->pages_mapped,
+    printf("%8d  %-6s  %-*s  %9.3f  %14.3f  %13.3f  %9.3f  %12llu  %14llu  %8llu  %8llu\n",
+           r->frames, r->oom ? "oom" : "ok", backend_w, r->backend, r->seconds,
+           r->peak_allocated_gib, r->peak_reserved_gib, ratio, (unsigned long long)r->pages_mapped,
            (unsigned long long)r->pages_unmapped, (unsigned long long)r->mappings,
            (unsigned long long)r->unmappings);
   }
@@ -597,8 +603,9 @@ static void print_help(void) {
          "is configured by its defaults, then TIDALLOC_CONF, then --conf; the host\n"
          "backend emulates a 24 GiB device unless host_capacity says otherwise.\n"
          "\n"
-         "  --frames N...   frame counts to run (default: 64 128 256 512 1024 2048 4096\n"
-         "                  10000)\n"
+         "  --frames N...   frame counts to run (default: 64 128 256 512 1024; more\n"
+         "                  frames need a larger device: host_capacity:141GiB emulates\n"
+         "                  an H200)\n"
          "  --mode cat      grow the caches by allocate-copy-free (the default)\n"
          "  --mode grow     grow them in place, in growable buffers (the window a ring\n"
          "                  of frame slots), attention reading them without clone or cat\n"
@@ -606,6 +613,8 @@ static void print_help(void) {
          "                  \"expandable_segments:False,host_capacity:141GiB\" for a\n"
          "                  fixed-segment allocator on an emulated H200\n"
          "  --stop-on-oom   stop the sweep at the first frame count that runs out\n"
+         "                  (a frame count that runs out of memory makes the command\n"
+         "                  exit 1 after the table, with or without this option)\n"
          "  --csv FILE      write the rows to FILE (rewritten after each row):\n"
          "                  %s\n"
          "  --driver-csv FILE  the same rows' driver work (pages and handles mapped and\n"
@@ -634,7 +643,9 @@ static void print_help(void) {
 /* --frames takes the numbers that follow it ("64 128" or "64,128"). */
 static int parse_frames(int argc, char **argv, int *i, stream_args *args) {
   args->sweep_length = 0;
-  while (*i + 1 < argc && argv[*i + 1][0] != '-') {
+  /* "-5" is a bad frame count, not an option: it gets the same message as 0. */
+  while (*i + 1 < argc &&
+         (argv[*i + 1][0] != '-' || (argv[*i + 1][1] >= '0' && argv[*i + 1][1] <= '9'))) {
     char *text = argv[++*i];
     for (char *item = strtok(text, ","); item; item = strtok(NULL, ",")) {
       uint64_t n;
@@ -724,8 +735,20 @@ int tide_cli_stream(int argc, char **argv) {
     fputs(FRAMES_CSV_HEADER "\n", target.frames_csv);
   }
 
-  int count = 0;
+  /* Every output is written once before the first run, so that a path that
+   * cannot be written fails now, not after minutes of benchmark. */
   bool ok = true;
+  if (args.csv_path != NULL) ok = write_csv(args.csv_path, CSV_HEADER, write_row, rows, 0);
+  if (ok && args.driver_csv_path != NULL)
+    ok = write_csv(args.driver_csv_path, DRIVER_CSV_HEADER, write_driver_row, rows, 0);
+  if (ok && args.trace_path != NULL) {
+    FILE *trace = fopen(args.trace_path, "w");
+    if (trace == NULL || fclose(trace) != 0) {
+      cli_error("stream: cannot write the trace to %s: %s", args.trace_path, strerror(errno));
+      ok = false;
+    }
+  }
+  int count = 0;
   for (int i = 0; ok && i < args.sweep_length; i++) {
     ok = run_one(&args, args.frames[i], &target, &rows[count]);
     if (!ok) break;
@@ -736,11 +759,21 @@ int tide_cli_stream(int argc, char **argv) {
       ok = write_csv(args.driver_csv_path, DRIVER_CSV_HEADER, write_driver_row, rows, count);
     if (rows[count - 1].oom && args.stop_on_oom) break;
   }
-  if (target.shown < 1.0) cli_progress("stream", 1.0); /* stopped early: end the bar's line */
+  if (target.shown > 0 && target.shown < 1.0)
+    cli_progress("stream", 1.0); /* stopped early: end the bar's line */
   if (count > 0) print_table(rows, count);
   /* ferror: a failed row write (disk full) that fclose alone would not report. */
   if (target.frames_csv != NULL && (ferror(target.frames_csv) | fclose(target.frames_csv)) != 0) {
     cli_error("stream: writing %s: %s", args.frames_csv_path, strerror(errno));
+    ok = false;
+  }
+  /* A frame count that ran out of memory is a failure of the request. */
+  int ooms = 0;
+  for (int i = 0; i < count; i++) ooms += rows[i].oom;
+  if (ok && ooms > 0) {
+    cli_error("stream: %d of the %d frame counts run ran out of memory (the messages above say "
+              "why)",
+              ooms, count);
     ok = false;
   }
   free(rows);

@@ -4,18 +4,25 @@ writes tidalloc's figures as JSON when the script ends, --memory-viz FILE a
 snapshot that PyTorch's memory_viz opens, --timeline FILE a PNG of allocated
 and reserved bytes over time, --trace-csv FILE.csv.gz every allocation and
 free as a trace that `tidalloc replay` reads (the last three need the trace
-option, e.g. TIDALLOC_CONF=trace:1000000)."""
+option, e.g. TIDALLOC_CONF=trace:1000000). `run` needs PyTorch."""
 import argparse
 import atexit
+import importlib.util
 import json
 import runpy
 import sys
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m tidalloc")
+    parser = argparse.ArgumentParser(
+        prog="python -m tidalloc",
+        description="tidalloc from Python. `run` needs PyTorch (pip install torch); "
+        "the tidalloc command (tidalloc --help) runs the benchmarks without it.")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run a script with tidalloc installed")
+    run = sub.add_parser("run", help="run a script with tidalloc as PyTorch's CUDA allocator "
+                         "(needs PyTorch)",
+                         description="Run a script with tidalloc as PyTorch's CUDA allocator. "
+                         "Needs PyTorch.")
     run.add_argument("--conf", help="tidalloc options, key:value,...")
     run.add_argument("--report", help="write a JSON memory report here at exit")
     run.add_argument("--memory-viz", help="write a snapshot for PyTorch's memory_viz here at exit")
@@ -26,6 +33,9 @@ def main(argv=None):
     run.add_argument("script")
     run.add_argument("args", nargs=argparse.REMAINDER)
     a = parser.parse_args(argv)
+    if importlib.util.find_spec("torch") is None:
+        sys.exit("python -m tidalloc run: needs PyTorch, which this Python (%s) does not have; "
+                 "install it (pip install torch)" % sys.executable)
     from . import _lib
     from . import torch as tide_torch
     tide_torch.install(a.conf)

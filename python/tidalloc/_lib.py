@@ -1,7 +1,8 @@
 """_lib.py: libtidalloc through ctypes: finding the library and the few
 calls the Python layer makes. The library is found through TIDALLOC_LIB
-(a path), then the build tree next to this source tree (build/), then the
-system's library path."""
+(a path, which must exist), then the one pip installed inside this package,
+then the build tree next to this source tree (build/), then the system's
+library path."""
 import ctypes
 import ctypes.util
 import os
@@ -55,8 +56,13 @@ CONF_SOURCES = ("default", "environment", "code")
 def _candidates():
     env = os.environ.get("TIDALLOC_LIB")
     if env:
+        if not os.path.exists(env):
+            raise OSError("TIDALLOC_LIB names %s, which does not exist; point it at a "
+                          "libtidalloc.so or unset it" % env)
         yield env
+        return
     here = os.path.dirname(os.path.abspath(__file__))
+    yield os.path.join(here, "libtidalloc.so")
     yield os.path.join(here, "..", "..", "build", "libtidalloc.so")
     found = ctypes.util.find_library("tidalloc")
     if found:
@@ -70,7 +76,8 @@ def library_path():
         tried.append(path)
         if os.path.exists(path) or not os.path.dirname(path):
             return os.path.abspath(path) if os.path.exists(path) else path
-    raise OSError("libtidalloc.so not found (tried %s); build it (make build) or set TIDALLOC_LIB"
+    raise OSError("libtidalloc.so not found (tried %s); install the package with "
+                  "`pip install .` from the repository, build it (make build), or set TIDALLOC_LIB"
                   % ", ".join(tried))
 
 

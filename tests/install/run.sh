@@ -3,7 +3,9 @@
 # runs tests/install/consumer.c against it, once through find_package(tidalloc)
 # (shared and static) and once through pkg-config (shared and static), and
 # tests/install/consumer_cxx.cpp through find_package where a C++ compiler of
-# the C compiler's family is installed.
+# the C compiler's family is installed; then README.md's hello program
+# (examples/hello.c) with README.md's command line, which must run without
+# LD_LIBRARY_PATH (tidalloc.pc sets an rpath).
 #   run.sh <build dir> <C compiler> [C flags of that build]
 # The C flags carry sanitizer options over, so the consumer links the runtime
 # a sanitized library needs.
@@ -73,10 +75,23 @@ grep -q "libtidalloc.so.* => $prefix/" <<<"$deps" || {
 step "pkg-config tidalloc"
 export PKG_CONFIG_PATH=$pcdir
 echo "version $(pkg-config --modversion tidalloc)"
+# No rpath of our own: tidalloc.pc's Libs carry one to the installed library.
 # shellcheck disable=SC2046,SC2086 # the flags are meant to split into words
-"$cc" $cflags "$here/consumer.c" -o "$work/pc_shared" $(pkg-config --cflags --libs tidalloc) \
-  -Wl,-rpath,"$libdir"
-"$work/pc_shared"
+"$cc" $cflags "$here/consumer.c" -o "$work/pc_shared" $(pkg-config --cflags --libs tidalloc)
+env -u LD_LIBRARY_PATH "$work/pc_shared"
+
+# README.md's commands for its hello program (examples/hello.c), as a user
+# types them after `make install PREFIX=...` and PKG_CONFIG_PATH.
+step "README: cc hello.c \$(pkg-config --cflags --libs tidalloc)"
+cp "$here/../../examples/hello.c" "$work/hello.c"
+# shellcheck disable=SC2046,SC2086
+(cd "$work" && "$cc" $cflags hello.c $(pkg-config --cflags --libs tidalloc) -o hello)
+hello_out=$(env -u LD_LIBRARY_PATH "$work/hello")
+echo "$hello_out"
+grep -q 'allocated: *0.00 MiB now, *1.00 MiB peak' <<<"$hello_out" || {
+  echo "hello printed no allocation" >&2
+  exit 1
+}
 # The same flags with --static, asking the linker for the archive by name.
 # shellcheck disable=SC2046,SC2086
 "$cc" $cflags "$here/consumer.c" -o "$work/pc_static" \
