@@ -15,6 +15,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 out=${OUT:-out/torch}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 steps=${STEPS:-build shim native alloc upstream}
 upstream=${UPSTREAM_DIR:-.upstream}
 py=${TIDE_PYTHON:-python3}
@@ -88,23 +89,28 @@ if want alloc; then
   tail -7 "$out/alloc_pair.log" | tee -a "$summary"
 fi
 
-# PyTorch's own tests: one pytest run per allocator, tidalloc installed in
-# every process through tests/torch/upstream/sitecustomize.py.
+# PyTorch's own tests: one pytest run per allocator, both at once (each
+# with UPSTREAM_JOBS workers), tidalloc installed in every process through
+# tests/torch/upstream/sitecustomize.py; upstream_compat.py lets test files
+# of a neighbouring torch version import.
 if want upstream; then
-  for f in test/inductor/test_cudagraph_trees.py test/test_cuda.py; do
+  for f in ${UPSTREAM_FILES:-test/inductor/test_cudagraph_trees.py test/test_cuda.py}; do
     [[ -f $upstream/$f ]] || { note "upstream: $f not in $upstream, skipped"; continue; }
     base=$(basename "$f" .py)
     sel=()
     [[ $base == test_cuda ]] && sel=(-k "graph or Graph or mem_pool or MemPool")
+    t0=$SECONDS
     for alloc in native tidalloc; do
-      t0=$SECONDS
       (cd "$upstream/$(dirname "$f")" &&
         TIDALLOC_INSTALL=$([[ $alloc == tidalloc ]] && echo 1 || echo 0) \
         PYTHONPATH=$OLDPWD/tests/torch/upstream:$PYTHONPATH \
-        timeout "${UPSTREAM_SECONDS:-400}" "$py" -m pytest -q -p no:cacheprovider -n "${UPSTREAM_JOBS:-8}" \
-          "$(basename "$f")" "${sel[@]}" --junitxml="$OLDPWD/$out/${base}_$alloc.xml" \
-          >"$OLDPWD/$out/${base}_$alloc.log" 2>&1)
-      note "upstream $base $alloc: exit $? ($((SECONDS - t0)) s): $(tail -1 "$out/${base}_$alloc.log")"
+        timeout "${UPSTREAM_SECONDS:-400}" "$py" -m pytest -q -p no:cacheprovider -p upstream_compat \
+          -n "${UPSTREAM_JOBS:-7}" "$(basename "$f")" "${sel[@]}" --junitxml="$out/${base}_$alloc.xml" \
+          >"$out/${base}_$alloc.log" 2>&1; echo $? >"$out/${base}_$alloc.rc") &
+    done
+    wait
+    for alloc in native tidalloc; do
+      note "upstream $base $alloc: exit $(cat "$out/${base}_$alloc.rc") ($((SECONDS - t0)) s): $(tail -1 "$out/${base}_$alloc.log")"
     done
     "$py" tests/torch/upstream/compare_junit.py "$out/${base}_native.xml" "$out/${base}_tidalloc.xml" \
       >"$out/${base}_compare.txt" 2>&1
