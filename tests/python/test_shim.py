@@ -1,0 +1,96 @@
+"""tidalloc.shim without a GPU: what install() does when the shim cannot be
+built (one warning naming the reason, then the pluggable path), the reasons
+given, and, where a torch with CUDA headers is installed, that the shim
+builds and loads (its entry points answer)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+PYTHON_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python")
+sys.path.insert(0, PYTHON_DIR)
+
+from tidalloc import shim  # noqa: E402
+
+
+def _has_torch():
+    try:
+        import torch  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def test_unavailable_names_a_reason_or_none():
+    why = shim.unavailable()
+    if not _has_torch():
+        assert why and "PyTorch is not installed" in why
+    else:
+        assert why is None or isinstance(why, str) and why
+
+
+def test_missing_compiler_is_the_reason(monkeypatch):
+    if not _has_torch():
+        pytest.skip("no torch here: the first reason is PyTorch itself")
+    import torch
+    if torch.version.cuda is None:
+        pytest.skip("this torch is built without CUDA")
+    monkeypatch.setenv("CXX", "no-such-compiler-for-tidalloc")
+    why = shim.unavailable()
+    assert why and "no-such-compiler-for-tidalloc" in why
+
+
+def test_build_refuses_with_the_reason(monkeypatch):
+    monkeypatch.setattr(shim, "unavailable", lambda: "a reason for the test")
+    with pytest.raises(shim.ShimUnavailable, match="a reason for the test"):
+        shim.build()
+
+
+def test_install_falls_back_with_one_warning():
+    """In a fresh process: the shim made unavailable, install() warns once
+    with the reason and installs the pluggable path (the fallback's own
+    call into PyTorch needs no GPU)."""
+    if not _has_torch():
+        pytest.skip("tidalloc.torch needs torch")
+    code = r'''
+import warnings
+import tidalloc.shim as shim
+shim.unavailable = lambda: "no compiler in this test"
+import tidalloc.torch as tt
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    tt.install()
+msgs = [str(x.message) for x in w if "tidalloc" in str(x.message)]
+print(len(msgs), tt.bridge())
+print(msgs[0])
+'''
+    env = dict(os.environ, PYTHONPATH=PYTHON_DIR, TIDALLOC_CONF="backend:host")
+    env.pop("TIDALLOC_TORCH_BRIDGE", None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    first, message = r.stdout.splitlines()[:2]
+    assert first == "1 pluggable"
+    assert "no compiler in this test" in message and "reduce-overhead" in message
+
+
+def test_shim_builds_and_loads(tmp_path):
+    """Only where a torch with CUDA's headers and a compiler are installed
+    (about 15 s the first time)."""
+    if shim.unavailable():
+        pytest.skip("the shim cannot be built here: %s" % shim.unavailable())
+    code = r'''
+import tidalloc.shim as shim
+lib = shim.load()
+print(lib.tidalloc_torch_built_for().decode())
+print(sorted(shim.counts()) == sorted(shim.COUNT_NAMES))
+'''
+    env = dict(os.environ, PYTHONPATH=PYTHON_DIR, TIDALLOC_CACHE=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import torch
+    built_for, names_ok = r.stdout.split()[-2:]
+    assert torch.__version__.startswith(built_for)
+    assert names_ok == "True"
