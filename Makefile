@@ -182,7 +182,7 @@ gpu-test-none:
 install: build
 	cmake --install build --prefix "$(PREFIX)"
 
-C_FILES = $(shell find src tools tests examples include fuzz bench \( -name '*.[ch]' -o -name '*.cpp' -o -name '*.cu' \) 2>/dev/null | sort)
+C_FILES = $(shell find src tools tests examples include fuzz bench python \( -name '*.[ch]' -o -name '*.cpp' -o -name '*.cu' \) 2>/dev/null | sort)
 
 format:
 	@scripts/deps.sh format

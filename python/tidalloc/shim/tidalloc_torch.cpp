@@ -59,8 +59,8 @@
 namespace tidalloc_torch {
 
 namespace cca = c10::cuda::CUDACachingAllocator;
-using c10::cuda::MempoolId_t; // c10::MempoolId_t from 2.9, an alias kept here
 using c10::CachingDeviceAllocator::DeviceStats;
+using c10::cuda::MempoolId_t; // c10::MempoolId_t from 2.9, an alias kept here
 
 constexpr int kMaxDevices = 64; // the device fits the low bits of a block address
 constexpr uintptr_t kDeviceBits = 63;
@@ -92,27 +92,28 @@ std::string last_error() {
   return std::string(tide_status_name(tide_last_status())) + ": " + tide_last_error();
 }
 
-void* encode(void* ptr, c10::DeviceIndex device) {
-  return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(ptr) | static_cast<uintptr_t>(device));
+void *encode(void *ptr, c10::DeviceIndex device) {
+  return reinterpret_cast<void *>(reinterpret_cast<uintptr_t>(ptr) |
+                                  static_cast<uintptr_t>(device));
 }
 
-void* decode_ptr(void* ctx) {
-  return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(ctx) & ~kDeviceBits);
+void *decode_ptr(void *ctx) {
+  return reinterpret_cast<void *>(reinterpret_cast<uintptr_t>(ctx) & ~kDeviceBits);
 }
 
-c10::DeviceIndex decode_device(void* ctx) {
+c10::DeviceIndex decode_device(void *ctx) {
   return static_cast<c10::DeviceIndex>(reinterpret_cast<uintptr_t>(ctx) & kDeviceBits);
 }
 
 struct MempoolHash {
-  size_t operator()(const MempoolId_t& id) const {
+  size_t operator()(const MempoolId_t &id) const {
     return std::hash<uint64_t>()(id.first) * 31 + std::hash<uint64_t>()(id.second);
   }
 };
 
 // A MempoolId_t's tidalloc pool, with the users PyTorch counts.
 struct Pool {
-  tide_pool* pool = nullptr;
+  tide_pool *pool = nullptr;
   int uses = 0;
   std::shared_ptr<cca::CUDAAllocator> own_allocator; // a MemPool with its own allocator
   bool use_on_oom = false;
@@ -126,13 +127,14 @@ struct Route {
 };
 
 struct Device {
-  std::atomic<tide_allocator*> alloc{nullptr};
+  std::atomic<tide_allocator *> alloc{nullptr};
   std::mutex mutex; // pools, routes, foreign blocks
   std::unordered_map<MempoolId_t, Pool, MempoolHash> pools;
   std::unordered_map<uint64_t, MempoolId_t> ids; // tide_pool_id -> MempoolId_t
   std::vector<Route> routes;
   std::atomic<int> nroutes{0};
-  std::unordered_map<void*, std::shared_ptr<cca::CUDAAllocator>> foreign; // blocks of own allocators
+  std::unordered_map<void *, std::shared_ptr<cca::CUDAAllocator>>
+      foreign; // blocks of own allocators
   std::atomic<int> nforeign{0};
   double fraction = 1.0;
 };
@@ -142,49 +144,49 @@ std::array<Device, kMaxDevices> devices;
 // Each tidalloc checkpoint, as PyTorch keeps it between getCheckpointState
 // and setCheckpointPoolState.
 struct Checkpoint final : cca::AllocatorState {
-  Checkpoint(tide_checkpoint* k, MempoolId_t id, c10::DeviceIndex device)
+  Checkpoint(tide_checkpoint *k, MempoolId_t id, c10::DeviceIndex device)
       : k(k), id(id), device(device) {}
   ~Checkpoint() override { tide_checkpoint_free(k); }
-  tide_checkpoint* k;
+  tide_checkpoint *k;
   MempoolId_t id;
   c10::DeviceIndex device;
 };
 
-void delete_block(void* ctx);
+void delete_block(void *ctx);
 
 class TidallocAllocator final : public cca::CUDAAllocator {
- public:
+public:
   // ------------------------------------------------------------- allocation
 
   c10::DataPtr allocate(size_t n) override {
     c10::DeviceIndex device = c10::cuda::current_device();
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
-    void* ptr = n ? malloc_on(device, n, stream) : nullptr;
+    void *ptr = n ? malloc_on(device, n, stream) : nullptr;
     return {ptr, ptr ? encode(ptr, device) : nullptr, &delete_block,
             c10::Device(c10::DeviceType::CUDA, device)};
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &delete_block; }
 
-  bool is_simple_data_ptr(const c10::DataPtr& data_ptr) const override {
+  bool is_simple_data_ptr(const c10::DataPtr &data_ptr) const override {
     return data_ptr.get() == decode_ptr(data_ptr.get_context());
   }
 
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
+  void copy_data(void *dest, const void *src, std::size_t count) const override {
     C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
   }
 
-  void* raw_alloc(size_t nbytes) override {
+  void *raw_alloc(size_t nbytes) override {
     c10::DeviceIndex device = c10::cuda::current_device();
     return raw_alloc_with_stream(nbytes, c10::cuda::getCurrentCUDAStream(device).stream());
   }
 
-  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+  void *raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
     if (nbytes == 0) return nullptr;
     return malloc_on(c10::cuda::current_device(), nbytes, stream);
   }
 
-  void raw_delete(void* ptr) override {
+  void raw_delete(void *ptr) override {
     if (!ptr) return;
     c10::DeviceIndex first = c10::cuda::current_device();
     if (free_on(first, ptr, /*quiet_if_foreign=*/true)) return;
@@ -194,10 +196,10 @@ class TidallocAllocator final : public cca::CUDAAllocator {
   }
 
   // Returns whether `ptr` was this device's (freed, or refused with a warning).
-  bool free_on(c10::DeviceIndex device, void* ptr, bool quiet_if_foreign) {
-    Device& d = devices[device];
+  bool free_on(c10::DeviceIndex device, void *ptr, bool quiet_if_foreign) {
+    Device &d = devices[device];
     if (d.nforeign.load(std::memory_order_relaxed) && free_foreign(d, ptr)) return true;
-    tide_allocator* a = d.alloc.load(std::memory_order_acquire);
+    tide_allocator *a = d.alloc.load(std::memory_order_acquire);
     if (!a) return false;
     cudaStream_t hint = c10::cuda::getCurrentCUDAStream(device).stream();
     tide_status st = tide_free_home(a, ptr, reinterpret_cast<tide_stream>(hint));
@@ -221,7 +223,7 @@ class TidallocAllocator final : public cca::CUDAAllocator {
     // tidalloc's empty_cache returns the free memory of every pool without
     // users and of the usual memory: a superset of one pool's.
     for (int d = 0; d < kMaxDevices; d++) {
-      tide_allocator* a = devices[d].alloc.load();
+      tide_allocator *a = devices[d].alloc.load();
       if (a && tide_empty_cache(a) != TIDE_OK)
         TORCH_WARN("tidalloc: empty_cache on device ", d, ": ", last_error());
     }
@@ -232,12 +234,12 @@ class TidallocAllocator final : public cca::CUDAAllocator {
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
     TORCH_CHECK(fraction > 0 && fraction <= 1, "tidalloc: invalid fraction ", fraction,
                 ": it must be in (0, 1]");
-    tide_allocator* a = allocator_of(device);
+    tide_allocator *a = allocator_of(device);
     TORCH_CHECK(tide_set_memory_fraction(a, fraction) == TIDE_OK, "tidalloc: ", last_error());
     devices[device].fraction = fraction;
   }
 
-  void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
+  void cacheInfo(c10::DeviceIndex device, size_t *largest) override {
     if (*largest == 0) { // as PyTorch's: free device memory is the first guess
       size_t total = 0;
       c10::cuda::CUDAGuard guard(device);
@@ -246,17 +248,18 @@ class TidallocAllocator final : public cca::CUDAAllocator {
     tide_layout l;
     if (tide_layout_get(allocator_of(device), &l) != TIDE_OK) return;
     for (size_t i = 0; i < l.num_segments; i++) {
-      const tide_segment_view& s = l.segments[i];
+      const tide_segment_view &s = l.segments[i];
       if (s.capture_pool) continue;
       for (size_t b = s.first_block; b < s.first_block + s.num_blocks; b++)
-        if (l.blocks[b].state == TIDE_BLOCK_FREE) *largest = std::max<size_t>(*largest, l.blocks[b].size);
+        if (l.blocks[b].state == TIDE_BLOCK_FREE)
+          *largest = std::max<size_t>(*largest, l.blocks[b].size);
     }
     tide_layout_free(&l);
   }
 
-  void* getBaseAllocation(void* ptr, size_t* size) override {
+  void *getBaseAllocation(void *ptr, size_t *size) override {
     c10::DeviceIndex device = c10::cuda::current_device();
-    void* base = nullptr;
+    void *base = nullptr;
     size_t bytes = 0;
     TORCH_CHECK(tide_block_info(allocator_of(device), ptr, &base, &bytes, nullptr) == TIDE_OK,
                 "tidalloc: getBaseAllocation: ", last_error());
@@ -264,10 +267,10 @@ class TidallocAllocator final : public cca::CUDAAllocator {
     return base;
   }
 
-  void recordStream(const c10::DataPtr& data_ptr, c10::cuda::CUDAStream stream) override {
+  void recordStream(const c10::DataPtr &data_ptr, c10::cuda::CUDAStream stream) override {
     if (!data_ptr.get() || data_ptr.get_deleter() != &delete_block) return;
     c10::DeviceIndex device = decode_device(data_ptr.get_context());
-    Device& d = devices[device];
+    Device &d = devices[device];
     if (d.nforeign.load() && is_foreign(d, data_ptr.get())) return;
     tide_status st = tide_record_stream(allocator_of(device), data_ptr.get(),
                                         reinterpret_cast<tide_stream>(stream.stream()));
@@ -308,8 +311,7 @@ class TidallocAllocator final : public cca::CUDAAllocator {
   }
 
   void resetPeakStats(c10::DeviceIndex device) override {
-    TORCH_CHECK(tide_reset_peak_stats(allocator_of(device)) == TIDE_OK, "tidalloc: ",
-                last_error());
+    TORCH_CHECK(tide_reset_peak_stats(allocator_of(device)) == TIDE_OK, "tidalloc: ", last_error());
   }
 
 #if TIDE_TORCH_AT_LEAST(10)
@@ -324,10 +326,10 @@ class TidallocAllocator final : public cca::CUDAAllocator {
   cca::SnapshotInfo snapshot(MempoolId_t mempool_id = {0, 0}) override {
 #endif
     cca::SnapshotInfo info{};
-    for (int d = 0; d < kMaxDevices; d++) {
+    int count = std::min<int>(c10::cuda::device_count(), kMaxDevices);
+    for (int d = 0; d < count; d++) {
       if (devices[d].alloc.load()) add_segments(info, static_cast<c10::DeviceIndex>(d), mempool_id);
-      info.device_traces.emplace_back();
-      if (!devices[d].alloc.load() && d >= c10::cuda::device_count()) break;
+      info.device_traces.emplace_back(); // no history is recorded
     }
     info.config_metadata.expandable_segments = true;
     info.config_metadata.last_allocator_settings = "tidalloc";
@@ -339,10 +341,10 @@ class TidallocAllocator final : public cca::CUDAAllocator {
   void beginAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id,
                            std::function<bool(cudaStream_t)> filter) override {
     count(kBeginAllocateToPool);
-    tide_allocator* a = allocator_of(device);
-    Device& d = devices[device];
+    tide_allocator *a = allocator_of(device);
+    Device &d = devices[device];
     std::lock_guard<std::mutex> lock(d.mutex);
-    for (const Route& r : d.routes)
+    for (const Route &r : d.routes)
       TORCH_CHECK(r.id != mempool_id, "tidalloc: beginAllocateToPool: already allocating to pool (",
                   mempool_id.first, ", ", mempool_id.second, ")");
     incref_locked(d, a, mempool_id, nullptr);
@@ -353,13 +355,13 @@ class TidallocAllocator final : public cca::CUDAAllocator {
 
   void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
     count(kEndAllocateToPool);
-    Device& d = devices[device];
-    tide_allocator* a = allocator_of(device);
+    Device &d = devices[device];
+    tide_allocator *a = allocator_of(device);
     std::lock_guard<std::mutex> lock(d.mutex);
     auto it = std::find_if(d.routes.begin(), d.routes.end(),
-                           [&](const Route& r) { return r.id == mempool_id; });
-    TORCH_CHECK(it != d.routes.end(), "tidalloc: endAllocateToPool: pool (", mempool_id.first,
-                ", ", mempool_id.second, ") is not being allocated to");
+                           [&](const Route &r) { return r.id == mempool_id; });
+    TORCH_CHECK(it != d.routes.end(), "tidalloc: endAllocateToPool: pool (", mempool_id.first, ", ",
+                mempool_id.second, ") is not being allocated to");
     d.routes.erase(it);
     d.nroutes.store(static_cast<int>(d.routes.size()), std::memory_order_release);
     if (tide_capture_watch_end(a) != TIDE_OK)
@@ -368,7 +370,7 @@ class TidallocAllocator final : public cca::CUDAAllocator {
 
   void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
     count(kReleasePool);
-    Device& d = devices[device];
+    Device &d = devices[device];
     std::lock_guard<std::mutex> lock(d.mutex);
     auto it = d.pools.find(mempool_id);
     if (it == d.pools.end()) {
@@ -376,7 +378,7 @@ class TidallocAllocator final : public cca::CUDAAllocator {
                  ") on device ", static_cast<int>(device));
       return;
     }
-    Pool& p = it->second;
+    Pool &p = it->second;
     uint64_t tide_id = tide_pool_id(p.pool);
     if (tide_pool_release(p.pool) != TIDE_OK && tide_last_status() != TIDE_ERR_NOT_READY)
       TORCH_WARN("tidalloc: releasePool: ", last_error());
@@ -387,7 +389,7 @@ class TidallocAllocator final : public cca::CUDAAllocator {
   }
 
   int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) override {
-    Device& d = devices[device];
+    Device &d = devices[device];
     std::lock_guard<std::mutex> lock(d.mutex);
     auto it = d.pools.find(mempool_id);
     return it == d.pools.end() ? 0 : it->second.uses;
@@ -398,13 +400,13 @@ class TidallocAllocator final : public cca::CUDAAllocator {
                           std::shared_ptr<cca::CUDAAllocator> allocator = nullptr) override {
 #else
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t mempool_id,
-                          cca::CUDAAllocator* raw_allocator = nullptr) override {
+                          cca::CUDAAllocator *raw_allocator = nullptr) override {
     // Before 2.11 a pointer, which its MemPool keeps alive.
-    std::shared_ptr<cca::CUDAAllocator> allocator(raw_allocator, [](cca::CUDAAllocator*) {});
+    std::shared_ptr<cca::CUDAAllocator> allocator(raw_allocator, [](cca::CUDAAllocator *) {});
 #endif
     count(kCreateOrIncrefPool);
-    tide_allocator* a = allocator_of(device);
-    Device& d = devices[device];
+    tide_allocator *a = allocator_of(device);
+    Device &d = devices[device];
     std::lock_guard<std::mutex> lock(d.mutex);
     if (allocator.get() == this) allocator = nullptr;
     incref_locked(d, a, mempool_id, std::move(allocator));
@@ -416,7 +418,7 @@ class TidallocAllocator final : public cca::CUDAAllocator {
   void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id) override {
     bool use_on_oom = true;
 #endif
-    Device& d = devices[device];
+    Device &d = devices[device];
     std::lock_guard<std::mutex> lock(d.mutex);
     auto it = d.pools.find(mempool_id);
     if (it != d.pools.end()) it->second.use_on_oom = use_on_oom;
@@ -429,15 +431,15 @@ class TidallocAllocator final : public cca::CUDAAllocator {
 #endif
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
-                                const std::unordered_set<void*>& expected) override {
+                                const std::unordered_set<void *> &expected) override {
     count(kCheckPoolLiveAllocations);
-    Device& d = devices[device];
+    Device &d = devices[device];
     std::lock_guard<std::mutex> lock(d.mutex);
     auto it = d.pools.find(mempool_id);
     if (it == d.pools.end()) return expected.empty();
-    std::vector<void*> live = pool_allocated(it->second.pool);
+    std::vector<void *> live = pool_allocated(it->second.pool);
     if (live.size() != expected.size()) return false;
-    for (void* p : live)
+    for (void *p : live)
       if (!expected.count(p)) return false;
     return true;
   }
@@ -445,12 +447,12 @@ class TidallocAllocator final : public cca::CUDAAllocator {
   std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device,
                                                           MempoolId_t id) override {
     count(kGetCheckpointState);
-    Device& d = devices[device];
+    Device &d = devices[device];
     std::lock_guard<std::mutex> lock(d.mutex);
     auto it = d.pools.find(id);
     TORCH_CHECK(it != d.pools.end(), "tidalloc: getCheckpointState: no pool (", id.first, ", ",
                 id.second, ") on device ", static_cast<int>(device));
-    tide_checkpoint* k = nullptr;
+    tide_checkpoint *k = nullptr;
     TORCH_CHECK(tide_pool_checkpoint(it->second.pool, &k) == TIDE_OK, "tidalloc: ", last_error());
     return std::make_shared<Checkpoint>(k, id, device);
   }
@@ -458,16 +460,16 @@ class TidallocAllocator final : public cca::CUDAAllocator {
   cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex device,
                                               std::shared_ptr<cca::AllocatorState> state) override {
     count(kSetCheckpointPoolState);
-    auto* ck = dynamic_cast<Checkpoint*>(state.get());
+    auto *ck = dynamic_cast<Checkpoint *>(state.get());
     TORCH_CHECK(ck, "tidalloc: setCheckpointPoolState: not a checkpoint of tidalloc's");
-    Device& d = devices[ck->device];
+    Device &d = devices[ck->device];
     std::lock_guard<std::mutex> lock(d.mutex);
     auto it = d.pools.find(ck->id);
-    TORCH_CHECK(it != d.pools.end(), "tidalloc: setCheckpointPoolState: pool (", ck->id.first,
-                ", ", ck->id.second, ") is gone");
+    TORCH_CHECK(it != d.pools.end(), "tidalloc: setCheckpointPoolState: pool (", ck->id.first, ", ",
+                ck->id.second, ") is gone");
     tide_restore_delta delta;
-    TORCH_CHECK(tide_pool_restore(it->second.pool, ck->k, &delta) == TIDE_OK, "tidalloc: ",
-                last_error());
+    TORCH_CHECK(tide_pool_restore(it->second.pool, ck->k, &delta) == TIDE_OK,
+                "tidalloc: ", last_error());
     return to_torch_delta(*ck, delta);
   }
 
@@ -477,7 +479,7 @@ class TidallocAllocator final : public cca::CUDAAllocator {
 
 #if TIDE_TORCH_AT_LEAST(11)
   void recordHistory(bool enabled, cca::CreateContextFn, size_t, cca::RecordContext, bool,
-                     const std::vector<std::string>&) override {
+                     const std::vector<std::string> &) override {
 #else
   void recordHistory(bool enabled, cca::CreateContextFn, size_t, cca::RecordContext,
                      bool) override {
@@ -496,7 +498,7 @@ class TidallocAllocator final : public cca::CUDAAllocator {
 
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker) override {}
 
-  cca::ShareableHandle shareIpcHandle(void*) override {
+  cca::ShareableHandle shareIpcHandle(void *) override {
     TORCH_CHECK(false, "tidalloc: CUDA IPC handles do not cover tidalloc's memory; "
                        "tidalloc.torch.install() sends CUDA tensors between processes through "
                        "tidalloc's sharing (tidalloc.share)");
@@ -517,7 +519,7 @@ class TidallocAllocator final : public cca::CUDAAllocator {
     }
   }
 
-  cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
+  cudaError_t memcpyAsync(void *dst, int dstDevice, const void *src, int srcDevice, size_t count,
                           cudaStream_t stream, bool p2p_enabled) override {
     if (p2p_enabled || dstDevice == srcDevice)
       return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
@@ -526,21 +528,21 @@ class TidallocAllocator final : public cca::CUDAAllocator {
 
   std::string name() override { return "tidalloc"; }
 
- private:
+private:
   bool initialized_ = false;
   bool enabled_ = true;
   std::mutex observers_mutex_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
 
-  static void put(c10::CachingAllocator::Stat& to, const tide_stat& from) {
+  static void put(c10::CachingAllocator::Stat &to, const tide_stat &from) {
     to.current = from.current;
     to.peak = from.peak;
   }
 
-  tide_allocator* allocator_of(c10::DeviceIndex device) {
+  tide_allocator *allocator_of(c10::DeviceIndex device) {
     TORCH_CHECK(device >= 0 && device < kMaxDevices, "tidalloc: device ", static_cast<int>(device),
                 " is out of range");
-    tide_allocator* a = devices[device].alloc.load(std::memory_order_acquire);
+    tide_allocator *a = devices[device].alloc.load(std::memory_order_acquire);
     if (a) return a;
     a = tide_device(device);
     TORCH_CHECK(a, "tidalloc: device ", static_cast<int>(device), ": ", last_error());
@@ -549,7 +551,7 @@ class TidallocAllocator final : public cca::CUDAAllocator {
   }
 
   // Under d.mutex: one more user of the pool, made if new.
-  void incref_locked(Device& d, tide_allocator* a, MempoolId_t id,
+  void incref_locked(Device &d, tide_allocator *a, MempoolId_t id,
                      std::shared_ptr<cca::CUDAAllocator> own) {
     auto it = d.pools.find(id);
     if (it != d.pools.end()) {
@@ -565,23 +567,23 @@ class TidallocAllocator final : public cca::CUDAAllocator {
     d.pools.emplace(id, std::move(p));
   }
 
-  void* malloc_on(c10::DeviceIndex device, size_t n, cudaStream_t stream) {
-    tide_allocator* a = allocator_of(device);
-    Device& d = devices[device];
+  void *malloc_on(c10::DeviceIndex device, size_t n, cudaStream_t stream) {
+    tide_allocator *a = allocator_of(device);
+    Device &d = devices[device];
     if (d.nroutes.load(std::memory_order_acquire)) {
-      void* p = nullptr;
+      void *p = nullptr;
       if (routed_malloc(d, n, stream, &p)) return p;
     }
-    void* p = tide_malloc(a, n, reinterpret_cast<tide_stream>(stream));
+    void *p = tide_malloc(a, n, reinterpret_cast<tide_stream>(stream));
     return p ? p : out_of_memory(device, n, stream);
   }
 
   // Whether a route took the allocation: *out is the block (or an exception).
-  bool routed_malloc(Device& d, size_t n, cudaStream_t stream, void** out) {
+  bool routed_malloc(Device &d, size_t n, cudaStream_t stream, void **out) {
     std::unique_lock<std::mutex> lock(d.mutex);
-    for (const Route& r : d.routes) {
+    for (const Route &r : d.routes) {
       if (!r.filter(stream)) continue;
-      Pool& pool = d.pools.at(r.id);
+      Pool &pool = d.pools.at(r.id);
       count(kPoolAllocations);
       if (pool.own_allocator) {
         *out = pool.own_allocator->raw_alloc_with_stream(n, stream);
@@ -602,16 +604,16 @@ class TidallocAllocator final : public cca::CUDAAllocator {
 
   // The usual memory failed: pools marked use_on_oom, then the observers and
   // PyTorch's out-of-memory error with tidalloc's message.
-  void* out_of_memory(c10::DeviceIndex device, size_t n, cudaStream_t stream) {
+  void *out_of_memory(c10::DeviceIndex device, size_t n, cudaStream_t stream) {
     std::string why = last_error();
-    TORCH_CHECK_WITH(OutOfMemoryError, tide_last_status() == TIDE_ERR_OOM || why.empty(),
-                     "tidalloc: allocating ", n, " bytes failed: ", why);
-    Device& d = devices[device];
+    TORCH_CHECK(tide_last_status() == TIDE_ERR_OOM, "tidalloc: allocating ", n,
+                " bytes failed: ", why); // not for lack of memory: a plain error
+    Device &d = devices[device];
     {
       std::lock_guard<std::mutex> lock(d.mutex);
-      for (auto& [id, pool] : d.pools) {
+      for (auto &[id, pool] : d.pools) {
         if (!pool.use_on_oom || pool.own_allocator) continue;
-        void* p = tide_pool_malloc(pool.pool, n, reinterpret_cast<tide_stream>(stream));
+        void *p = tide_pool_malloc(pool.pool, n, reinterpret_cast<tide_stream>(stream));
         if (p) return p;
       }
     }
@@ -625,25 +627,25 @@ class TidallocAllocator final : public cca::CUDAAllocator {
       (void)cudaMemGetInfo(&free_bytes, &total);
       tide_stats st;
       tide_get_stats(allocator_of(device), &st);
-      for (auto& o : observers)
+      for (auto &o : observers)
         o(device, static_cast<size_t>(st.allocated_bytes[0].current), total, free_bytes);
     }
     throw_oom(n, why);
     return nullptr;
   }
 
-  [[noreturn]] static void throw_oom(size_t n, const std::string& why) {
+  [[noreturn]] static void throw_oom(size_t n, const std::string &why) {
     TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory (tidalloc). Tried to allocate ",
                      n, " bytes. ", why);
     abort(); // not reached: TORCH_CHECK_WITH throws
   }
 
-  static bool is_foreign(Device& d, void* ptr) {
+  static bool is_foreign(Device &d, void *ptr) {
     std::lock_guard<std::mutex> lock(d.mutex);
     return d.foreign.count(ptr) != 0;
   }
 
-  static bool free_foreign(Device& d, void* ptr) {
+  static bool free_foreign(Device &d, void *ptr) {
     std::shared_ptr<cca::CUDAAllocator> owner;
     {
       std::lock_guard<std::mutex> lock(d.mutex);
@@ -657,13 +659,13 @@ class TidallocAllocator final : public cca::CUDAAllocator {
     return true;
   }
 
-  static std::vector<void*> pool_allocated(tide_pool* pool) {
+  static std::vector<void *> pool_allocated(tide_pool *pool) {
     size_t n = 0;
     TORCH_CHECK(tide_pool_allocated(pool, nullptr, 0, &n) == TIDE_OK, "tidalloc: ", last_error());
-    std::vector<void*> out(n + 16);
+    std::vector<void *> out(n + 16);
     for (;;) {
-      TORCH_CHECK(tide_pool_allocated(pool, out.data(), out.size(), &n) == TIDE_OK, "tidalloc: ",
-                  last_error());
+      TORCH_CHECK(tide_pool_allocated(pool, out.data(), out.size(), &n) == TIDE_OK,
+                  "tidalloc: ", last_error());
       if (n <= out.size()) break;
       out.resize(n + 16);
     }
@@ -673,16 +675,17 @@ class TidallocAllocator final : public cca::CUDAAllocator {
 
   // PyTorch's delta: freed are all blocks allocated before the restore (the
   // released ones and those that stayed), allocated all of the checkpoint's.
-  static cca::CheckpointDelta to_torch_delta(const Checkpoint& ck, tide_restore_delta& delta) {
-    std::vector<void*> allocd(tide_checkpoint_allocated(ck.k, nullptr, 0));
+  static cca::CheckpointDelta to_torch_delta(const Checkpoint &ck, tide_restore_delta &delta) {
+    std::vector<void *> allocd(tide_checkpoint_allocated(ck.k, nullptr, 0));
     tide_checkpoint_allocated(ck.k, allocd.data(), allocd.size());
-    std::unordered_set<void*> restored(delta.restored, delta.restored + delta.nrestored);
+    std::unordered_set<void *> restored(delta.restored, delta.restored + delta.nrestored);
     cca::CheckpointDelta out;
     out.ptrs_freed.assign(delta.released, delta.released + delta.nreleased);
-    for (void* p : allocd)
+    for (void *p : allocd)
       if (!restored.count(p)) out.ptrs_freed.push_back(p);
     c10::Device dev(c10::DeviceType::CUDA, ck.device);
-    for (void* p : allocd) out.dataptrs_allocd.emplace_back(p, encode(p, ck.device), &delete_block, dev);
+    for (void *p : allocd)
+      out.dataptrs_allocd.emplace_back(p, encode(p, ck.device), &delete_block, dev);
     tide_restore_delta_free(&delta);
     return out;
   }
@@ -690,7 +693,7 @@ class TidallocAllocator final : public cca::CUDAAllocator {
   // The device's segments as PyTorch's: each run of mapped blocks of a
   // segment is one SegmentInfo (PyTorch's tools place blocks one after the
   // other from the segment's address).
-  void add_segments(cca::SnapshotInfo& info, c10::DeviceIndex device, MempoolId_t only) {
+  void add_segments(cca::SnapshotInfo &info, c10::DeviceIndex device, MempoolId_t only) {
     tide_layout l;
     if (tide_layout_get(devices[device].alloc.load(), &l) != TIDE_OK) return;
     std::unordered_map<uint64_t, MempoolId_t> ids;
@@ -699,7 +702,7 @@ class TidallocAllocator final : public cca::CUDAAllocator {
       ids = devices[device].ids;
     }
     for (size_t i = 0; i < l.num_segments; i++) {
-      const tide_segment_view& s = l.segments[i];
+      const tide_segment_view &s = l.segments[i];
       MempoolId_t owner{0, 0};
       if (s.capture_pool) {
         auto it = ids.find(s.capture_pool);
@@ -711,12 +714,11 @@ class TidallocAllocator final : public cca::CUDAAllocator {
     tide_layout_free(&l);
   }
 
-  static void add_runs(cca::SnapshotInfo& info, c10::DeviceIndex device,
-                       const tide_segment_view& s, const tide_block_view* blocks,
-                       MempoolId_t owner) {
-    cca::SegmentInfo* seg = nullptr;
+  static void add_runs(cca::SnapshotInfo &info, c10::DeviceIndex device, const tide_segment_view &s,
+                       const tide_block_view *blocks, MempoolId_t owner) {
+    cca::SegmentInfo *seg = nullptr;
     for (size_t b = s.first_block; b < s.first_block + s.num_blocks; b++) {
-      const tide_block_view& v = blocks[b];
+      const tide_block_view &v = blocks[b];
       if (v.state == TIDE_BLOCK_UNMAPPED) {
         seg = nullptr;
         continue;
@@ -745,12 +747,12 @@ class TidallocAllocator final : public cca::CUDAAllocator {
   }
 };
 
-std::shared_ptr<TidallocAllocator>& the_allocator() {
-  static auto* a = new std::shared_ptr<TidallocAllocator>(std::make_shared<TidallocAllocator>());
+std::shared_ptr<TidallocAllocator> &the_allocator() {
+  static auto *a = new std::shared_ptr<TidallocAllocator>(std::make_shared<TidallocAllocator>());
   return *a; // never destroyed: tensors may die after static destructors ran
 }
 
-void delete_block(void* ctx) {
+void delete_block(void *ctx) {
   the_allocator()->free_on(decode_device(ctx), decode_ptr(ctx), /*quiet_if_foreign=*/false);
 }
 
@@ -763,11 +765,11 @@ void delete_block(void* ctx) {
 extern "C" {
 
 // Make tidalloc PyTorch's CUDA allocator. 0, or -1 with the reason in `err`.
-__attribute__((visibility("default"))) int tidalloc_torch_install(char* err, size_t len) {
+__attribute__((visibility("default"))) int tidalloc_torch_install(char *err, size_t len) {
   try {
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(tidalloc_torch::the_allocator());
     return 0;
-  } catch (const std::exception& e) {
+  } catch (const std::exception &e) {
     if (err && len) std::snprintf(err, len, "%s", e.what());
     return -1;
   }
@@ -775,14 +777,14 @@ __attribute__((visibility("default"))) int tidalloc_torch_install(char* err, siz
 
 // How often PyTorch called the graph-pool methods, in the order of
 // tidalloc_torch::Count; returns how many counts there are.
-__attribute__((visibility("default"))) int tidalloc_torch_counts(uint64_t* out, int n) {
+__attribute__((visibility("default"))) int tidalloc_torch_counts(uint64_t *out, int n) {
   for (int i = 0; i < n && i < tidalloc_torch::kNumCounts; i++)
     out[i] = tidalloc_torch::counts[i].load();
   return tidalloc_torch::kNumCounts;
 }
 
 // The torch version the shim was built for, as "2.11".
-__attribute__((visibility("default"))) const char* tidalloc_torch_built_for(void) {
+__attribute__((visibility("default"))) const char *tidalloc_torch_built_for(void) {
   return TIDE_TORCH_BUILT_FOR;
 }
 
