@@ -104,7 +104,7 @@ if want upstream; then
       (cd "$upstream/$(dirname "$f")" &&
         TIDALLOC_INSTALL=$([[ $alloc == tidalloc ]] && echo 1 || echo 0) \
         PYTHONPATH=$OLDPWD/tests/torch/upstream:$PYTHONPATH \
-        timeout "${UPSTREAM_SECONDS:-400}" "$py" -m pytest -q -p no:cacheprovider -p upstream_compat \
+        timeout -s INT -k 30 "${UPSTREAM_SECONDS:-400}" "$py" -m pytest -q -p no:cacheprovider -p upstream_compat \
           -n "${UPSTREAM_JOBS:-7}" "$(basename "$f")" "${sel[@]}" --junitxml="$out/${base}_$alloc.xml" \
           >"$out/${base}_$alloc.log" 2>&1; echo $? >"$out/${base}_$alloc.rc") &
     done
@@ -112,8 +112,8 @@ if want upstream; then
     for alloc in native tidalloc; do
       note "upstream $base $alloc: exit $(cat "$out/${base}_$alloc.rc") ($((SECONDS - t0)) s): $(tail -1 "$out/${base}_$alloc.log")"
     done
-    "$py" tests/torch/upstream/compare_junit.py "$out/${base}_native.xml" "$out/${base}_tidalloc.xml" \
-      >"$out/${base}_compare.txt" 2>&1
+    "$py" tests/torch/upstream/compare_junit.py --common "$out/${base}_native.xml" \
+      "$out/${base}_tidalloc.xml" >"$out/${base}_compare.txt" 2>&1
     tail -5 "$out/${base}_compare.txt" | tee -a "$summary"
   done
 fi

@@ -4,7 +4,9 @@ tidalloc, side by side, from the JUnit XML files pytest wrote.
 Prints the counts of each (passed, failed, skipped, errors), every test
 whose outcome differs, and last the tests that pass under the native
 allocator only. --known names tests (one per line, "name  reason") that
-inspect the native allocator's internals: they are listed apart."""
+inspect the native allocator's internals: they are listed apart. --common
+compares only the tests both runs reached (runs stopped by a time limit
+write the tests they finished)."""
 import argparse
 import sys
 import xml.etree.ElementTree as ET
@@ -32,8 +34,14 @@ def main():
     p.add_argument("native")
     p.add_argument("tidalloc")
     p.add_argument("--known")
+    p.add_argument("--common", action="store_true",
+                   help="compare only the tests that both runs reached")
     a = p.parse_args()
     n, t = outcomes(a.native), outcomes(a.tidalloc)
+    if a.common:  # runs cut short: compare the tests both ran
+        both = set(n) & set(t)
+        n = {k: v for k, v in n.items() if k in both}
+        t = {k: v for k, v in t.items() if k in both}
     known = {}
     if a.known:
         for line in open(a.known):
