@@ -3,6 +3,7 @@
  * atomic parsing, sources, clone and diff, and garbage that must be refused
  * without harm. */
 #include <locale.h>
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -107,8 +108,33 @@ static void test_defaults(void **state) {
   assert_string_equal(get(config, "release_holes"), "True");
   assert_string_equal(get(config, "load_handles"), "True");
   assert_string_equal(get(config, "release_slack"), "0.017");
-  assert_string_equal(get(config, "release_limit"), "0.0175");
-  assert_string_equal(get(config, "wait_limit"), "0.019");
+  assert_string_equal(get(config, "release_limit"), "auto");
+  assert_string_equal(get(config, "wait_limit"), "auto");
+  tide_config_free(config);
+}
+
+/* release_limit and wait_limit follow release_slack unless set: at the
+ * default slack they are the figures measured best (0.0175, 0.019), and one
+ * figure moves all three. */
+static void test_release_thresholds_follow_the_slack(void **state) {
+  (void)state;
+  tide_config *config = new_config();
+  _tide_conf_values v = *_tide_config_values(config);
+  _tide_conf_derive(&v);
+  assert_true(fabs(v.release_limit - 0.0175) < 1e-12);
+  assert_true(fabs(v.wait_limit - 0.019) < 1e-12);
+  assert_int_equal(tide_config_parse(config, "release_slack:0.05"), TIDE_OK);
+  v = *_tide_config_values(config);
+  _tide_conf_derive(&v);
+  assert_true(fabs(v.release_limit - 0.05 * 35 / 34) < 1e-12);
+  assert_true(fabs(v.wait_limit - 0.05 * 19 / 17) < 1e-12);
+  assert_int_equal(tide_config_parse(config, "wait_limit:0.3"), TIDE_OK); /* set: kept */
+  v = *_tide_config_values(config);
+  _tide_conf_derive(&v);
+  assert_true(v.wait_limit == 0.3);
+  assert_true(fabs(v.release_limit - 0.05 * 35 / 34) < 1e-12);
+  assert_int_equal(tide_config_parse(config, "release_limit:auto,wait_limit:auto"), TIDE_OK);
+  assert_string_equal(get(config, "wait_limit"), "auto");
   tide_config_free(config);
 }
 
@@ -216,6 +242,7 @@ static void test_good_values(void **state) {
       {"release_limit", "0.02", "0.02"},
       {"wait_limit", "0", "0"},
       {"wait_limit", "0.019", "0.019"},
+      {"wait_limit", "auto", "auto"},
       {"host_queue_depth", "0", "0"},
       {"host_queue_depth", "64", "64"},
       {"trace", "0", "0"},
@@ -870,6 +897,7 @@ int main(void) {
       cmocka_unit_test(test_get),
       cmocka_unit_test(test_null_arguments),
       cmocka_unit_test(test_garbage),
+      cmocka_unit_test(test_release_thresholds_follow_the_slack),
       cmocka_unit_test(test_decimal_round_trip),
       cmocka_unit_test(test_locale_independent),
   };
