@@ -37,11 +37,12 @@ struct trace_reader {
   double file_bytes; /* 0: unknown */
   uint64_t raw_read; /* bytes of the file read so far */
   bool raw_end;
-  uint8_t in[IN_BYTES];
+  uint8_t in[IN_BYTES + 1]; /* + 1: the first byte kept while reading the second */
   size_t in_len, in_pos;
   bool gzip, z_ready;
   bool member_done;  /* inflate reached the end of a gzip member */
   bool later_member; /* inflating a member after the first */
+  bool z_failed;     /* inflate failed after output still to be read */
   z_stream z;
   uint8_t out[OUT_BYTES];
   const uint8_t *text; /* decoded bytes: in (plain) or out (gzip) */
@@ -139,6 +140,12 @@ static int fail_trailing(trace_reader *r, uint64_t offset) {
 /* Make r->text hold more decoded bytes: 1, 0 at the end of the trace, -1. */
 static int more_text(trace_reader *r) {
   r->text_len = r->text_pos = 0;
+  if (r->z_failed) {
+    if (r->later_member && r->z.total_out == 0)
+      return fail_trailing(r, r->raw_read - (r->in_len - r->in_pos) - r->z.total_in);
+    return fail_file(r, "corrupt gzip data after line %llu: %s", (unsigned long long)r->line_no,
+                     r->z.msg ? r->z.msg : "inflate failed");
+  }
   for (;;) {
     if (r->in_pos == r->in_len) {
       int got = fill_raw(r);
@@ -178,10 +185,9 @@ static int more_text(trace_reader *r) {
     } else if (zr == Z_MEM_ERROR) {
       return fail(r, "out of memory inflating the gzip stream");
     } else if (zr != Z_OK && zr != Z_BUF_ERROR) {
-      if (r->later_member && r->z.total_out == 0)
-        return fail_trailing(r, r->raw_read - (r->in_len - r->in_pos) - r->z.total_in);
-      return fail_file(r, "corrupt gzip data after line %llu: %s", (unsigned long long)r->line_no,
-                       r->z.msg ? r->z.msg : "inflate failed");
+      /* Reported once the text before the fault has been read. */
+      r->z_failed = true;
+      if (produced == 0) return more_text(r);
     }
     if (produced) {
       r->text = r->out;
@@ -411,7 +417,13 @@ static bool reader_start(trace_reader *r) {
     fail(r, "the file is empty; a trace starts with the line '%s'", TRACE_HEADER);
     return false;
   }
-  /* A file whose first read ends after 1 byte: at most the start of a magic. */
+  if (r->in_len == 1 && r->in[0] == 0x1f) {
+    /* A first read of 1 byte: the second says whether it is gzip's magic. */
+    if (fill_raw(r) < 0) return false;
+    memmove(r->in + 1, r->in, r->in_len);
+    r->in[0] = 0x1f;
+    r->in_len++;
+  }
   if (r->in_len >= 2 && r->in[0] == 0x1f && r->in[1] == 0x8b) {
     r->gzip = true;
     if (inflateInit2(&r->z, 15 + 16) != Z_OK) {
@@ -430,6 +442,7 @@ static bool reader_start(trace_reader *r) {
     return false;
   }
   if (got > 0 && len > 0 && line[len - 1] == '\r') len--;
+  if (got == 0) r->line_no = 0; /* only empty lines: an error of the file */
   if (got == 0 || len != strlen(TRACE_HEADER) || memcmp(line, TRACE_HEADER, len) != 0) {
     char shown[FIELD_SHOWN * 4 + 8];
     printable(shown, sizeof shown, got > 0 ? line : "", got > 0 ? len : 0, FIELD_SHOWN);
