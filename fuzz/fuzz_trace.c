@@ -19,7 +19,7 @@
 #include "fuzz.h"
 #include "trace_read.h"
 
-#define NAME "in\x1b.csv"   /* an escape in the name: messages must show it escaped */
+#define NAME "in\x1b.csv" /* an escape in the name: messages must show it escaped */
 #define NAME_SHOWN "in\\x1b.csv"
 #define MAX_EVENTS 4096
 
@@ -174,7 +174,8 @@ static void expect_same(const outcome *a, const outcome *b, const char *what, bo
            b->error);
   FZ_CHECK(a->error_line == b->error_line, "%s: error at line %llu, expected line %llu: %s", what,
            (unsigned long long)b->error_line, (unsigned long long)a->error_line, b->error);
-  if (messages) FZ_CHECK(strcmp(a->error, b->error) == 0, "%s: '%s', expected '%s'", what, b->error, a->error);
+  if (messages)
+    FZ_CHECK(strcmp(a->error, b->error) == 0, "%s: '%s', expected '%s'", what, b->error, a->error);
 }
 
 /* `size` bytes gzip'd; the stream is cut in two members at `split`. */

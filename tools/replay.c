@@ -297,6 +297,8 @@ static void print_keys(const char *path, const trace_streams *streams, const rep
   printf("stream_waits %llu\n", (unsigned long long)r->stats.stream_waits);
   printf("seconds %.3f\n", r->seconds);
   printf("ns_per_event %.1f\n", r->events ? r->seconds * 1e9 / (double)r->events : 0.0);
+  /* Always 0: a malformed line stops the replay. Kept for scripts that read it. */
+  printf("malformed_lines 0\n");
   printf("unknown_frees %llu\n", (unsigned long long)r->unknown_frees);
   printf("duplicate_allocs %llu\n", (unsigned long long)r->duplicate_allocs);
   printf("size_mismatches %llu\n", (unsigned long long)r->size_mismatches);

@@ -133,8 +133,9 @@ static int fill_raw(trace_reader *r) {
 }
 
 static int fail_trailing(trace_reader *r, uint64_t offset) {
-  return fail_file(r, "data after the end of the gzip stream, at byte %llu of the file (after line %llu)",
-              (unsigned long long)offset, (unsigned long long)r->last_t_line);
+  return fail_file(
+      r, "data after the end of the gzip stream, at byte %llu of the file (after line %llu)",
+      (unsigned long long)offset, (unsigned long long)r->last_t_line);
 }
 
 /* Make r->text hold more decoded bytes: 1, 0 at the end of the trace, -1. */
@@ -154,8 +155,9 @@ static int more_text(trace_reader *r) {
         if (!r->gzip || r->member_done) return 0;
         if (r->later_member && r->z.total_out == 0)
           return fail_trailing(r, r->raw_read - r->z.total_in);
-        return fail_file(r, "the gzip stream ends early (the file is cut short), after %llu "
-                            "whole line(s)",
+        return fail_file(r,
+                         "the gzip stream ends early (the file is cut short), after %llu "
+                         "whole line(s)",
                          (unsigned long long)r->line_no);
       }
     }
@@ -167,8 +169,7 @@ static int more_text(trace_reader *r) {
     }
     if (r->member_done) {
       /* After a gzip member: another member (as `cat a.gz b.gz` makes), or junk. */
-      if (r->in[r->in_pos] != 0x1f)
-        return fail_trailing(r, r->raw_read - (r->in_len - r->in_pos));
+      if (r->in[r->in_pos] != 0x1f) return fail_trailing(r, r->raw_read - (r->in_len - r->in_pos));
       if (inflateReset(&r->z) != Z_OK) return fail(r, "zlib cannot start a gzip member");
       r->member_done = false;
       r->later_member = true;
@@ -373,7 +374,8 @@ static int parse_event(trace_reader *r, const char *line, size_t len, trace_even
 thorough:
   if (parse_fields(r, line, len, ev) < 0) return -1;
 checks:
-  if (ev->is_alloc && ev->size == 0) return fail(r, "malformed field 4 (size): an alloc of 0 bytes");
+  if (ev->is_alloc && ev->size == 0)
+    return fail(r, "malformed field 4 (size): an alloc of 0 bytes");
   if (ev->t_us < r->last_t_us) {
     return fail(r, "t_us %llu is earlier than the %llu of line %llu (timestamps may not decrease)",
                 (unsigned long long)ev->t_us, (unsigned long long)r->last_t_us,

@@ -74,54 +74,64 @@ def library_path():
                   % ", ".join(tried))
 
 
+class TidallocError(RuntimeError):
+    pass
+
+
 _lib = None
 
 
 def lib():
     global _lib
     if _lib is None:
-        l = ctypes.CDLL(library_path())
-        l.tide_device.restype = ctypes.c_void_p
-        l.tide_device.argtypes = [ctypes.c_int]
-        l.tide_last_error.restype = ctypes.c_char_p
-        l.tide_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(Stats)]
-        l.tide_reset_peak_stats.argtypes = [ctypes.c_void_p]
-        l.tide_conf_set.argtypes = [ctypes.c_char_p]
-        l.tide_conf_get.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-        l.tide_config_free.argtypes = [ctypes.c_void_p]
-        l.tide_config_free.restype = None
-        l.tide_config_option_count.restype = ctypes.c_size_t
-        l.tide_config_option_count.argtypes = []
-        l.tide_config_option.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
-                                         ctypes.POINTER(OptionInfo)]
-        l.tide_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(Info)]
-        # As share.py binds it: the stream output may be NULL.
-        l.tide_block_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.POINTER(ctypes.c_void_p),
-                                      ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p]
-        l.tide_torch_alloc.restype = ctypes.c_void_p
-        l.tide_torch_alloc.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
-        l.tide_torch_free.restype = None
-        l.tide_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
-        l.tide_torch_empty_cache.argtypes = [ctypes.c_int]
-        l.tide_torch_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
-        l.tide_torch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-        l.tide_buf_create.argtypes = [ctypes.c_void_p, ctypes.POINTER(BufOptions),
-                                      ctypes.POINTER(ctypes.c_void_p)]
-        l.tide_buf_destroy.argtypes = [ctypes.c_void_p]
-        l.tide_buf_resize.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        l.tide_buf_reserve_ahead.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        l.tide_buf_data.restype = ctypes.c_void_p
-        l.tide_buf_data.argtypes = [ctypes.c_void_p]
-        for name in ("tide_buf_length", "tide_buf_capacity", "tide_buf_mapped"):
-            getattr(l, name).restype = ctypes.c_size_t
-            getattr(l, name).argtypes = [ctypes.c_void_p]
+        path = library_path()
+        l = ctypes.CDLL(path)
+        try:
+            _bind(l)
+        except AttributeError as e:
+            raise TidallocError("%s is not tidalloc's library: %s" % (path, e)) from None
         _lib = l
     return _lib
 
 
-class TidallocError(RuntimeError):
-    pass
+def _bind(l):
+    """Declare the signatures of the functions used (AttributeError when
+    the library lacks one)."""
+    l.tide_device.restype = ctypes.c_void_p
+    l.tide_device.argtypes = [ctypes.c_int]
+    l.tide_last_error.restype = ctypes.c_char_p
+    l.tide_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(Stats)]
+    l.tide_reset_peak_stats.argtypes = [ctypes.c_void_p]
+    l.tide_conf_set.argtypes = [ctypes.c_char_p]
+    l.tide_conf_get.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    l.tide_config_free.argtypes = [ctypes.c_void_p]
+    l.tide_config_free.restype = None
+    l.tide_config_option_count.restype = ctypes.c_size_t
+    l.tide_config_option_count.argtypes = []
+    l.tide_config_option.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
+                                     ctypes.POINTER(OptionInfo)]
+    l.tide_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(Info)]
+    # As share.py binds it: the stream output may be NULL.
+    l.tide_block_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.POINTER(ctypes.c_void_p),
+                                  ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p]
+    l.tide_torch_alloc.restype = ctypes.c_void_p
+    l.tide_torch_alloc.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+    l.tide_torch_free.restype = None
+    l.tide_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+    l.tide_torch_empty_cache.argtypes = [ctypes.c_int]
+    l.tide_torch_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
+    l.tide_torch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    l.tide_buf_create.argtypes = [ctypes.c_void_p, ctypes.POINTER(BufOptions),
+                                  ctypes.POINTER(ctypes.c_void_p)]
+    l.tide_buf_destroy.argtypes = [ctypes.c_void_p]
+    l.tide_buf_resize.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    l.tide_buf_reserve_ahead.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    l.tide_buf_data.restype = ctypes.c_void_p
+    l.tide_buf_data.argtypes = [ctypes.c_void_p]
+    for name in ("tide_buf_length", "tide_buf_capacity", "tide_buf_mapped"):
+        getattr(l, name).restype = ctypes.c_size_t
+        getattr(l, name).argtypes = [ctypes.c_void_p]
 
 
 def last_error():
@@ -136,7 +146,11 @@ def check(status, what):
 def device(index=0):
     handle = lib().tide_device(index)
     if not handle:
-        raise TidallocError("tide_device(%d): %s" % (index, last_error()))
+        message = last_error()
+        prefix = "tide_device(%d)" % index
+        # The library's message names the call already; said once.
+        raise TidallocError(message if message.startswith(prefix) else
+                            "%s: %s" % (prefix, message))
     return handle
 
 
@@ -180,6 +194,10 @@ def reset_peak(index=0):
 
 def configure(conf):
     """Set the process-wide configuration before first use ("key:value,...")."""
+    if "\0" in conf:
+        # C text ends at its first NUL: what follows would be dropped unseen.
+        raise TidallocError("tide_conf_set(%r) refused: a NUL character at index %d (the "
+                            "configuration is text without NULs)" % (conf, conf.index("\0")))
     check(lib().tide_conf_set(conf.encode()), "tide_conf_set(%r)" % conf)
 
 
