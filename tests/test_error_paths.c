@@ -6,12 +6,13 @@
  * tide_torch_alloc cannot take, a shrink on a stream that does not exist,
  * devices that do not exist, and tide_shutdown with blocks left on two
  * devices (last: a process shuts down once). */
-#include <cmocka.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#include <cmocka.h>
 
 #include "core.h"
 #include "testutil.h"
