@@ -2,11 +2,12 @@
  * bounded memory and time (trace_read.h says what a trace is and what is
  * refused).
  *
- * The file is read in blocks of IN_BYTES; a gzip stream (it starts with the
- * bytes 1f 8b, else the text is read as it is) is inflated into blocks of
- * OUT_BYTES. A line that lies whole in a block is parsed where it lies; one
- * cut by a block's end is copied into a buffer of TRACE_LINE_MAX bytes. Runs
- * of empty lines are skipped eight bytes at a time. */
+ * The file is read in blocks of IN_BYTES (text in memory is read where it
+ * lies); a gzip stream (it starts with the bytes 1f 8b, else the text is
+ * read as it is) is inflated into blocks of OUT_BYTES (MEMORY_OUT_BYTES for
+ * text in memory, which is small: tests and the fuzz target). A line that lies whole in a block is
+ * parsed where it lies; one cut by a block's end is copied into a buffer of TRACE_LINE_MAX bytes.
+ * Runs of empty lines are skipped eight bytes at a time. */
 #include "trace_read.h"
 
 #include <errno.h>
@@ -17,11 +18,13 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#define ZLIB_CONST /* next_in is read only */
 #include <zlib.h>
 
 enum {
   IN_BYTES = 1 << 16,
   OUT_BYTES = 1 << 18,
+  MEMORY_OUT_BYTES = 1 << 14,
   NAME_SHOWN = 160,  /* bytes of the file name shown in messages */
   FIELD_SHOWN = 40,  /* bytes of a bad field shown */
   ERROR_BYTES = 768, /* the message */
@@ -37,14 +40,16 @@ struct trace_reader {
   double file_bytes; /* 0: unknown */
   uint64_t raw_read; /* bytes of the file read so far */
   bool raw_end;
-  uint8_t in[IN_BYTES + 1]; /* + 1: the first byte kept while reading the second */
+  const uint8_t *in; /* the block read: in_buf, or the text in memory */
+  uint8_t *in_buf;   /* IN_BYTES + 1 (the first byte kept while reading the second) */
   size_t in_len, in_pos;
   bool gzip, z_ready;
   bool member_done;  /* inflate reached the end of a gzip member */
   bool later_member; /* inflating a member after the first */
   bool z_failed;     /* inflate failed after output still to be read */
   z_stream z;
-  uint8_t out[OUT_BYTES];
+  uint8_t *out; /* out_bytes, for gzip only */
+  size_t out_bytes;
   const uint8_t *text; /* decoded bytes: in (plain) or out (gzip) */
   size_t text_len, text_pos;
   char line[TRACE_LINE_MAX + 1]; /* a line cut by a block's end */
@@ -116,15 +121,16 @@ static int fill_raw(trace_reader *r) {
   if (r->fd < 0) {
     size_t left = r->mem_size - r->mem_pos;
     size_t n = left < want ? left : want;
-    if (n) memcpy(r->in, r->mem + r->mem_pos, n);
+    r->in = r->mem + r->mem_pos;
     r->mem_pos += n;
     r->in_len = n;
   } else {
     ssize_t n;
     do {
-      n = read(r->fd, r->in, want);
+      n = read(r->fd, r->in_buf, want);
     } while (n < 0 && errno == EINTR);
     if (n < 0) return fail(r, "cannot read the file: %s", strerror(errno));
+    r->in = r->in_buf;
     r->in_len = (size_t)n;
   }
   r->raw_read += r->in_len;
@@ -177,10 +183,10 @@ static int more_text(trace_reader *r) {
     r->z.next_in = r->in + r->in_pos;
     r->z.avail_in = (uInt)(r->in_len - r->in_pos);
     r->z.next_out = r->out;
-    r->z.avail_out = OUT_BYTES;
+    r->z.avail_out = (uInt)r->out_bytes;
     int zr = inflate(&r->z, Z_NO_FLUSH);
     r->in_pos = r->in_len - r->z.avail_in;
-    size_t produced = OUT_BYTES - r->z.avail_out;
+    size_t produced = r->out_bytes - r->z.avail_out;
     if (zr == Z_STREAM_END) {
       r->member_done = true;
     } else if (zr == Z_MEM_ERROR) {
@@ -419,15 +425,28 @@ static bool reader_start(trace_reader *r) {
     fail(r, "the file is empty; a trace starts with the line '%s'", TRACE_HEADER);
     return false;
   }
-  if (r->in_len == 1 && r->in[0] == 0x1f) {
-    /* A first read of 1 byte: the second says whether it is gzip's magic. */
-    if (fill_raw(r) < 0) return false;
-    memmove(r->in + 1, r->in, r->in_len);
-    r->in[0] = 0x1f;
-    r->in_len++;
+  bool magic;
+  if (r->fd < 0) {
+    magic = r->mem_size >= 2 && r->mem[0] == 0x1f && r->mem[1] == 0x8b;
+  } else {
+    if (r->in_len == 1 && r->in[0] == 0x1f) {
+      /* A first read of 1 byte: the second says whether it is gzip's magic. */
+      if (fill_raw(r) < 0) return false;
+      memmove(r->in_buf + 1, r->in_buf, r->in_len);
+      r->in_buf[0] = 0x1f;
+      r->in = r->in_buf;
+      r->in_len++;
+    }
+    magic = r->in_len >= 2 && r->in[0] == 0x1f && r->in[1] == 0x8b;
   }
-  if (r->in_len >= 2 && r->in[0] == 0x1f && r->in[1] == 0x8b) {
+  if (magic) {
     r->gzip = true;
+    r->out_bytes = r->fd < 0 ? MEMORY_OUT_BYTES : OUT_BYTES;
+    r->out = malloc(r->out_bytes);
+    if (r->out == NULL) {
+      fail(r, "out of host memory for the gzip stream");
+      return false;
+    }
     if (inflateInit2(&r->z, 15 + 16) != Z_OK) {
       fail(r, "zlib cannot start inflating");
       return false;
@@ -465,7 +484,10 @@ trace_reader *trace_reader_open(const char *path, char *err, size_t len) {
     return NULL;
   }
   r->fd = open(path, O_RDONLY | O_CLOEXEC);
-  if (r->fd < 0) {
+  r->in_buf = malloc(IN_BYTES + 1);
+  if (r->in_buf == NULL) {
+    fail(r, "out of host memory");
+  } else if (r->fd < 0) {
     fail(r, "cannot open: %s", strerror(errno));
   } else {
     struct stat st;
@@ -511,5 +533,7 @@ void trace_reader_close(trace_reader *r) {
   if (r == NULL) return;
   if (r->z_ready) inflateEnd(&r->z);
   if (r->fd >= 0) close(r->fd);
+  free(r->in_buf);
+  free(r->out);
   free(r);
 }
