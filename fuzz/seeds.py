@@ -281,6 +281,32 @@ def trace_seeds():
     }
 
 
+def trace_regressions():
+    """The inputs of issue 31, which `tidalloc replay` took without bound or
+    misread, and of the reader's own bugs found while it was written."""
+    import gzip
+    many = H + b"".join(b"%d,alloc,%d,64,0\n%d,free,%d,64,0\n" % (i, i, i, i) for i in range(1, 200))
+    corrupt = bytearray(gzip.compress(many, mtime=0))
+    corrupt[len(corrupt) * 3 // 5] ^= 0xFF  # inflate fails after giving text
+    corrupt[-1] = 0x30  # read 1 byte at a time by fuzz_trace, and in one piece
+    return {
+        # A NUL byte inside line 2: it was read as a malformed line 2, the
+        # alloc of line 3 lost and line 4 misnumbered.
+        "issue31-nul.gz": gzip.compress(H + b"1,alloc,1,100,0\0x\n2,alloc,2,100,0\n3,free,2,0,0\n",
+                                        mtime=0),
+        # /dev/zero's first bytes: the over-long line was skipped without end.
+        "issue31-zeros": bytes(4096),
+        # Empty lines by the thousand, and frees of an address never live.
+        "issue31-newlines.gz": gzip.compress(H + b"\n" * 100000, mtime=0),
+        "issue31-frees.gz": gzip.compress(H + b"0,free,1,0,0\n" * 20000, mtime=0),
+        # The gzip magic cut by a first read of one byte (it was read as text).
+        "first-read-of-one-byte.gz": gzip.compress(H + b"1,alloc,1,1,0\n", mtime=0)[:-1] + b"\x00",
+        # Text before a corrupt part of the stream (it was dropped with the
+        # error when both came from one inflate call).
+        "text-before-corruption.gz": bytes(corrupt),
+    }
+
+
 def main():
     root = os.path.dirname(os.path.abspath(__file__))
     for name, data in seeds().items():
@@ -291,6 +317,9 @@ def main():
             f.write(text)
     for name, data in trace_seeds().items():
         with open(os.path.join(root, "corpus", "trace", "seed-" + name), "wb") as f:
+            f.write(data)
+    for name, data in trace_regressions().items():
+        with open(os.path.join(root, "corpus", "trace", "regress-" + name), "wb") as f:
             f.write(data)
 
 
