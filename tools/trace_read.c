@@ -144,36 +144,30 @@ static int fail_trailing(trace_reader *r, uint64_t offset) {
       (unsigned long long)offset, (unsigned long long)r->last_t_line);
 }
 
-/* Make r->text hold more decoded bytes: 1, 0 at the end of the trace, -1. */
+/* Make r->text hold more decoded bytes: 1, 0 at the end of the trace, -1.
+ * At the end of the file inflate is called once more with no input: it may
+ * still hold text of the input it took (a copy cut by a full buffer). */
 static int more_text(trace_reader *r) {
   r->text_len = r->text_pos = 0;
+  unsigned long long lines = r->line_no; /* whole lines read: errors of the file name it */
   if (r->z_failed) {
     if (r->later_member && r->z.total_out == 0)
       return fail_trailing(r, r->raw_read - (r->in_len - r->in_pos) - r->z.total_in);
-    return fail_file(r, "corrupt gzip data after line %llu: %s", (unsigned long long)r->line_no,
+    return fail_file(r, "corrupt gzip data after line %llu: %s", lines,
                      r->z.msg ? r->z.msg : "inflate failed");
   }
   for (;;) {
-    if (r->in_pos == r->in_len) {
-      int got = fill_raw(r);
-      if (got < 0) return -1;
-      if (got == 0) {
-        if (!r->gzip || r->member_done) return 0;
-        if (r->later_member && r->z.total_out == 0)
-          return fail_trailing(r, r->raw_read - r->z.total_in);
-        return fail_file(r,
-                         "the gzip stream ends early (the file is cut short), after %llu "
-                         "whole line(s)",
-                         (unsigned long long)r->line_no);
-      }
-    }
+    if (r->in_pos == r->in_len && !r->raw_end && fill_raw(r) < 0) return -1;
+    bool at_end = r->in_pos == r->in_len && r->raw_end;
     if (!r->gzip) {
+      if (at_end) return 0;
       r->text = r->in + r->in_pos;
       r->text_len = r->in_len - r->in_pos;
       r->in_pos = r->in_len;
       return 1;
     }
     if (r->member_done) {
+      if (at_end) return 0;
       /* After a gzip member: another member (as `cat a.gz b.gz` makes), or junk. */
       if (r->in[r->in_pos] != 0x1f) return fail_trailing(r, r->raw_read - (r->in_len - r->in_pos));
       if (inflateReset(&r->z) != Z_OK) return fail(r, "zlib cannot start a gzip member");
@@ -200,6 +194,15 @@ static int more_text(trace_reader *r) {
       r->text = r->out;
       r->text_len = produced;
       return 1;
+    }
+    if (at_end && !r->member_done) {
+      /* All the file given, nothing more comes out, and the stream goes on. */
+      if (r->later_member && r->z.total_out == 0)
+        return fail_trailing(r, r->raw_read - r->z.total_in);
+      return fail_file(r,
+                       "the gzip stream ends early (the file is cut short), after %llu whole "
+                       "line(s)",
+                       lines);
     }
   }
 }
