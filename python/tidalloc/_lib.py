@@ -74,10 +74,6 @@ def library_path():
                   % ", ".join(tried))
 
 
-class TidallocError(RuntimeError):
-    pass
-
-
 _lib = None
 
 
@@ -86,52 +82,65 @@ def lib():
     if _lib is None:
         path = library_path()
         l = ctypes.CDLL(path)
-        try:
-            _bind(l)
-        except AttributeError as e:
-            raise TidallocError("%s is not tidalloc's library: %s" % (path, e)) from None
+        _require_symbols(l, path)
+        l.tide_device.restype = ctypes.c_void_p
+        l.tide_device.argtypes = [ctypes.c_int]
+        l.tide_last_error.restype = ctypes.c_char_p
+        l.tide_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(Stats)]
+        l.tide_reset_peak_stats.argtypes = [ctypes.c_void_p]
+        l.tide_conf_set.argtypes = [ctypes.c_char_p]
+        l.tide_conf_get.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        l.tide_config_free.argtypes = [ctypes.c_void_p]
+        l.tide_config_free.restype = None
+        l.tide_config_option_count.restype = ctypes.c_size_t
+        l.tide_config_option_count.argtypes = []
+        l.tide_config_option.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
+                                         ctypes.POINTER(OptionInfo)]
+        l.tide_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(Info)]
+        # As share.py binds it: the stream output may be NULL.
+        l.tide_block_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.POINTER(ctypes.c_void_p),
+                                      ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p]
+        l.tide_torch_alloc.restype = ctypes.c_void_p
+        l.tide_torch_alloc.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+        l.tide_torch_free.restype = None
+        l.tide_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+        l.tide_torch_empty_cache.argtypes = [ctypes.c_int]
+        l.tide_torch_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
+        l.tide_torch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        l.tide_buf_create.argtypes = [ctypes.c_void_p, ctypes.POINTER(BufOptions),
+                                      ctypes.POINTER(ctypes.c_void_p)]
+        l.tide_buf_destroy.argtypes = [ctypes.c_void_p]
+        l.tide_buf_resize.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        l.tide_buf_reserve_ahead.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        l.tide_buf_data.restype = ctypes.c_void_p
+        l.tide_buf_data.argtypes = [ctypes.c_void_p]
+        for name in ("tide_buf_length", "tide_buf_capacity", "tide_buf_mapped"):
+            getattr(l, name).restype = ctypes.c_size_t
+            getattr(l, name).argtypes = [ctypes.c_void_p]
         _lib = l
     return _lib
 
 
-def _bind(l):
-    """Declare the signatures of the functions used (AttributeError when
-    the library lacks one)."""
-    l.tide_device.restype = ctypes.c_void_p
-    l.tide_device.argtypes = [ctypes.c_int]
-    l.tide_last_error.restype = ctypes.c_char_p
-    l.tide_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(Stats)]
-    l.tide_reset_peak_stats.argtypes = [ctypes.c_void_p]
-    l.tide_conf_set.argtypes = [ctypes.c_char_p]
-    l.tide_conf_get.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-    l.tide_config_free.argtypes = [ctypes.c_void_p]
-    l.tide_config_free.restype = None
-    l.tide_config_option_count.restype = ctypes.c_size_t
-    l.tide_config_option_count.argtypes = []
-    l.tide_config_option.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
-                                     ctypes.POINTER(OptionInfo)]
-    l.tide_get_info.argtypes = [ctypes.c_void_p, ctypes.POINTER(Info)]
-    # As share.py binds it: the stream output may be NULL.
-    l.tide_block_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
-                                  ctypes.POINTER(ctypes.c_void_p),
-                                  ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p]
-    l.tide_torch_alloc.restype = ctypes.c_void_p
-    l.tide_torch_alloc.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
-    l.tide_torch_free.restype = None
-    l.tide_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
-    l.tide_torch_empty_cache.argtypes = [ctypes.c_int]
-    l.tide_torch_set_memory_fraction.argtypes = [ctypes.c_double, ctypes.c_int]
-    l.tide_torch_record_stream.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-    l.tide_buf_create.argtypes = [ctypes.c_void_p, ctypes.POINTER(BufOptions),
-                                  ctypes.POINTER(ctypes.c_void_p)]
-    l.tide_buf_destroy.argtypes = [ctypes.c_void_p]
-    l.tide_buf_resize.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    l.tide_buf_reserve_ahead.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    l.tide_buf_data.restype = ctypes.c_void_p
-    l.tide_buf_data.argtypes = [ctypes.c_void_p]
-    for name in ("tide_buf_length", "tide_buf_capacity", "tide_buf_mapped"):
-        getattr(l, name).restype = ctypes.c_size_t
-        getattr(l, name).argtypes = [ctypes.c_void_p]
+class TidallocError(RuntimeError):
+    pass
+
+
+# The functions lib() declares: a library without one of them is not
+# tidalloc's (ctypes would raise AttributeError at the first).
+_SYMBOLS = ("tide_device", "tide_last_error", "tide_get_stats", "tide_reset_peak_stats",
+            "tide_conf_set", "tide_conf_get", "tide_config_free", "tide_config_option_count",
+            "tide_config_option", "tide_get_info", "tide_block_info", "tide_torch_alloc",
+            "tide_torch_free", "tide_torch_empty_cache", "tide_torch_set_memory_fraction",
+            "tide_torch_record_stream", "tide_buf_create", "tide_buf_destroy", "tide_buf_resize",
+            "tide_buf_reserve_ahead", "tide_buf_data", "tide_buf_length", "tide_buf_capacity",
+            "tide_buf_mapped")
+
+
+def _require_symbols(l, path):
+    missing = [name for name in _SYMBOLS if not hasattr(l, name)]
+    if missing:
+        raise TidallocError("%s is not tidalloc's library: it lacks %s" % (path, ", ".join(missing)))
 
 
 def last_error():
