@@ -140,7 +140,8 @@ _SYMBOLS = ("tide_device", "tide_last_error", "tide_get_stats", "tide_reset_peak
 def _require_symbols(l, path):
     missing = [name for name in _SYMBOLS if not hasattr(l, name)]
     if missing:
-        raise TidallocError("%s is not tidalloc's library: it lacks %s" % (path, ", ".join(missing)))
+        raise TidallocError("%s is not tidalloc's library: it lacks %s"
+                            % (path, ", ".join(missing)))
 
 
 def last_error():
