@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""fuzz/seeds.py: writes the seed inputs of fuzz/corpus/ops/ and fuzz/corpus/conf/.
+"""fuzz/seeds.py: writes the seed inputs of fuzz/corpus/ops/, fuzz/corpus/conf/
+and fuzz/corpus/trace/ (traces as `tidalloc replay` reads them, good and bad,
+plain and gzip'd).
 
 The ops seeds are short programs in the byte language of fuzz_ops.c (its
 `ops` table, by weight, and each operation's arguments), one per area of the
@@ -250,6 +252,60 @@ CONF_SEEDS = {
     "bad": "page_size_mb:0,expandable_segments:maybe",
 }
 
+H = b"t_us,action,addr,size,stream\n"
+
+
+def trace_seeds():
+    import gzip
+    good = H + b"1,alloc,4096,1048576,0\n2,alloc,8192,512,7\n3,free,4096,0,0\n4,free,8192,512,7\n"
+    return {
+        "good": good,
+        "good.gz": gzip.compress(good, mtime=0),
+        "two-members.gz": gzip.compress(good[:40], mtime=0) + gzip.compress(good[40:], mtime=0),
+        "crlf-no-final-newline": good.replace(b"\n", b"\r\n")[:-2],
+        "empty-lines": H + b"\n\n1,alloc,1,1,0\n\n\n\n\n\n\n\n\n\n2,free,1,1,0\n\n",
+        "nul": H + b"1,alloc,1,100,0\0x\n2,alloc,2,100,0\n3,free,2,0,0\n",
+        "hex-address": H + b"1,alloc,0x7f00,100,0\n",
+        "fields": H + b"1,alloc,1,100\n1,alloc,1,100,0,9\n",
+        "action": H + b"1,realloc,1,100,0\n",
+        "overflow": H + b"1,alloc,1,18446744073709551616,0\n",
+        "max": H + b"18446744073709551615,alloc,18446744073709551615,18446744073709551615,1\n",
+        "zero-alloc": H + b"1,alloc,1,0,0\n",
+        "time-back": H + b"5,alloc,1,1,0\n4,free,1,1,0\n",
+        "long-line": H + b"1," * 200 + b"\n",
+        "escape": H + b"1,alloc,\x1b[31m,1,0\n",
+        "no-header": b"1,alloc,1,1,0\n",
+        "empty": b"",
+        "junk-after.gz": gzip.compress(good, mtime=0) + b"junk\n",
+        "truncated.gz": gzip.compress(good, mtime=0)[:30],
+    }
+
+
+def trace_regressions():
+    """The inputs of issue 31, which `tidalloc replay` took without bound or
+    misread, and of the reader's own bugs found while it was written."""
+    import gzip
+    many = H + b"".join(b"%d,alloc,%d,64,0\n%d,free,%d,64,0\n" % (i, i, i, i) for i in range(1, 200))
+    corrupt = bytearray(gzip.compress(many, mtime=0))
+    corrupt[len(corrupt) * 3 // 5] ^= 0xFF  # inflate fails after giving text
+    corrupt[-1] = 0x30  # read 1 byte at a time by fuzz_trace, and in one piece
+    return {
+        # A NUL byte inside line 2: it was read as a malformed line 2, the
+        # alloc of line 3 lost and line 4 misnumbered.
+        "issue31-nul.gz": gzip.compress(H + b"1,alloc,1,100,0\0x\n2,alloc,2,100,0\n3,free,2,0,0\n",
+                                        mtime=0),
+        # /dev/zero's first bytes: the over-long line was skipped without end.
+        "issue31-zeros": bytes(4096),
+        # Empty lines by the thousand, and frees of an address never live.
+        "issue31-newlines.gz": gzip.compress(H + b"\n" * 100000, mtime=0),
+        "issue31-frees.gz": gzip.compress(H + b"0,free,1,0,0\n" * 20000, mtime=0),
+        # The gzip magic cut by a first read of one byte (it was read as text).
+        "first-read-of-one-byte.gz": gzip.compress(H + b"1,alloc,1,1,0\n", mtime=0)[:-1] + b"\x00",
+        # Text before a corrupt part of the stream (it was dropped with the
+        # error when both came from one inflate call).
+        "text-before-corruption.gz": bytes(corrupt),
+    }
+
 
 def main():
     root = os.path.dirname(os.path.abspath(__file__))
@@ -259,6 +315,12 @@ def main():
     for name, text in CONF_SEEDS.items():
         with open(os.path.join(root, "corpus", "conf", "seed-" + name), "w") as f:
             f.write(text)
+    for name, data in trace_seeds().items():
+        with open(os.path.join(root, "corpus", "trace", "seed-" + name), "wb") as f:
+            f.write(data)
+    for name, data in trace_regressions().items():
+        with open(os.path.join(root, "corpus", "trace", "regress-" + name), "wb") as f:
+            f.write(data)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@
 #   FUZZ_CSV       append one line per target to this CSV file (results with the
 #                  machine, commit, date and jobs; created with its header if
 #                  missing, and given the jobs column if it predates it)
+#   (fuzz/<target>.options, when present, adds libFuzzer flags for that
+#   target: one per line, lines starting with # are comments)
 #   NO_ASLR        a command prefix that turns address randomization off (the
 #                  Makefile passes setarch -R where the sanitizer runtime needs
 #                  it); when it is not set at all, this script finds out itself
@@ -56,16 +58,20 @@ machine=$(lscpu 2>/dev/null | sed -n 's/^Model name:[[:space:]]*//p' | head -1)
 cores=$(nproc)
 commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
 # What was fuzzed, whatever the commit: one hash over the library, its header
-# and the fuzz programs (src/, include/, fuzz/) as committed, "+dirty" when the
-# working tree differs there. Runs with the same sources fuzzed the same code,
+# and the fuzz programs (src/, include/, fuzz/, and tools/trace_read.c, which
+# fuzz_trace compiles, where the commit has it) as committed, "+dirty" when
+# the working tree differs there. Runs with the same sources fuzzed the same code,
 # so their executions add up (scripts/fuzz_totals.sh sums them).
 sources_of() { # COMMIT: the hash, or nothing where the commit is unknown here
   local trees
-  trees=$(git -C "$root" rev-parse "$1:src" "$1:include" "$1:fuzz" 2>/dev/null) &&
-    echo "$trees" | sha1sum | cut -c1-12
+  local reader
+  trees=$(git -C "$root" rev-parse "$1:src" "$1:include" "$1:fuzz" 2>/dev/null) || return 0
+  reader=$(git -C "$root" rev-parse "$1:tools/trace_read.c" 2>/dev/null) && trees+=$'\n'"$reader"
+  echo "$trees" | sha1sum | cut -c1-12
 }
 sources=$(sources_of HEAD)
-[ -n "$(git -C "$root" status --porcelain -- src include fuzz 2>/dev/null)" ] && sources+="+dirty"
+[ -n "$(git -C "$root" status --porcelain -- src include fuzz tools/trace_read.c 2>/dev/null)" ] &&
+  sources+="+dirty"
 date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 failed=""
 summary=""
@@ -107,6 +113,11 @@ for t in $targets; do
         -artifact_prefix="$artifacts/")
   args+=(-jobs="$jobs" -workers="$jobs")
   [ -f "$root/fuzz/$t.dict" ] && args+=(-dict="$root/fuzz/$t.dict")
+  if [ -f "$root/fuzz/$t.options" ]; then
+    while IFS= read -r opt; do
+      [[ "$opt" == -* ]] && args+=("$opt")
+    done < "$root/fuzz/$t.options"
+  fi
   jobdir=$build/jobs/$t # the workers write fuzz-<i>.log where they run
   rm -rf "$jobdir"
   mkdir -p "$jobdir"

@@ -84,7 +84,11 @@ static size_t limit_of(const tide_allocator *a, double fraction, size_t bytes) {
 tide_status tide_create(int device, const tide_config *config, tide_allocator **out) {
   if (!out) return _tide_error_set(TIDE_ERR_INVALID, "tide_create: out is NULL");
   *out = NULL;
-  if (device < 0) return _tide_error_set(TIDE_ERR_INVALID, "tide_create: device %d < 0", device);
+  if (device < 0)
+    return _tide_error_set(TIDE_ERR_INVALID,
+                           "tide_create: device %d does not exist (devices are "
+                           "numbered from 0)",
+                           device);
   size_t bytes = (sizeof(tide_allocator) + 63) / 64 * 64;
   tide_allocator *a = aligned_alloc(64, bytes); /* its shared counters own their lines */
   if (!a) return _tide_error_set(TIDE_ERR_OOM, "out of host memory for an allocator");
@@ -129,9 +133,10 @@ fail:
 tide_status tide_destroy(tide_allocator *a) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   size_t unfreed = _tide_bufs_destroy_all(a); /* their figures live in the arenas */
-  _tide_imports_close_all(a);
+  _tide_first_error refused = {0};            /* what the backend would not take back */
+  _tide_first_error_note(&refused, _tide_imports_close_all(a));
   size_t n = atomic_load(&a->narenas);
-  for (size_t i = 0; i < n; i++) unfreed += _tide_arena_destroy(a->arenas[i]);
+  for (size_t i = 0; i < n; i++) unfreed += _tide_arena_destroy(a->arenas[i], &refused);
   free(a->arenas);
   _tide_captures_destroy(a);
   unfreed += _tide_pinned_destroy(a->pinned);
@@ -144,6 +149,17 @@ tide_status tide_destroy(tide_allocator *a) {
   pthread_mutex_destroy(&a->imports_mutex);
   a->magic = 0;
   free(a);
+  if (refused.status) {
+    _tide_first_error_end(&refused);
+    if (unfreed)
+      _tide_error_prefix("allocator destroyed with %zu block(s) or buffer(s) still allocated or in "
+                         "use by streams, and memory the device backend refused to give back",
+                         unfreed);
+    else
+      _tide_error_prefix("allocator destroyed; memory the device backend refused to give back "
+                         "stays held");
+    return (tide_status)refused.status;
+  }
   if (unfreed)
     return (tide_status)_tide_error_set(
         TIDE_ERR_STATE,

@@ -84,7 +84,7 @@ int _tide_arena_create(struct tide_allocator *a, tide_stream stream, _tide_arena
   return TIDE_OK;
 }
 
-size_t _tide_arena_destroy(_tide_arena *arena) {
+size_t _tide_arena_destroy(_tide_arena *arena, _tide_first_error *first) {
   const _tide_backend *be = &arena->alloc->backend;
   size_t unfreed = arena->live.count - arena->nquick;
   for (size_t i = 0; i < arena->npending; i++) {
@@ -96,10 +96,16 @@ size_t _tide_arena_destroy(_tide_arena *arena) {
   for (unsigned i = 0; i < arena->nidle_marks; i++)
     be->ops->event_destroy(be->ctx, arena->idle_marks[i].event);
   _tide_stale_drop_all(arena); /* before the pages' handles go with their segments */
-  _tide_pool_teardown(arena, &arena->pools[_TIDE_SMALL]);
-  _tide_pool_teardown(arena, &arena->pools[_TIDE_LARGE]);
+  _tide_first_error_note(first, _tide_pool_teardown(arena, &arena->pools[_TIDE_SMALL]));
+  _tide_first_error_note(first, _tide_pool_teardown(arena, &arena->pools[_TIDE_LARGE]));
   _tide_arena_release_spare_pages(arena);
-  _tide_arena_retry_orphans(arena);
+  _tide_first_error_note(first, _tide_arena_retry_orphans(arena));
+  if (arena->orphans_lost)
+    _tide_first_error_note(first, _tide_error_set(TIDE_ERR_BACKEND,
+                                                  "%zu piece(s) of memory the device backend "
+                                                  "refused to give back could not be recorded "
+                                                  "(out of host memory) and stay held",
+                                                  arena->orphans_lost));
   while (arena->chunks) {
     _tide_block_chunk *next = arena->chunks->next;
     for (int i = 0; i < BLOCKS_PER_CHUNK; i++) free(arena->chunks->blocks[i].more_streams);
@@ -979,6 +985,7 @@ int _tide_arena_release_cached(_tide_arena *arena) {
   if (!holds_cache(arena)) return TIDE_OK;
   int rc = settle_stream(arena);
   if (rc) return rc;
+  size_t lost = arena->orphans_lost;
   int refused;
   _tide_stale_unmap(arena, 0, UINTPTR_MAX, arena->idle_before, &refused); /* kept to retry */
   /* Orphans first: a range may be unreserved only once nothing is mapped in it. */
@@ -990,6 +997,12 @@ int _tide_arena_release_cached(_tide_arena *arena) {
    * if it is still held. */
   if (arena->norphans) orphans = _tide_arena_retry_orphans(arena);
   _tide_first_error_note(&first, orphans);
+  if (arena->orphans_lost > lost)
+    _tide_first_error_note(&first, _tide_error_set(TIDE_ERR_BACKEND,
+                                                   "the device backend refused to give back %zu "
+                                                   "piece(s) of memory, which could not be "
+                                                   "recorded to retry (out of host memory)",
+                                                   arena->orphans_lost - lost));
   return _tide_first_error_end(&first);
 }
 

@@ -590,6 +590,14 @@ tide_status tide_buf_resize(tide_buf *b, size_t length, tide_stream stream) {
                                         "tide_buf_resize: %zu bytes is beyond the capacity of "
                                         "%zu bytes; create the buffer with a larger capacity",
                                         length, b->capacity);
+  /* Checked first: a shrink would otherwise fail in the backend's
+   * event_record, whose name says nothing to the caller. */
+  const _tide_backend *bs = backend(b);
+  if (bs->ops->stream_check && bs->ops->stream_check(bs->ctx, stream))
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID,
+                                        "tide_buf_resize(%zu): stream %p is not a stream of this "
+                                        "device (unknown or destroyed); the length is unchanged",
+                                        length, (void *)stream);
   pthread_mutex_lock(&b->mutex);
   int rc = worker_failure(b);
   size_t pages = pages_for(length, b->page);

@@ -347,6 +347,10 @@ typedef struct _tide_arena {
   size_t nspare_pages, spare_pages_cap;
   bool keep_spare_pages; /* release_pages keeps handles instead of releasing */
   size_t norphans, orphans_cap;
+  /* Orphans that could not be recorded (no host memory for the list): held
+   * by the backend until the process ends, reported by tide_check and
+   * tide_destroy. */
+  size_t orphans_lost;
   uint64_t clock; /* allocations so far: the gc clock */
   /* Events recorded on the arena's stream when pages had to be unmapped to
    * make room, each with the clock then (oldest first). Once one completes,
@@ -402,8 +406,9 @@ static inline _tide_block *_tide_arena_live(_tide_arena *arena, uintptr_t addr) 
 
 int _tide_arena_create(struct tide_allocator *a, tide_stream stream, _tide_arena **out);
 /* Release everything the arena holds. Returns how many blocks were still
- * allocated or pending. */
-size_t _tide_arena_destroy(_tide_arena *arena);
+ * allocated or pending; what the backend refused to give back (and orphans
+ * lost) is noted in *first. */
+size_t _tide_arena_destroy(_tide_arena *arena, _tide_first_error *first);
 
 /* Under the arena lock. */
 _tide_block *_tide_block_new(_tide_arena *arena);
@@ -475,7 +480,7 @@ int _tide_pool_plan_growth(const _tide_arena *arena, _tide_pool *pool, size_t si
  * most `limit` bytes of them), or release the fixed segment it fills. */
 int _tide_release_block(_tide_arena *arena, _tide_block *b, size_t limit);
 /* Release every segment of the pool (allocator teardown). */
-void _tide_pool_teardown(_tide_arena *arena, _tide_pool *pool);
+int _tide_pool_teardown(_tide_arena *arena, _tide_pool *pool);
 /* The pages of the handle that maps page i of expandable segment seg, from
  * page *start: seg->handle_pages, or more for a load handle. */
 size_t _tide_handle_extent(const _tide_segment *seg, size_t i, size_t *start);
@@ -696,8 +701,8 @@ static inline bool _tide_allocator_valid(const struct tide_allocator *a) {
 /* Turn the fast paths of tide_malloc and tide_free on or off (off while
  * captures are watched). */
 void _tide_fast_paths_update(struct tide_allocator *a, bool captures_watched);
-/* Unmap every import left (allocator teardown, share.c). */
-void _tide_imports_close_all(struct tide_allocator *a);
+/* Unmap every import left (allocator teardown, share.c); the first failure. */
+int _tide_imports_close_all(struct tide_allocator *a);
 
 /* The arena of `stream`, created on first use; NULL with a message for a
  * stream the device does not know. */

@@ -2,6 +2,7 @@
  * configuration they are created from (defaults, then TIDALLOC_CONF, then
  * tide_conf_set calls made before first use). */
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "core.h"
@@ -71,8 +72,9 @@ tide_status tide_conf_get(tide_config **out) {
 
 tide_allocator *tide_device(int device) {
   if (device < 0 || device >= MAX_DEVICES) {
-    _tide_error_set(TIDE_ERR_INVALID, "tide_device(%d): devices are numbered 0..%d", device,
-                    MAX_DEVICES - 1);
+    _tide_error_set(TIDE_ERR_INVALID,
+                    "tide_device(%d): device %d does not exist (tidalloc serves devices 0..%d)",
+                    device, device, MAX_DEVICES - 1);
     return NULL;
   }
   tide_allocator *a = atomic_load_explicit(&devices[device], memory_order_acquire);
@@ -94,14 +96,25 @@ tide_allocator *tide_device(int device) {
 
 tide_status tide_shutdown(void) {
   pthread_mutex_lock(&process_mutex);
-  _tide_first_error first = {0};
+  /* Every device's failure is told, each named: "device 0: ...; device 1: ...". */
+  char text[1024] = ""; /* as long as a message */
+  size_t used = 0;
+  int status = TIDE_OK;
   for (int d = 0; d < MAX_DEVICES; d++) {
     tide_allocator *a = atomic_exchange(&devices[d], NULL);
-    if (a) _tide_first_error_note(&first, tide_destroy(a));
+    int rc = a ? tide_destroy(a) : TIDE_OK;
+    if (!rc) continue;
+    if (!status) status = rc;
+    if (used < sizeof text) {
+      int n = snprintf(text + used, sizeof text - used, "%sdevice %d: %s", used ? "; " : "", d,
+                       tide_last_error());
+      used += n > 0 ? (size_t)n : 0;
+    }
   }
   shut_down = true;
   tide_config_free(process_config);
   process_config = NULL;
   pthread_mutex_unlock(&process_mutex);
-  return (tide_status)_tide_first_error_end(&first);
+  if (status) return (tide_status)_tide_error_set(status, "tide_shutdown: %s", text);
+  return TIDE_OK;
 }

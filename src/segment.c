@@ -164,7 +164,11 @@ void _tide_orphan(_tide_arena *arena, int pool, uintptr_t map_addr, size_t map_s
   if (arena->norphans == arena->orphans_cap) {
     size_t cap = arena->orphans_cap ? arena->orphans_cap * 2 : 8;
     _tide_orphan_rec *grown = realloc(arena->orphans, cap * sizeof *grown);
-    if (!grown) return; /* out of host memory as well: nothing more can be done */
+    if (!grown) {
+      /* Out of host memory as well: it cannot be retried, but it is said. */
+      arena->orphans_lost++;
+      return;
+    }
     arena->orphans = grown;
     arena->orphans_cap = cap;
   }
@@ -1343,31 +1347,51 @@ int _tide_pool_release_cached(_tide_arena *arena, _tide_pool *pool) {
 /* Teardown                                                                  */
 /* ------------------------------------------------------------------------ */
 
-void _tide_pool_teardown(_tide_arena *arena, _tide_pool *pool) {
+/* Unmap and release one handle at teardown; false (the error noted) when
+ * the backend refuses: a handle still mapped is not released, and bytes
+ * not released stay counted in the budget. */
+static bool teardown_handle(_tide_arena *arena, uintptr_t at, size_t size, _tide_handle h,
+                            _tide_first_error *first) {
+  int rc = _tide_mem_unmap(arena->alloc, at, size);
+  if (!rc) rc = _tide_mem_release(arena->alloc, h);
+  if (rc) {
+    _tide_error_prefix("at teardown, %zu bytes at %#lx", size, (unsigned long)at);
+    _tide_first_error_note(first, rc);
+    return false;
+  }
+  _tide_budget_give(arena->alloc, size);
+  return true;
+}
+
+int _tide_pool_teardown(_tide_arena *arena, _tide_pool *pool) {
   const _tide_backend *be = &arena->alloc->backend;
   size_t page = arena->alloc->page_size;
+  _tide_first_error first = {0};
   while (pool->segments) {
     _tide_segment *seg = pool->segments;
+    bool all = true; /* every handle of the segment unmapped and released */
     if (seg->expandable) {
       for (size_t i = 0, start, n; i < seg->npages; i += n) {
         n = _tide_handle_extent(seg, i, &start);
-        size_t size = n * page;
         if (!seg->pages[i]) continue;
-        _tide_mem_unmap(arena->alloc, seg->base + i * page, size);
-        _tide_mem_release(arena->alloc, seg->pages[i]);
-        _tide_budget_give(arena->alloc, size);
+        all &= teardown_handle(arena, seg->base + i * page, n * page, seg->pages[i], &first);
       }
     } else {
-      _tide_mem_unmap(arena->alloc, seg->base, seg->size);
-      _tide_mem_release(arena->alloc, seg->handle);
-      _tide_budget_give(arena->alloc, seg->size);
+      all = teardown_handle(arena, seg->base, seg->size, seg->handle, &first);
     }
-    be->ops->unreserve(be->ctx, seg->base, seg->size);
+    /* A range with a mapping left in it is not unreserved. */
+    int rc = all ? be->ops->unreserve(be->ctx, seg->base, seg->size) : TIDE_OK;
+    if (rc) {
+      _tide_error_prefix("at teardown, the range of %zu bytes at %#lx", seg->size,
+                         (unsigned long)seg->base);
+      _tide_first_error_note(&first, rc);
+    }
     segment_unlink(pool, seg);
     free(seg->pages);
     free(seg);
   }
   pool->unmapped = NULL;
+  return _tide_first_error_end(&first);
 }
 
 /* ------------------------------------------------------------------------ */

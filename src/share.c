@@ -184,19 +184,30 @@ static int check_desc(const tide_allocator *a, const tide_share_desc *desc,
   return TIDE_OK;
 }
 
-/* Unmap and release the first `mapped` pieces and the handles of the first
- * `made`; unreserve the range. Failures past the first are dropped: the
- * first one's message is the one returned. */
+/* Unmap the first `mapped` pieces and release the handles of the first
+ * `made`; unreserve the range. A piece whose unmap is refused is not
+ * released (it is still mapped), and then the range is not unreserved
+ * either: they stay held. The first failure's message is returned. */
 static int undo_import(tide_allocator *a, _tide_import *im, uint32_t made, uint32_t mapped) {
   const _tide_backend *be = &a->backend;
   _tide_first_error first = {0};
   uintptr_t at = im->range;
+  uint32_t still_mapped = 0;
   for (uint32_t i = 0; i < made; i++) {
-    if (i < mapped) _tide_first_error_note(&first, _tide_mem_unmap(a, at, im->sizes[i]));
-    _tide_first_error_note(&first, _tide_mem_release(a, im->handles[i]));
+    int rc = i < mapped ? _tide_mem_unmap(a, at, im->sizes[i]) : TIDE_OK;
+    if (rc) {
+      still_mapped++;
+      _tide_error_prefix("unmapping imported piece %u (%zu bytes at %#lx); it stays mapped and "
+                         "its range reserved",
+                         i, im->sizes[i], (unsigned long)at);
+    } else {
+      rc = _tide_mem_release(a, im->handles[i]);
+    }
+    _tide_first_error_note(&first, rc);
     at += im->sizes[i];
   }
-  _tide_first_error_note(&first, be->ops->unreserve(be->ctx, im->range, im->range_size));
+  if (still_mapped == 0)
+    _tide_first_error_note(&first, be->ops->unreserve(be->ctx, im->range, im->range_size));
   return _tide_first_error_end(&first);
 }
 
@@ -304,16 +315,15 @@ tide_status tide_share_close(tide_allocator *a, void *ptr) {
   return (tide_status)rc;
 }
 
-void _tide_imports_close_all(tide_allocator *a) {
-  _tide_saved_error saved;
-  _tide_error_save(&saved);
+int _tide_imports_close_all(tide_allocator *a) {
+  _tide_first_error first = {0};
   while (a->imports) {
     _tide_import *im = a->imports;
     a->imports = im->next;
-    undo_import(a, im, im->npieces, im->npieces);
+    _tide_first_error_note(&first, undo_import(a, im, im->npieces, im->npieces));
     import_delete(im);
   }
-  _tide_error_restore(&saved);
+  return _tide_first_error_end(&first);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -11,7 +11,11 @@
 #include "core.h"
 
 void *tide_torch_alloc(tide_ssize size, int device, void *stream) {
-  if (size <= 0) return NULL;
+  if (size <= 0) {
+    _tide_error_set(TIDE_ERR_INVALID, "tide_torch_alloc(%lld): %s", (long long)size,
+                    size == 0 ? "size 0 asks for nothing" : "a negative size");
+    return NULL;
+  }
   tide_allocator *a = tide_device(device);
   return a ? tide_malloc(a, (size_t)size, (tide_stream)stream) : NULL;
 }

@@ -26,8 +26,10 @@ void _tide_trace_destroy(_tide_trace_ring *ring) {
 void _tide_trace_push_slow(tide_allocator *a, tide_trace_kind kind, int pool, uintptr_t addr,
                            size_t size, tide_stream stream) {
   _tide_trace_ring *ring = &a->trace;
-  uint64_t now = _tide_now_ns();
   _tide_lock_acquire(&ring->lock);
+  /* Read under the lock, so that times never decrease in the ring's order
+   * (a trace written from it is refused by `tidalloc replay` otherwise). */
+  uint64_t now = _tide_now_ns();
   uint64_t seq = ring->next++;
   ring->events[seq % ring->cap] = (tide_trace_event){
       .seq = seq,

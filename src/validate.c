@@ -597,6 +597,10 @@ static bool check_pending(checker *c, const sums *s) {
 
 static bool check_orphans(checker *c, sums *s) {
   const _tide_arena *arena = c->arena;
+  CHECK(c, arena->orphans_lost == 0,
+        "%zu piece(s) of memory the device backend refused to give back could not be recorded "
+        "(out of host memory): they stay held, uncounted, until the process ends",
+        arena->orphans_lost);
   CHECK(c, arena->norphans <= arena->orphans_cap, "%zu orphans in room for %zu", arena->norphans,
         arena->orphans_cap);
   CHECK(c, arena->nspare_pages == 0 && !arena->keep_spare_pages,

@@ -737,7 +737,7 @@ static void bad_devices(void **state) {
   (void)state;
   tide_config *c = tu_config("host_devices:2");
   tide_allocator *a = (tide_allocator *)(uintptr_t)1;
-  expect_error(tide_create(-1, c, &a), TIDE_ERR_INVALID, NULL);
+  expect_error(tide_create(-1, c, &a), TIDE_ERR_INVALID, "does not exist");
   assert_null(a);
   expect_error(tide_create(2, c, &a), TIDE_ERR_INVALID, "does not exist");
   assert_null(a);
@@ -746,9 +746,9 @@ static void bad_devices(void **state) {
   tide_config_free(c);
   tide_clear_error();
   assert_null(tide_device(-1));
-  tu_assert_last_error(TIDE_ERR_INVALID, NULL);
+  tu_assert_last_error(TIDE_ERR_INVALID, "does not exist");
   assert_null(tide_device(1 << 20));
-  tu_assert_last_error(TIDE_ERR_INVALID, NULL);
+  tu_assert_last_error(TIDE_ERR_INVALID, "does not exist");
 }
 
 /* The process-wide allocator, in the order a program lives: garbage in the

@@ -1,202 +1,49 @@
 /* replay.c: `tidalloc replay`, a recorded allocation trace run through
  * tidalloc to see how much memory it reserves for it.
  *
- * A trace is a gzip'd CSV, header `t_us,action,addr,size,stream`, one row per
- * event: `alloc` (a block of `size` bytes at `addr`) or `free` (the block at
- * `addr`; its size may be repeated, or 0). The whole trace is read first, so
- * the timed replay measures the allocator and not zlib. Trace addresses map
- * to the pointers tidalloc returned through an open-addressing hash table.
- * Each distinct stream id gets a tidalloc stream; id 0 is the default (NULL)
- * stream. */
+ * The trace (trace_read.h says what one is) is read as it is replayed, in
+ * batches of BATCH events: memory holds the batch and the live blocks, not
+ * the file, and the timed part of each batch measures the allocator and not
+ * zlib. Trace addresses map to the pointers tidalloc returned through an
+ * open-addressing hash table. Each distinct stream id gets a tidalloc stream
+ * when it first appears; id 0 is the default (NULL) stream. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <zlib.h>
 
 #include "cli.h"
+#include "trace_read.h"
 
-#define TRACE_HEADER "t_us,action,addr,size,stream"
 enum {
-  LINE_MAX_BYTES = 256, /* longer lines are malformed */
-  MAX_STREAMS = 1024,   /* distinct stream ids a trace may use */
-  REPORT_FIRST = 5,     /* problems described one by one before only counting */
+  MAX_STREAMS = 1024, /* distinct stream ids a trace may use */
+  REPORT_FIRST = 5,   /* problems described one by one before only counting */
+  BATCH = 4096,       /* events read ahead of their replay */
 };
 
-/* ------------------------------------------------------------------------ */
-/* The trace in memory                                                       */
-/* ------------------------------------------------------------------------ */
+/* The trace's streams: ids in order of appearance, and tidalloc's streams. */
+typedef struct trace_streams {
+  uint64_t ids[MAX_STREAMS]; /* [0] is always id 0 */
+  tide_stream handles[MAX_STREAMS];
+  size_t count;
+} trace_streams;
 
-typedef struct trace_event {
-  uint64_t addr;
-  uint64_t size;   /* for frees: 0 when the trace did not say */
-  uint64_t line;   /* in the file, for messages */
-  uint32_t stream; /* index into trace.stream_ids */
-  bool is_alloc;
-} trace_event;
-
-typedef struct trace {
-  trace_event *events;
-  size_t count, capacity;
-  uint64_t stream_ids[MAX_STREAMS]; /* [0] is always id 0 */
-  size_t stream_count;
-  uint64_t malformed_lines;
-} trace;
-
-static void trace_free(trace *t) {
-  free(t->events);
-  memset(t, 0, sizeof(*t));
-}
-
-static bool trace_push(trace *t, const trace_event *ev) {
-  if (t->count == t->capacity) {
-    size_t capacity = t->capacity ? t->capacity * 2 : 65536;
-    trace_event *events = realloc(t->events, capacity * sizeof(*events));
-    if (events == NULL) return false;
-    t->events = events;
-    t->capacity = capacity;
+/* The index of a stream id, its stream created if new; -1 after printing why. */
+static int stream_index(tide_allocator *alloc, trace_streams *s, const char *name,
+                        const trace_event *ev) {
+  for (size_t i = 0; i < s->count; i++) {
+    if (s->ids[i] == ev->stream) return (int)i;
   }
-  t->events[t->count++] = *ev;
-  return true;
-}
-
-/* The index of a stream id, added if new; -1 when there are too many. */
-static int trace_stream_index(trace *t, uint64_t id) {
-  for (size_t i = 0; i < t->stream_count; i++) {
-    if (t->stream_ids[i] == id) return (int)i;
+  if (s->count == MAX_STREAMS) {
+    cli_error("replay: %s:%llu: more than %d streams", name, (unsigned long long)ev->line,
+              MAX_STREAMS);
+    return -1;
   }
-  if (t->stream_count == MAX_STREAMS) return -1;
-  t->stream_ids[t->stream_count] = id;
-  return (int)t->stream_count++;
-}
-
-/* One unsigned decimal field ending at `end_char`; advances *p past it. */
-static bool parse_field(const char **p, char end_char, uint64_t *out) {
-  const char *s = *p;
-  if (*s < '0' || *s > '9') return false;
-  uint64_t v = 0;
-  for (; *s >= '0' && *s <= '9'; s++) {
-    uint64_t digit = (uint64_t)(*s - '0');
-    if (v > (UINT64_MAX - digit) / 10) return false;
-    v = v * 10 + digit;
+  if (tide_stream_create(alloc, &s->handles[s->count]) != TIDE_OK) {
+    cli_report_tide_error("replay: creating a stream");
+    return -1;
   }
-  if (*s != end_char) return false;
-  *out = v;
-  *p = s + 1;
-  return true;
-}
-
-/* Parse one data line (without its newline) into ev and *stream_id. */
-static bool parse_line(const char *line, trace_event *ev, uint64_t *stream_id) {
-  const char *p = line;
-  uint64_t t_us = 0;
-  if (!parse_field(&p, ',', &t_us)) return false;
-  if (strncmp(p, "alloc,", 6) == 0) {
-    ev->is_alloc = true;
-    p += 6;
-  } else if (strncmp(p, "free,", 5) == 0) {
-    ev->is_alloc = false;
-    p += 5;
-  } else {
-    return false;
-  }
-  if (!parse_field(&p, ',', &ev->addr)) return false;
-  if (!parse_field(&p, ',', &ev->size)) return false;
-  if (!parse_field(&p, '\0', stream_id)) return false;
-  return !(ev->is_alloc && ev->size == 0);
-}
-
-static void strip_newline(char *line) {
-  size_t len = strlen(line);
-  while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = '\0';
-}
-
-/* Read a whole line into buf; false at end of file. *too_long is set (and
- * the rest of the line skipped) when it does not fit. */
-static bool read_line(gzFile gz, char *buf, int len, bool *too_long) {
-  *too_long = false;
-  if (gzgets(gz, buf, len) == NULL) return false;
-  size_t n = strlen(buf);
-  if (n > 0 && buf[n - 1] == '\n') return true;
-  if (gzeof(gz)) return true;
-  *too_long = true;
-  char rest[LINE_MAX_BYTES];
-  while (gzgets(gz, rest, sizeof(rest)) != NULL) {
-    size_t m = strlen(rest);
-    if (m > 0 && rest[m - 1] == '\n') break;
-  }
-  return true;
-}
-
-static void report_malformed(trace *t, uint64_t line_no, const char *line, const char *path) {
-  if (++t->malformed_lines <= REPORT_FIRST) {
-    fprintf(stderr, "tidalloc replay: %s:%llu: malformed line '%.80s'\n", path,
-            (unsigned long long)line_no, line);
-  }
-}
-
-/* Read a trace file. False after printing why (unreadable, no header, a
- * corrupt gzip stream, no memory); malformed lines are only counted. */
-static bool trace_load(const char *path, trace *t) {
-  memset(t, 0, sizeof(*t));
-  t->stream_count = 1; /* id 0, the default stream */
-  gzFile gz = gzopen(path, "rb");
-  if (gz == NULL) {
-    cli_error("replay: cannot open '%s'", path);
-    return false;
-  }
-  gzbuffer(gz, 1 << 20);
-  struct stat st;
-  double file_bytes = stat(path, &st) == 0 && st.st_size > 0 ? (double)st.st_size : 0.0;
-  char line[LINE_MAX_BYTES];
-  bool too_long = false;
-  uint64_t line_no = 1;
-  bool ok = read_line(gz, line, sizeof(line), &too_long);
-  if (ok) strip_newline(line);
-  if (!ok || too_long || strcmp(line, TRACE_HEADER) != 0) {
-    int zerr = Z_OK;
-    const char *zmsg = gzerror(gz, &zerr);
-    cli_error("replay: %s does not start with the header '%s'%s%s", path, TRACE_HEADER,
-              zerr != Z_OK ? ": " : "", zerr != Z_OK ? zmsg : "");
-    gzclose(gz);
-    return false;
-  }
-  while (read_line(gz, line, sizeof(line), &too_long)) {
-    line_no++;
-    strip_newline(line);
-    if (line[0] == '\0' && !too_long) continue; /* a blank line, e.g. at the end */
-    trace_event ev = {.line = line_no};
-    uint64_t stream_id = 0;
-    if (too_long || !parse_line(line, &ev, &stream_id)) {
-      report_malformed(t, line_no, line, path);
-      continue;
-    }
-    int stream = trace_stream_index(t, stream_id);
-    if (stream < 0) {
-      cli_error("replay: %s uses more than %d streams", path, MAX_STREAMS);
-      gzclose(gz);
-      return false;
-    }
-    ev.stream = (uint32_t)stream;
-    if (!trace_push(t, &ev)) {
-      cli_error("replay: out of host memory reading %s", path);
-      gzclose(gz);
-      return false;
-    }
-    if ((line_no & 0xffff) == 0 && file_bytes > 0.0) {
-      cli_progress("reading", (double)gzoffset(gz) / file_bytes);
-    }
-  }
-  int zerr = Z_OK;
-  const char *zmsg = gzerror(gz, &zerr);
-  if (zerr != Z_OK && zerr != Z_STREAM_END) {
-    cli_error("replay: %s is corrupt after line %llu: %s", path, (unsigned long long)line_no, zmsg);
-    gzclose(gz);
-    return false;
-  }
-  gzclose(gz);
-  if (file_bytes > 0.0) cli_progress("reading", 1.0);
-  return true;
+  s->ids[s->count] = ev->stream;
+  return (int)s->count++;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -319,8 +166,8 @@ static bool free_all(tide_allocator *alloc, live_map *live, const tide_stream *s
 
 /* One event; false on an allocation failure or out of host memory. */
 static bool replay_event(tide_allocator *alloc, const char *path, const trace_event *ev,
-                         const tide_stream *streams, live_map *live, uint64_t *live_bytes,
-                         replay_result *r) {
+                         uint32_t stream, const tide_stream *streams, live_map *live,
+                         uint64_t *live_bytes, replay_result *r) {
   live_block *found = live_find(live, ev->addr);
   if (!ev->is_alloc) {
     if (found == NULL) {
@@ -345,17 +192,17 @@ static bool replay_event(tide_allocator *alloc, const char *path, const trace_ev
     report_event(&r->duplicate_allocs, path, ev, "allocation at an address already live");
     return true;
   }
-  void *ptr = tide_malloc(alloc, (size_t)ev->size, streams[ev->stream]);
+  void *ptr = tide_malloc(alloc, (size_t)ev->size, streams[stream]);
   if (ptr == NULL) {
     fprintf(stderr, "tidalloc replay: %s:%llu: allocating %llu bytes failed: %s (%s)\n", path,
             (unsigned long long)ev->line, (unsigned long long)ev->size, tide_last_error(),
             tide_status_name(tide_last_status()));
     return false;
   }
-  live_block block = {.addr = ev->addr, .ptr = ptr, .size = ev->size, .stream = ev->stream};
+  live_block block = {.addr = ev->addr, .ptr = ptr, .size = ev->size, .stream = stream};
   if (!live_insert(live, &block)) {
     cli_error("replay: out of host memory");
-    tide_free(alloc, ptr, streams[ev->stream]);
+    tide_free(alloc, ptr, streams[stream]);
     return false;
   }
   *live_bytes += ev->size;
@@ -364,30 +211,54 @@ static bool replay_event(tide_allocator *alloc, const char *path, const trace_ev
   return true;
 }
 
-static bool replay_trace(tide_allocator *alloc, const char *path, const trace *t,
-                         tide_stream *streams, replay_result *r) {
+/* Read and replay the whole trace, batch by batch. */
+static bool replay_trace(tide_allocator *alloc, trace_reader *reader, trace_streams *streams,
+                         replay_result *r) {
+  const char *name = trace_reader_name(reader);
   live_map live;
-  if (!live_init(&live, 1 << 16)) {
+  trace_event *batch = malloc(BATCH * sizeof *batch);
+  uint32_t *stream_of = malloc(BATCH * sizeof *stream_of);
+  if (!live_init(&live, 1 << 16) || batch == NULL || stream_of == NULL) {
     cli_error("replay: out of host memory");
+    free(live.slots);
+    free(batch);
+    free(stream_of);
     return false;
   }
-  uint64_t live_bytes = 0;
+  uint64_t live_bytes = 0, ns = 0;
   bool ok = true;
-  uint64_t t0 = cli_now_ns();
-  for (size_t i = 0; i < t->count && ok; i++) {
-    ok = replay_event(alloc, path, &t->events[i], streams, &live, &live_bytes, r);
-    r->events++;
-    if ((i & 0xffff) == 0) cli_progress("replaying", (double)i / (double)t->count);
+  for (int got = 1; ok && got > 0;) {
+    size_t n = 0;
+    while (n < BATCH && (got = trace_reader_next(reader, &batch[n])) > 0) n++;
+    for (size_t i = 0; i < n && ok; i++) {
+      int s = batch[i].stream == 0 ? 0 : stream_index(alloc, streams, name, &batch[i]);
+      if (s < 0) ok = false;
+      stream_of[i] = (uint32_t)s;
+    }
+    uint64_t t0 = cli_now_ns();
+    for (size_t i = 0; i < n && ok; i++) {
+      ok = replay_event(alloc, name, &batch[i], stream_of[i], streams->handles, &live, &live_bytes,
+                        r);
+      r->events++;
+    }
+    ns += cli_now_ns() - t0;
+    cli_progress("replaying", trace_reader_progress(reader));
+    if (got < 0) {
+      cli_error("replay: %s", trace_reader_error(reader));
+      ok = false;
+    }
   }
-  r->seconds = (double)(cli_now_ns() - t0) / 1e9;
+  r->seconds = (double)ns / 1e9;
   cli_progress("replaying", 1.0);
   if (tide_get_stats(alloc, &r->stats) != TIDE_OK) {
     cli_report_tide_error("replay: reading statistics");
     ok = false;
   }
   r->synchronizations = tide_host_call_count(alloc, TIDE_OP_STREAM_SYNCHRONIZE);
-  if (!free_all(alloc, &live, streams)) ok = false;
+  if (!free_all(alloc, &live, streams->handles)) ok = false;
   free(live.slots);
+  free(batch);
+  free(stream_of);
   return ok;
 }
 
@@ -405,12 +276,12 @@ static double reserved_over_live(const replay_result *r) {
   return r->peak_live ? (double)reserved / (double)r->peak_live : 0.0;
 }
 
-static void print_keys(const char *path, const trace *t, const replay_result *r) {
+static void print_keys(const char *path, const trace_streams *streams, const replay_result *r) {
   printf("trace %s\n", base_name(path));
   printf("events %llu\n", (unsigned long long)r->events);
   printf("allocs %llu\n", (unsigned long long)r->allocs);
   printf("frees %llu\n", (unsigned long long)r->frees);
-  printf("streams %zu\n", t->stream_count);
+  printf("streams %zu\n", streams->count);
   printf("peak_live_bytes %llu\n", (unsigned long long)r->peak_live);
   printf("peak_allocated_bytes %lld\n", (long long)r->stats.allocated_bytes[TIDE_POOL_ALL].peak);
   printf("peak_reserved_bytes %lld\n", (long long)r->stats.reserved_bytes[TIDE_POOL_ALL].peak);
@@ -426,7 +297,8 @@ static void print_keys(const char *path, const trace *t, const replay_result *r)
   printf("stream_waits %llu\n", (unsigned long long)r->stats.stream_waits);
   printf("seconds %.3f\n", r->seconds);
   printf("ns_per_event %.1f\n", r->events ? r->seconds * 1e9 / (double)r->events : 0.0);
-  printf("malformed_lines %llu\n", (unsigned long long)t->malformed_lines);
+  /* Always 0: a malformed line stops the replay. Kept for scripts that read it. */
+  printf("malformed_lines 0\n");
   printf("unknown_frees %llu\n", (unsigned long long)r->unknown_frees);
   printf("duplicate_allocs %llu\n", (unsigned long long)r->duplicate_allocs);
   printf("size_mismatches %llu\n", (unsigned long long)r->size_mismatches);
@@ -455,30 +327,20 @@ static void print_help(void) {
          "%s; actions alloc and free) through tidalloc, on the\n"
          "host backend unless --conf or TIDALLOC_CONF choose another, and print the\n"
          "peak live bytes of the trace next to tidalloc's peak allocated and reserved\n"
-         "bytes. Exits non-zero if the trace has malformed lines, frees of addresses\n"
-         "that are not live, or if an allocation fails.\n"
+         "bytes. Exits non-zero at the first malformed line (naming its line and\n"
+         "field; numbers, addresses too, are unsigned decimals; t_us may not\n"
+         "decrease), if the trace has frees of addresses that are not live, or if\n"
+         "an allocation fails.\n"
          "\n"
          "  --conf STR   tidalloc options, \"key:value,...\"\n"
          "  --csv        one header line and one row instead of `key value` lines\n",
          TRACE_HEADER);
 }
 
-static bool create_streams(tide_allocator *alloc, const trace *t, tide_stream *streams) {
-  streams[0] = NULL;
-  for (size_t i = 1; i < t->stream_count; i++) {
-    if (tide_stream_create(alloc, &streams[i]) != TIDE_OK) {
-      cli_report_tide_error("replay: creating a stream");
-      for (size_t j = 1; j < i; j++) tide_stream_destroy(alloc, streams[j]);
-      return false;
-    }
-  }
-  return true;
-}
-
-static bool destroy_everything(tide_allocator *alloc, const trace *t, tide_stream *streams) {
+static bool destroy_everything(tide_allocator *alloc, const trace_streams *streams) {
   bool ok = true;
-  for (size_t i = 1; i < t->stream_count; i++) {
-    if (tide_stream_destroy(alloc, streams[i]) != TIDE_OK) {
+  for (size_t i = 1; i < streams->count; i++) {
+    if (tide_stream_destroy(alloc, streams->handles[i]) != TIDE_OK) {
       cli_report_tide_error("replay: destroying a stream");
       ok = false;
     }
@@ -516,38 +378,40 @@ int tide_cli_replay(int argc, char **argv) {
     return CLI_EXIT_USAGE;
   }
 
-  trace t;
-  if (!trace_load(path, &t)) {
-    trace_free(&t);
+  char err[1024];
+  trace_reader *reader = trace_reader_open(path, err, sizeof err);
+  if (reader == NULL) {
+    cli_error("replay: %s", err);
     return CLI_EXIT_FAILURE;
   }
   tide_allocator *alloc = cli_allocator_create("replay", "backend:host", conf, 0);
-  tide_stream *streams = calloc(t.stream_count, sizeof(tide_stream));
-  if (alloc == NULL || streams == NULL || !create_streams(alloc, &t, streams)) {
+  trace_streams *streams = calloc(1, sizeof *streams);
+  if (alloc == NULL || streams == NULL) {
     if (streams == NULL) cli_error("replay: out of host memory");
     if (alloc != NULL) tide_destroy(alloc);
     free(streams);
-    trace_free(&t);
+    trace_reader_close(reader);
     return CLI_EXIT_FAILURE;
   }
+  streams->count = 1; /* id 0, the default stream */
   replay_result r = {0};
-  bool ok = replay_trace(alloc, path, &t, streams, &r);
-  if (!destroy_everything(alloc, &t, streams)) ok = false;
+  bool ok = replay_trace(alloc, reader, streams, &r);
+  if (!destroy_everything(alloc, streams)) ok = false;
   if (ok) {
     if (csv) {
       print_csv(path, &r);
     } else {
-      print_keys(path, &t, &r);
+      print_keys(path, streams, &r);
     }
   }
-  uint64_t problems = t.malformed_lines + r.unknown_frees + r.duplicate_allocs + r.size_mismatches;
+  uint64_t problems = r.unknown_frees + r.duplicate_allocs + r.size_mismatches;
   if (ok && problems != 0) {
-    cli_error("replay: %s has %llu malformed lines, %llu frees of addresses not live, %llu "
-              "allocations at live addresses and %llu frees of another size",
-              path, (unsigned long long)t.malformed_lines, (unsigned long long)r.unknown_frees,
+    cli_error("replay: %s has %llu frees of addresses not live, %llu allocations at live "
+              "addresses and %llu frees of another size",
+              trace_reader_name(reader), (unsigned long long)r.unknown_frees,
               (unsigned long long)r.duplicate_allocs, (unsigned long long)r.size_mismatches);
   }
   free(streams);
-  trace_free(&t);
+  trace_reader_close(reader);
   return ok && problems == 0 ? CLI_EXIT_OK : CLI_EXIT_FAILURE;
 }

@@ -87,7 +87,9 @@ _lib = None
 def lib():
     global _lib
     if _lib is None:
-        l = ctypes.CDLL(library_path())
+        path = library_path()
+        l = ctypes.CDLL(path)
+        _require_symbols(l, path)
         l.tide_device.restype = ctypes.c_void_p
         l.tide_device.argtypes = [ctypes.c_int]
         l.tide_last_error.restype = ctypes.c_char_p
@@ -131,6 +133,24 @@ class TidallocError(RuntimeError):
     pass
 
 
+# The functions lib() declares: a library without one of them is not
+# tidalloc's (ctypes would raise AttributeError at the first).
+_SYMBOLS = ("tide_device", "tide_last_error", "tide_get_stats", "tide_reset_peak_stats",
+            "tide_conf_set", "tide_conf_get", "tide_config_free", "tide_config_option_count",
+            "tide_config_option", "tide_get_info", "tide_block_info", "tide_torch_alloc",
+            "tide_torch_free", "tide_torch_empty_cache", "tide_torch_set_memory_fraction",
+            "tide_torch_record_stream", "tide_buf_create", "tide_buf_destroy", "tide_buf_resize",
+            "tide_buf_reserve_ahead", "tide_buf_data", "tide_buf_length", "tide_buf_capacity",
+            "tide_buf_mapped")
+
+
+def _require_symbols(l, path):
+    missing = [name for name in _SYMBOLS if not hasattr(l, name)]
+    if missing:
+        raise TidallocError("%s is not tidalloc's library: it lacks %s"
+                            % (path, ", ".join(missing)))
+
+
 def last_error():
     return (lib().tide_last_error() or b"").decode("utf-8", "replace")
 
@@ -143,7 +163,11 @@ def check(status, what):
 def device(index=0):
     handle = lib().tide_device(index)
     if not handle:
-        raise TidallocError("tide_device(%d): %s" % (index, last_error()))
+        message = last_error()
+        prefix = "tide_device(%d)" % index
+        # The library's message names the call already; said once.
+        raise TidallocError(message if message.startswith(prefix) else
+                            "%s: %s" % (prefix, message))
     return handle
 
 
@@ -187,6 +211,10 @@ def reset_peak(index=0):
 
 def configure(conf):
     """Set the process-wide configuration before first use ("key:value,...")."""
+    if "\0" in conf:
+        # C text ends at its first NUL: what follows would be dropped unseen.
+        raise TidallocError("tide_conf_set(%r) refused: a NUL character at index %d (the "
+                            "configuration is text without NULs)" % (conf, conf.index("\0")))
     check(lib().tide_conf_set(conf.encode()), "tide_conf_set(%r)" % conf)
 
 

@@ -3,6 +3,8 @@ address that grows and shrinks in place, and GrowableTensor, a torch tensor
 over one that appends along its first dimension without copying what it
 holds (its data pointer never changes), for KV caches."""
 import ctypes
+import sys
+import warnings
 
 from . import _lib
 
@@ -52,7 +54,7 @@ class Buffer:
         return _lib.lib().tide_buf_mapped(self._handle)
 
     def close(self):
-        if self._handle:
+        if getattr(self, "_handle", None):  # absent when __init__ failed
             lib = _lib.lib()
             # A shrink records an event on the stream and destroy waits for it:
             # pages are not unmapped under kernels still queued to read them.
@@ -64,8 +66,12 @@ class Buffer:
     def __del__(self):
         try:
             self.close()
-        except Exception:  # at interpreter exit the library may be gone
-            pass
+        except Exception as e:
+            # At interpreter exit the library (or warnings) may be gone: the
+            # allocator gives back the rest. Otherwise the failure is reported.
+            if not sys.is_finalizing():
+                warnings.warn("tidalloc.Buffer: closing it when it was collected failed: %s" % e,
+                              RuntimeWarning, stacklevel=2)
 
 
 # __cuda_array_interface__ type strings of the dtypes it can describe; bfloat16

@@ -16,6 +16,8 @@ again. A receiver's mapping lives as long as its tensor does.
 """
 import ctypes
 import os
+import sys
+import warnings
 
 from . import _lib
 
@@ -95,15 +97,19 @@ class Imported:
         self.size = d.size
 
     def close(self):
-        if self.ptr:
+        if getattr(self, "ptr", 0):  # absent when __init__ failed early
             ptr, self.ptr = self.ptr, 0
             _lib.check(_l().tide_share_close(_lib.device(self.device), ptr), "tide_share_close")
 
     def __del__(self):
         try:
             self.close()
-        except Exception:  # interpreter teardown: the allocator unmaps the rest
-            pass
+        except Exception as e:
+            # At interpreter exit the library (or warnings) may be gone: the
+            # allocator gives back the rest. Otherwise the failure is reported.
+            if not sys.is_finalizing():
+                warnings.warn("tidalloc.Imported: closing it when it was collected failed: %s" % e,
+                              RuntimeWarning, stacklevel=2)
 
 
 def import_(desc, pieces, device=0):
