@@ -17,8 +17,12 @@ from tidalloc import _lib, buffer, share  # noqa: E402
 
 
 def test_a_library_without_tidalloc_symbols_is_a_tidalloc_error():
-    libc = ctypes.util.find_library("c")
-    assert libc
+    name = ctypes.util.find_library("c")
+    assert name
+    # TIDALLOC_LIB must name a file: the loaded libc's own path.
+    with open("/proc/self/maps") as maps:
+        paths = [line.split()[-1] for line in maps if line.rstrip().endswith(name)]
+    libc = paths[0] if paths else name
     code = ("import sys; sys.path.insert(0, %r)\n"
             "from tidalloc import _lib\n"
             "try:\n"
