@@ -610,6 +610,12 @@ static TIDE_NOINLINE void *malloc_contended(tide_allocator *a, _tide_arena *aren
   return malloc_in_arena(a, arena, size, rounded, stream);
 }
 
+/* The size a request takes: 512-byte steps, or roundup_power2_divisions. */
+static inline size_t rounded_size(const tide_allocator *a, size_t size) {
+  return TIDE_LIKELY(a->plain_rounding) ? (size + TIDE_MIN_BLOCK - 1) & ~(TIDE_MIN_BLOCK - 1)
+                                        : _tide_round_size(&a->conf, size);
+}
+
 /* Everything tide_malloc's quick hit does not cover: a bad call, a stream
  * not in its home slot of the table of streams, captures being watched,
  * rounding by roundup_power2_divisions. */
@@ -622,9 +628,7 @@ static TIDE_NOINLINE void *malloc_slow(tide_allocator *a, size_t size, tide_stre
                     size);
     return NULL;
   }
-  size_t rounded = TIDE_LIKELY(a->plain_rounding)
-                       ? (size + TIDE_MIN_BLOCK - 1) & ~(TIDE_MIN_BLOCK - 1)
-                       : _tide_round_size(&a->conf, size);
+  size_t rounded = rounded_size(a, size);
   _tide_arena *arena = TIDE_LIKELY(!captures_involved(a, stream)) ? arena_of(a, stream, true)
                                                                   : capture_arena(a, stream);
   if (TIDE_UNLIKELY(!arena)) return NULL;
@@ -673,9 +677,7 @@ void *tide_pool_malloc(tide_pool *pool, size_t size, tide_stream stream) {
     _tide_error_prefix("tide_pool_malloc(%zu bytes) on stream %p", size, (void *)stream);
     return NULL;
   }
-  size_t rounded = TIDE_LIKELY(a->plain_rounding)
-                       ? (size + TIDE_MIN_BLOCK - 1) & ~(TIDE_MIN_BLOCK - 1)
-                       : _tide_round_size(&a->conf, size);
+  size_t rounded = rounded_size(a, size);
   _tide_lock_acquire(&arena->lock);
   return malloc_in_arena(a, arena, size, rounded, stream);
 }
@@ -774,16 +776,24 @@ static TIDE_NOINLINE tide_status free_hit_extras(_tide_arena *arena, _tide_block
   return TIDE_OK;
 }
 
+/* The free of b, the live block of `arena` (the arena of `stream`), under
+ * its lock, which it releases: the quick hit, or the full path. */
+static TIDE_ALWAYS_INLINE tide_status free_found(tide_allocator *a, _tide_arena *arena,
+                                                 _tide_block *b, tide_stream stream) {
+  if (TIDE_UNLIKELY(!_tide_arena_free_quick(arena, b)))
+    return free_locked(a, arena, b, b->addr, stream);
+  if (TIDE_UNLIKELY(_tide_hit_has_extras(a))) return free_hit_extras(arena, b, stream);
+  _tide_lock_release(&arena->lock);
+  return TIDE_OK;
+}
+
 /* tide_free under the arena lock, which it releases: the quick hit, or the
  * full path. */
 static TIDE_ALWAYS_INLINE tide_status free_in_arena(tide_allocator *a, _tide_arena *arena,
                                                     uintptr_t addr, tide_stream stream) {
   _tide_block *b = _tide_arena_live(arena, addr);
-  if (TIDE_UNLIKELY(!b || !_tide_arena_free_quick(arena, b)))
-    return free_locked(a, arena, b, addr, stream);
-  if (TIDE_UNLIKELY(_tide_hit_has_extras(a))) return free_hit_extras(arena, b, stream);
-  _tide_lock_release(&arena->lock);
-  return TIDE_OK;
+  if (TIDE_UNLIKELY(!b)) return free_locked(a, arena, NULL, addr, stream);
+  return free_found(a, arena, b, stream);
 }
 
 /* tide_free when the arena's lock was held by another thread. */
@@ -845,14 +855,7 @@ tide_status tide_free_home(tide_allocator *a, void *ptr, tide_stream hint) {
     _tide_lock_release(&arena->lock);
     return free_home_slow(a, ptr);
   }
-  if (TIDE_LIKELY(_tide_arena_free_quick(arena, b))) {
-    if (TIDE_UNLIKELY(_tide_hit_has_extras(a))) return free_hit_extras(arena, b, hint);
-    _tide_lock_release(&arena->lock);
-    return TIDE_OK;
-  }
-  int rc = _tide_arena_free(arena, b, hint);
-  _tide_lock_release(&arena->lock);
-  return (tide_status)rc;
+  return free_found(a, arena, b, hint);
 }
 
 tide_status tide_free_sized(tide_allocator *a, void *ptr, size_t size, tide_stream stream) {
