@@ -18,8 +18,8 @@
 # stream_gct_trace.csv.gz (every allocation and free of the trace process),
 # stream_gct_trace_replay.txt; summary.txt. RUNS picks the runs, in order
 # (default "native expandable cudaMallocAsync tidalloc tidalloc_growable
-# trace"; also native_compile: the native allocator with --compile, whose
-# compilation takes minutes, so run it alone with a larger RUN_SECONDS).
+# trace"; also native_compile and tidalloc_compile: --compile under each,
+# whose compilation takes minutes, so give them a larger RUN_SECONDS).
 # Exit status: 0 if every run completed.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -114,6 +114,7 @@ for name in ${RUNS:-native expandable cudaMallocAsync tidalloc tidalloc_growable
     tidalloc) sweep tidalloc "" tidalloc -- ;;
     tidalloc_growable) sweep tidalloc_growable "" tidalloc -- --growable ;;
     native_compile) sweep native_compile "" -- --compile ;;
+    tidalloc_compile) sweep tidalloc_compile "" tidalloc -- --compile ;;
     trace) record_trace ;;
     *) note "stream_gct_session: unknown run '$name'"; failed=1 ;;
   esac

@@ -974,18 +974,19 @@ def main(argv=None):
 # For tests/torch/validate.py --serve (paired timing)
 # ---------------------------------------------------------------------------
 
-def paired_runner(device, frames, growable=False, tiny=False, seed=0):
+def paired_runner(device, frames, growable=False, tiny=False, seed=0, compiled=False):
     """A function run(digest) that streams `frames` frames through one model
     built here, with fresh caches every call, and adds the outputs (every
-    pose, the last depth and confidence) to `digest`."""
+    pose, the last depth and confidence) to `digest`. compiled: the hot
+    modules under torch.compile(mode="reduce-overhead"), as --compile."""
     shape = make_shape(tiny)
-    model = build_model(shape, device, seed)
+    model = build_model(shape, device, seed, compile_hot=compiled)
 
     def run(digest):
         generator = torch.Generator(device=device).manual_seed(seed + 1)
         state = StreamState(shape, device, frames, growable)
         try:
-            stream(model, state, frames, device, generator)
+            stream(model, state, frames, device, generator, compiled)
             depth, confidence, _ = state.outputs[-1]
             poses = torch.cat([o[2] for o in state.outputs])
             for t in (poses, depth, confidence):

@@ -196,3 +196,38 @@ def test_tidalloc_with_options(monkeypatch):
         pass
     else:
         raise AssertionError("an empty option list was accepted")
+
+
+def test_a_configuration_may_name_its_own_program():
+    assert paired_time.split_config("tidalloc@stream_gct_growable", "stream_gct") == \
+        ("tidalloc", "stream_gct_growable")
+    assert paired_time.split_config("expandable", "stream_gct") == ("expandable", "stream_gct")
+    try:
+        paired_time.split_config("tidalloc@nothing", "gpt2")
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("an unknown program was accepted")
+
+
+class DifferentOutputs(FakeProcess):
+    def run(self):
+        seconds, _, maps, unmaps = super().run()
+        return seconds, self.config, maps, unmaps  # a digest of its own per worker
+
+
+def test_outputs_are_compared_only_between_runs_of_one_program(monkeypatch, capsys):
+    DifferentOutputs.started, DifferentOutputs.args = [], []
+    monkeypatch.setattr(paired_time, "Worker", DifferentOutputs)
+    monkeypatch.setattr("sys.argv", ["paired_time.py", "stream_gct", "--pairs", "2", "--configs",
+                                     "expandable", "tidalloc@stream_gct_growable"])
+    assert paired_time.main() == 0
+    monkeypatch.setattr("sys.argv", ["paired_time.py", "stream_gct", "--pairs", "2", "--configs",
+                                     "expandable", "tidalloc"])
+    assert paired_time.main() == 1
+    assert "gave different outputs" in capsys.readouterr().err
+
+
+def test_pluggable_bridge_configuration(monkeypatch):
+    allocator, env = paired_time.config_env("tidalloc-pluggable")
+    assert allocator == "tidalloc" and env["TIDALLOC_TORCH_BRIDGE"] == "pluggable"

@@ -18,13 +18,21 @@ geometric mean with a 95% bootstrap interval, and the same split by order
 
 Programs: validate.py's (gpt2, vit, stream_gct: bench/torch/stream_gct.py's
 model, built once per worker, --frames frames with fresh caches each run;
-stream_gct_growable: its caches in GrowableTensors).
+stream_gct_growable: its caches in GrowableTensors; stream_gct_compile: its
+hot modules under torch.compile(mode="reduce-overhead")).
 
 Configurations as in run_validation.sh: native, expandable
 (expandable_segments:True), tidalloc (tidalloc.torch.install(), capture
-detection on), tidalloc-nodetect; and tidalloc:KEY:VALUE,... (tidalloc with
-those options added to TIDALLOC_CONF), so that two settings of tidalloc can
-be paired (--configs tidalloc:load_handles:False tidalloc). stdout: one CSV row per run
+detection on; PyTorch's own allocator through the shim where it builds),
+tidalloc-pluggable (the same through CUDAPluggableAllocator),
+tidalloc-nodetect; and tidalloc:KEY:VALUE,... (tidalloc with those options
+added to TIDALLOC_CONF), so that two settings of tidalloc can be paired
+(--configs tidalloc:load_handles:False tidalloc). A configuration may name
+its own program after an @, so that two programs can be paired:
+--configs expandable tidalloc@stream_gct_growable times the torch.cat
+caches under expandable segments against the growable ones under tidalloc
+(their outputs are then not compared: the caches keep their rows in
+another order, so sums round differently). stdout: one CSV row per run
 (program,pair,position,config,seconds,digest,maps,unmaps); stderr: each
 configuration's peak allocated and reserved memory over its runs, and the
 summary. `paired_time.py --summarize FILE [A B]` summarizes saved rows, runs
@@ -47,6 +55,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+PROGRAMS = ("gpt2", "vit", "stream_gct", "stream_gct_growable", "stream_gct_compile")
 
 
 def config_env(config):
@@ -60,6 +69,9 @@ def config_env(config):
     if config == "expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         return "native", env
+    if config == "tidalloc-pluggable":
+        env["TIDALLOC_TORCH_BRIDGE"] = "pluggable"
+        return "tidalloc", env
     if config in ("tidalloc", "tidalloc-nodetect"):
         if config == "tidalloc-nodetect":
             conf = env.get("TIDALLOC_CONF", "")
@@ -72,11 +84,21 @@ def config_env(config):
     raise ValueError("unknown configuration %r" % config)
 
 
+def split_config(config, program):
+    """(configuration, program) of a configuration that may name its own
+    program after an @ ("tidalloc@stream_gct_growable")."""
+    name, _, own = config.partition("@")
+    if own and own not in PROGRAMS:
+        raise ValueError("unknown program %r in configuration %r" % (own, config))
+    return name, own or program
+
+
 class Worker:
     """One validate.py --serve process: run() times one run in it."""
 
     def __init__(self, program, config, python=sys.executable, program_args=()):
-        allocator, env = config_env(config)
+        config_name, program = split_config(config, program)
+        allocator, env = config_env(config_name)
         self.config = config
         self.proc = subprocess.Popen(
             [python, os.path.join(HERE, "validate.py"), program, allocator, "--serve"]
@@ -237,7 +259,7 @@ def main():
         names = sys.argv[3:5] if len(sys.argv) == 5 else ["expandable", "tidalloc"]
         return summarize_file(sys.argv[2], *names)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("program", choices=("gpt2", "vit", "stream_gct", "stream_gct_growable"))
+    parser.add_argument("program", choices=PROGRAMS)
     parser.add_argument("--frames", type=int, default=128,
                         help="frames per run of the stream_gct programs (default 128)")
     parser.add_argument("--configs", nargs=2, default=["expandable", "tidalloc"],
@@ -272,7 +294,8 @@ def main():
         if rc or len(done) < want:
             break
     pairs = [p for s in sets for p in s]
-    if any(p[4] != p[5] for p in pairs):
+    same_program = len({split_config(c, args.program)[1] for c in args.configs}) == 1
+    if same_program and any(p[4] != p[5] for p in pairs):
         print("paired_time: the two configurations gave different outputs", file=sys.stderr)
         status = 1
     for line in summarize(pairs, *args.configs):
@@ -287,7 +310,9 @@ def main():
 
 def run_set(args, pairs, budget_s, emit):
     """One pair of worker processes for up to `pairs` pairs; (status, pairs)."""
-    extra = ["--frames", str(args.frames)] if args.program.startswith("stream_gct") else []
+    programs = [split_config(c, args.program)[1] for c in args.configs]
+    extra = ["--frames", str(args.frames)] if any(p.startswith("stream_gct")
+                                                  for p in programs) else []
     a, b = (Worker(args.program, c, program_args=extra) for c in args.configs)
     status, done = 0, []
     try:

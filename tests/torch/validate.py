@@ -21,7 +21,9 @@ seconds,repeats,median_seconds,min_seconds,max_seconds,peak_reserved_all_mib
   stream_gct: bench/torch/stream_gct.py's model (random weights, seed 0,
         built once), --frames frames (default 128) streamed with fresh
         caches each run, grown by torch.cat; stream_gct_growable: the same
-        with the caches in tidalloc GrowableTensors. The output is every
+        with the caches in tidalloc GrowableTensors; stream_gct_compile:
+        the hot modules under torch.compile(mode="reduce-overhead") (the
+        first run, untimed, compiles and records the CUDA graphs). The output is every
         frame's pose and the last frame's depth and confidence.
 
 The allocator: native (PyTorch's default; PYTORCH_CUDA_ALLOC_CONF is the
@@ -41,7 +43,7 @@ mappings), until "quit" or the end of its input; then a line "peaks
 ALLOCATED_MIB RESERVED_MIB" (torch.cuda.max_memory_allocated/reserved over
 all its runs).
 
-    python tests/torch/validate.py gpt2|vit|stream_gct|stream_gct_growable native|tidalloc
+    python tests/torch/validate.py gpt2|vit|stream_gct[_growable|_compile] native|tidalloc
                                    [--repeats N] [--frames N] [--trace-csv FILE.csv.gz] [--serve]"""
 import argparse
 import hashlib
@@ -86,23 +88,24 @@ def vit(torch, dev):
     return run
 
 
-def stream_gct(torch, dev, frames, growable=False):
+def stream_gct(torch, dev, frames, growable=False, compiled=False):
     import importlib.util
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "torch",
                         "stream_gct.py")
     spec = importlib.util.spec_from_file_location("stream_gct", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.paired_runner(dev, frames, growable=growable)
+    return module.paired_runner(dev, frames, growable=growable, compiled=compiled)
 
 
-PROGRAMS = ("gpt2", "vit", "stream_gct", "stream_gct_growable")
+PROGRAMS = ("gpt2", "vit", "stream_gct", "stream_gct_growable", "stream_gct_compile")
 
 
 def make_program(name, torch, dev, frames):
     """The run(digest) function of a validation program."""
     if name.startswith("stream_gct"):
-        return stream_gct(torch, dev, frames, growable=name == "stream_gct_growable")
+        return stream_gct(torch, dev, frames, growable=name == "stream_gct_growable",
+                          compiled=name == "stream_gct_compile")
     return {"gpt2": gpt2, "vit": vit}[name](torch, dev)
 
 
@@ -125,11 +128,13 @@ def timed_run(torch, run):
     return time.perf_counter() - start, digest.hexdigest()[:16]
 
 
-def serve(torch, run):
-    """The first run, then one timed run per "run" command on stdin. The
-    process sits idle between commands, so two of them (one per allocator)
-    can take turns on one machine, each run next to the other's in time."""
-    _, first = timed_run(torch, run)
+def serve(torch, run, warmups=1):
+    """The first run (`warmups` of them), then one timed run per "run"
+    command on stdin. The process sits idle between commands, so two of
+    them (one per allocator) can take turns on one machine, each run next
+    to the other's in time."""
+    for _ in range(warmups):
+        _, first = timed_run(torch, run)
     print("ready", flush=True)
     before = device_mappings(torch) or (0, 0)
     for line in sys.stdin:
@@ -183,7 +188,8 @@ def main():
     run = make_program(args.program, torch, dev, args.frames)
 
     if args.serve:
-        sys.exit(serve(torch, run))
+        # Compiled: the second run still records CUDA graphs the first only warmed up.
+        sys.exit(serve(torch, run, warmups=2 if args.program.endswith("_compile") else 1))
     digests, seconds, mappings = [], [], []
     for i in range(1 + args.repeats):
         t, d = timed_run(torch, run)

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# gpu_stream_session.sh: a GPU session's streaming-model work in one call,
+# from the repository root. First the library (Release, with the tidalloc
+# command) and the PyTorch shim, built once. Then LANES, run side by side
+# (their timings are not results: they share the machine):
+#   eager     scripts/stream_gct_session.sh: FRAMES under native,
+#             expandable_segments:True, cudaMallocAsync, tidalloc, tidalloc
+#             --growable, and a trace of TRACE_FRAMES replayed
+#   compile   the same script's native_compile and tidalloc_compile runs
+#             (COMPILE_FRAMES), side by side
+#   upstream  PyTorch's own graph tests under both allocators
+#             (scripts/gpu_torch_session.sh's upstream step)
+#   gputest   make gpu-test (TIDE_GPU_OOM_LIMIT_GIB, default 40, keeps its
+#             out-of-memory test from taking the memory of the other lanes)
+# Then PAIRED, alone on the machine: tests/torch/paired_time.py once per
+# spec PROGRAM:FRAMES:CONFIG_A:CONFIG_B:PAIRS (space-separated specs), each
+# begun no later than PAIRED_BUDGET_S after the first.
+#
+#   OUT=dir LANES="eager compile upstream gputest" FRAMES=128 \
+#     PAIRED="stream_gct:128:expandable:tidalloc:10" scripts/gpu_stream_session.sh
+#
+# $OUT gets summary.txt (every lane's summary and every pairing's figures)
+# and logs.tar.gz (everything else: the lanes' files, paired_<i>.csv and
+# paired_<i>.txt, gpu_tests.txt).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+out=${OUT:-out/gpu_stream}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+py=${TIDE_PYTHON:-python3}
+lanes=${LANES:-eager compile upstream gputest}
+summary=$out/summary.txt
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+want() { [[ " $lanes " == *" $1 "* ]]; }
+start=$SECONDS
+
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+export TIDALLOC_CACHE=$PWD/build/shim-cache TIDALLOC_LIB=$PWD/build/libtidalloc.so
+{
+  echo "date: $(date -u)"
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1
+  echo "cpus: $(nproc)"
+} | tee -a "$summary" >"$out/machine.txt"
+
+if ! { cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DTIDE_BUILD_TESTS=OFF \
+         -DTIDE_BUILD_EXAMPLES=OFF >"$out/build.log" 2>&1 &&
+       cmake --build build -j"$(nproc)" >>"$out/build.log" 2>&1; }; then
+  note "build: FAILED (build.log)"
+fi
+if "$py" -c 'import tidalloc.shim as s; print(s.build(verbose=True))' >"$out/shim_build.log" 2>&1; then
+  note "shim: built ($((SECONDS - start)) s with the library)"
+else
+  note "shim: FAILED: $(tail -3 "$out/shim_build.log" | tr '\n' ' ')"
+fi
+
+pids=()
+if want eager; then
+  OUT=$out/eager FRAMES=${FRAMES:-128} RUN_SECONDS=${RUN_SECONDS:-200} \
+    RUNS="native expandable cudaMallocAsync tidalloc tidalloc_growable trace" \
+    scripts/stream_gct_session.sh >"$out/eager.txt" 2>&1 &
+  pids+=($!)
+fi
+if want compile; then # the two compilations side by side: each takes minutes
+  for run in native_compile tidalloc_compile; do
+    OUT=$out/$run FRAMES=${COMPILE_FRAMES:-128} RUN_SECONDS=${COMPILE_SECONDS:-360} RUNS=$run \
+      scripts/stream_gct_session.sh >"$out/$run.txt" 2>&1 &
+    pids+=($!)
+  done
+fi
+if want upstream; then
+  OUT=$out/upstream STEPS=upstream UPSTREAM_JOBS=${UPSTREAM_JOBS:-3} \
+    UPSTREAM_SECONDS=${UPSTREAM_SECONDS:-420} TIDALLOC_CACHE=$TIDALLOC_CACHE \
+    scripts/gpu_torch_session.sh >"$out/upstream.txt" 2>&1 &
+  pids+=($!)
+fi
+if want gputest; then
+  {
+    echo "# make gpu-test on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | head -1)," \
+      "commit $(git rev-parse --short HEAD), $(date -u '+%Y-%m-%d %H:%M UTC'), beside other GPU work," \
+      "TIDE_GPU_OOM_LIMIT_GIB=${TIDE_GPU_OOM_LIMIT_GIB:-40}"
+    TIDE_GPU_OOM_LIMIT_GIB=${TIDE_GPU_OOM_LIMIT_GIB:-40} TIDE_PYTHON=$py timeout 540 make gpu-test 2>&1
+    echo "make gpu-test: exit $?"
+  } >"$out/gpu_tests.txt" 2>&1 &
+  pids+=($!)
+fi
+for pid in "${pids[@]}"; do wait "$pid"; done
+for lane in eager native_compile tidalloc_compile upstream; do
+  [[ -f $out/$lane.txt ]] && { note "== $lane"; grep -v '^date:\|^commit:\|^host:\|^cpus:' "$out/$lane.txt" | tail -40 | tee -a "$summary" >/dev/null; }
+done
+if [[ -f $out/gpu_tests.txt ]]; then
+  note "== gputest"
+  grep -E 'tests passed|torch: |make gpu-test|FAIL' "$out/gpu_tests.txt" | tail -8 | tee -a "$summary" >/dev/null
+fi
+note "lanes done at $((SECONDS - start)) s"
+
+i=0
+paired_start=$SECONDS
+for spec in ${PAIRED:-}; do
+  IFS=: read -r program frames a b pairs <<<"$spec"
+  i=$((i + 1))
+  if ((SECONDS - paired_start > ${PAIRED_BUDGET_S:-100000})); then
+    note "paired $i ($spec): not begun (PAIRED_BUDGET_S)"
+    continue
+  fi
+  t0=$SECONDS
+  timeout -k 10 "${PAIR_SECONDS:-580}" "$py" tests/torch/paired_time.py "$program" --frames "$frames" \
+    --configs "$a" "$b" --pairs "$pairs" --budget-s "${PAIR_BUDGET_S:-400}" \
+    >"$out/paired_$i.csv" 2>"$out/paired_$i.txt"
+  rc=$?
+  note "== paired $i: $program, $frames frames, $a vs $b: exit $rc ($((SECONDS - t0)) s)"
+  grep -v '^W\|^  warnings\|^$' "$out/paired_$i.txt" | tail -12 | tee -a "$summary" >/dev/null
+done
+note "session: $((SECONDS - start)) s"
+tar -czf "$out/logs.tar.gz" -C "$out" --exclude logs.tar.gz --exclude summary.txt . 2>/dev/null &&
+  find "$out" -mindepth 1 ! -name logs.tar.gz ! -name summary.txt -delete
+cat "$summary"
