@@ -14,7 +14,8 @@
 #             out-of-memory test from taking the memory of the other lanes)
 # Then PAIRED, alone on the machine: tests/torch/paired_time.py once per
 # spec PROGRAM:FRAMES:CONFIG_A:CONFIG_B:PAIRS (space-separated specs), each
-# begun no later than PAIRED_BUDGET_S after the first.
+# begun no later than PAIRED_BUDGET_S after the first, cut at PAIR_SECONDS
+# (default 580) or at what is left of SESSION_SECONDS since the start.
 #
 #   OUT=dir LANES="eager compile upstream gputest" FRAMES=128 \
 #     PAIRED="stream_gct:128:expandable:tidalloc:10" scripts/gpu_stream_session.sh
@@ -106,8 +107,16 @@ for spec in ${PAIRED:-}; do
     continue
   fi
   t0=$SECONDS
-  timeout -k 10 "${PAIR_SECONDS:-580}" "$py" tests/torch/paired_time.py "$program" --frames "$frames" \
-    --configs "$a" "$b" --pairs "$pairs" --budget-s "${PAIR_BUDGET_S:-400}" \
+  limit=${PAIR_SECONDS:-580}
+  left=$((${SESSION_SECONDS:-100000} - (SECONDS - start)))
+  ((left < limit)) && limit=$left
+  if ((limit < 60)); then
+    note "paired $i ($spec): not begun (SESSION_SECONDS)"
+    continue
+  fi
+  # Pairs begin until 3/4 of the limit, so that the last one can end in it.
+  timeout -k 10 "$limit" "$py" tests/torch/paired_time.py "$program" --frames "$frames" \
+    --configs "$a" "$b" --pairs "$pairs" --budget-s $((limit * 3 / 4)) \
     >"$out/paired_$i.csv" 2>"$out/paired_$i.txt"
   rc=$?
   note "== paired $i: $program, $frames frames, $a vs $b: exit $rc ($((SECONDS - t0)) s)"

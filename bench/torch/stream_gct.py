@@ -943,7 +943,7 @@ def main(argv=None):
         args.warmup_frames = shape.scale_frames + 2
     check_environment(args)
     if torch.device(args.device).type == "cuda":
-        torch.cuda.set_device(args.device)
+        torch.cuda.set_device(device_index(args.device))
     model = build_model(shape, args.device, args.seed, args.compile)
     warm_up(model, args)
     backend = allocator_backend(args.device)
