@@ -60,7 +60,7 @@ fi
 pids=()
 if want eager; then
   OUT=$out/eager FRAMES=${FRAMES:-128} RUN_SECONDS=${RUN_SECONDS:-200} \
-    RUNS="native expandable cudaMallocAsync tidalloc tidalloc_growable trace" \
+    RUNS=${EAGER_RUNS:-native expandable cudaMallocAsync tidalloc tidalloc_growable trace} \
     scripts/stream_gct_session.sh >"$out/eager.txt" 2>&1 &
   pids+=($!)
 fi
