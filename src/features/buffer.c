@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core.h"
+#include "memory/core.h"
 
 struct tide_buf {
   tide_allocator *alloc;

@@ -15,9 +15,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core.h"
-#include "pinned.h"
-#include "quick.h"
+#include "features/pinned.h"
+#include "memory/core.h"
+#include "memory/quick.h"
 
 static _Atomic uint64_t next_allocator_id = 1;
 

@@ -4,7 +4,7 @@
  * most of what growing and shrinking expandable memory costs a program
  * (bench/results/history/README.md, "What mapping costs the GPU"). The
  * clock's own cost, tens of nanoseconds, is noise beside any of these calls. */
-#include "core.h"
+#include "memory/core.h"
 
 static int timed(tide_allocator *a, uint64_t start, int rc) {
   atomic_fetch_add_explicit(&a->mapping_ns, _tide_now_ns() - start, memory_order_relaxed);

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "quick.h"
+#include "memory/quick.h"
 
 #define BLOCKS_PER_CHUNK 128
 

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core.h"
+#include "memory/core.h"
 
 typedef struct text {
   char *data;

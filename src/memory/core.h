@@ -8,9 +8,9 @@
 
 #include <pthread.h>
 
-#include "backend.h"
-#include "internal.h"
-#include "lock.h"
+#include "backend/backend.h"
+#include "base/internal.h"
+#include "base/lock.h"
 
 /* ------------------------------------------------------------------------ */
 /* Blocks                                                                    */

@@ -36,7 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core.h"
+#include "memory/core.h"
 
 static _Atomic uint64_t next_pool_id = 1; /* ids are never reused in the process */
 

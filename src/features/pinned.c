@@ -29,7 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pinned.h"
+#include "features/pinned.h"
 
 #define MIN_CLASS 12u /* 4 KiB */
 #define CLASSES 64u
