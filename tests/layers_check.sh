@@ -26,23 +26,7 @@ RANK = {name: i for i, name in enumerate(LAYERS)}
 
 # Upward uses still in the code, each (file, header or symbol): printed at
 # every run; one that is gone must leave this list too.
-KNOWN = {
-    ("memory/arena.c", "_tide_capture_detected"): "asks the backend whether a stream is captured (pool.c)",
-    ("memory/segment.c", "_tide_budget_take"): "the memory limit lives in allocator.c",
-    ("memory/segment.c", "_tide_budget_give"): "the memory limit lives in allocator.c",
-    ("features/buffer.c", "_tide_budget_take"): "the memory limit lives in allocator.c",
-    ("features/buffer.c", "_tide_budget_give"): "the memory limit lives in allocator.c",
-    ("features/buffer.c", "_tide_arena_get"): "the arena table lives in allocator.c",
-    ("features/buffer.c", "_tide_reclaim_for_retry"): "the retry before OOM lives in allocator.c",
-    ("features/pinned.c", "tide_block_info"): "names device memory in a message",
-    ("features/pool.c", "_tide_arena_of_pool"): "the arena table lives in allocator.c",
-    ("features/pool.c", "_tide_arenas_snapshot"): "the arena table lives in allocator.c",
-    ("features/pool.c", "_tide_fast_paths_update"): "the table of streams lives in allocator.c",
-    ("features/pool.c", "_tide_free_slow"): "the free of any arena's block lives in allocator.c",
-    ("features/share.c", "_tide_arenas_snapshot"): "the arena table lives in allocator.c",
-    ("features/snapshot.c", "_tide_arenas_snapshot"): "the arena table lives in allocator.c",
-    ("features/stats.c", "_tide_arenas_snapshot"): "the arena table lives in allocator.c",
-}
+KNOWN = {}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
 NM_LINE = re.compile(r"^[^:]*:([^:]+):\s*(?:[0-9a-fA-F]+)?\s+([A-Za-z])\s+(\S+)$")

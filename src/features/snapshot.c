@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "memory/core.h"
+#include "features/features.h"
 
 typedef struct text {
   char *data;

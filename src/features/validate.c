@@ -42,8 +42,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "features/features.h"
 #include "features/pinned.h"
-#include "memory/core.h"
 
 /* A free deferred by a capture (pool.c), as the capture state lists it. */
 typedef struct deferred_ref {
