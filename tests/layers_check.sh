@@ -68,7 +68,7 @@ def include_edges(src, files):
                 problems.append(f"src/{rel}: #include \"{header}\" is no header of src/<layer>/")
                 continue
             edges.append((rel, folder, files[target], header))
-    return edges
+    return edges, problems
 
 
 def symbol_edges(nm_lines, files):
@@ -121,7 +121,9 @@ def cycles(edges):
 def check(src, nm_lines, known):
     """Problems found, the known exceptions met, and the edges."""
     files, problems = sources(src)
-    edges = [("include",) + e for e in include_edges(src, files)]
+    includes, unknown = include_edges(src, files)
+    problems += unknown
+    edges = [("include",) + e for e in includes]
     if nm_lines is not None:
         edges += [("call",) + e for e in symbol_edges(nm_lines, files)]
     met, kept = set(), []

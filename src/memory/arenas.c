@@ -17,7 +17,7 @@
 /* Arenas by stream                                                          */
 /* ------------------------------------------------------------------------ */
 
-/* Behind the allocator's table of streams (below), for streams it has no
+/* Behind the allocator's table of streams (core.h), for streams it has no
  * room for: the last arenas this thread used, keyed by allocator id and
  * stream; ids are never reused, so an entry of a destroyed allocator never
  * matches. */
