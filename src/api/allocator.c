@@ -172,7 +172,7 @@ tide_status tide_destroy(tide_allocator *a) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* The memory limit (arenas.c keeps to it)                                   */
+/* The memory limit (mapcalls.c takes physical memory under it)             */
 /* ------------------------------------------------------------------------ */
 
 tide_status tide_set_memory_fraction(tide_allocator *a, double fraction) {

@@ -423,6 +423,12 @@ static int take_event(_tide_arena *arena, _tide_event *out);
 static void give_event(_tide_arena *arena, _tide_event e);
 static int settle_stream(_tide_arena *arena);
 
+bool _tide_capture_detected(tide_allocator *a, tide_stream stream) {
+  bool capturing;
+  uint64_t id;
+  return _tide_capture_status(&a->backend, stream, &capturing, &id) != TIDE_OK || capturing;
+}
+
 /* Idle marks may be used: not while captures are watched (an event
  * recorded on a capturing stream would join the graph, and a capture's
  * frees follow rules of their own), nor on a stream that is gone. With

@@ -1,12 +1,11 @@
 /* arenas.c: the arenas of an allocator. The own arena of each stream, made
  * on first use and found through the table of streams (core.h, inline),
  * this thread's cache or the arena table; the arenas of capture pools
- * (their pools are pool.c's); the memory limit every mapping is taken
- * under; what is done over every arena: freeing a block wherever it is,
- * finding the block that holds an address, giving cached memory back; and
- * whether a stream is being captured. The allocator's entry points
- * (allocator.c) and the features (buffers, pools, sharing, statistics) all
- * reach arenas through here. */
+ * (their pools are pool.c's); and what is done over every arena: freeing a
+ * block wherever it is, finding the block that holds an address, giving
+ * cached memory back. The allocator's entry points (allocator.c) and the
+ * features (buffers, pools, sharing, statistics) reach arenas through here;
+ * arena.c and the files below it do not call it. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -212,40 +211,6 @@ size_t _tide_arenas_snapshot(tide_allocator *a, _tide_arena ***out) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* The memory limit                                                          */
-/* ------------------------------------------------------------------------ */
-
-int _tide_budget_take(tide_allocator *a, size_t bytes, size_t request) {
-  size_t limit = atomic_load_explicit(&a->limit, memory_order_relaxed);
-  int64_t cur = atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
-  do {
-    if ((size_t)cur + bytes > limit) {
-      char want[32], held[32], lim[32];
-      /* With no limit set, the device's memory is the limit. */
-      return _tide_error_set(TIDE_ERR_OOM,
-                             "%s %s would be passed: %s reserved, %s more "
-                             "needed for a request of %zu bytes",
-                             limit < a->total_memory ? "the memory limit of" : "the device's",
-                             _tide_format_bytes(limit, lim, sizeof lim),
-                             _tide_format_bytes((uint64_t)cur, held, sizeof held),
-                             _tide_format_bytes(bytes, want, sizeof want), request);
-    }
-  } while (!atomic_compare_exchange_weak_explicit(&a->reserved.cur, &cur, cur + (int64_t)bytes,
-                                                  memory_order_relaxed, memory_order_relaxed));
-  int64_t now = cur + (int64_t)bytes;
-  int64_t peak = atomic_load_explicit(&a->reserved.peak, memory_order_relaxed);
-  while (now > peak &&
-         !atomic_compare_exchange_weak_explicit(&a->reserved.peak, &peak, now, memory_order_relaxed,
-                                                memory_order_relaxed)) {
-  }
-  return TIDE_OK;
-}
-
-void _tide_budget_give(tide_allocator *a, size_t bytes) {
-  atomic_fetch_sub_explicit(&a->reserved.cur, (int64_t)bytes, memory_order_relaxed);
-}
-
-/* ------------------------------------------------------------------------ */
 /* Over every arena                                                          */
 /* ------------------------------------------------------------------------ */
 
@@ -328,14 +293,4 @@ tide_status _tide_block_info(tide_allocator *a, uintptr_t addr, void **base, siz
     rc = _tide_error_set(TIDE_ERR_BAD_POINTER, "%p was not allocated by this tidalloc allocator",
                          (void *)addr);
   return (tide_status)rc;
-}
-
-/* ------------------------------------------------------------------------ */
-/* Captures                                                                  */
-/* ------------------------------------------------------------------------ */
-
-bool _tide_capture_detected(tide_allocator *a, tide_stream stream) {
-  bool capturing;
-  uint64_t id;
-  return _tide_capture_status(&a->backend, stream, &capturing, &id) != TIDE_OK || capturing;
 }

@@ -630,6 +630,9 @@ int _tide_mem_set_access(struct tide_allocator *a, uintptr_t addr, size_t size);
 int _tide_mem_unmap(struct tide_allocator *a, uintptr_t addr, size_t size);
 int _tide_mem_unmap_run(struct tide_allocator *a, uintptr_t addr, size_t page, size_t count,
                         size_t *done);
+/* Reserve physical budget under the memory limit; give it back (mapcalls.c). */
+int _tide_budget_take(struct tide_allocator *a, size_t bytes, size_t request);
+void _tide_budget_give(struct tide_allocator *a, size_t bytes);
 
 /* The calling thread is about to block until a stream or event is done. */
 static inline void _tide_note_stream_wait(struct tide_allocator *a) {
@@ -656,6 +659,10 @@ static inline void _tide_trace(struct tide_allocator *a, tide_trace_kind kind, i
  * free pages inside them as growth would (release_holes), so that reserved
  * memory stays near the allocated peak. Under the arena lock (arena.c). */
 void _tide_arena_make_room(_tide_arena *arena, size_t bytes);
+/* With capture_detection and nothing watched: whether a call on `stream`
+ * must take the capture path (it is being captured, or asking failed, which
+ * that path reports) (arena.c). */
+bool _tide_capture_detected(struct tide_allocator *a, tide_stream stream);
 
 /* ------------------------------------------------------------------------ */
 /* The arenas of an allocator (arenas.c)                                     */
@@ -719,10 +726,6 @@ int _tide_arena_of_pool(struct tide_allocator *a, struct tide_pool *pool, uint64
 /* Arenas of an allocator: a stable copy of the table for iteration. */
 size_t _tide_arenas_snapshot(struct tide_allocator *a, _tide_arena ***out);
 
-/* Reserve physical budget under the memory limit; give it back. */
-int _tide_budget_take(struct tide_allocator *a, size_t bytes, size_t request);
-void _tide_budget_give(struct tide_allocator *a, size_t bytes);
-
 /* Wait for pending frees and give every cached page back, in every arena
  * but those of capture pools with users: what PyTorch does before it gives
  * up. Returns the first failure. */
@@ -735,9 +738,5 @@ tide_status _tide_free_slow(struct tide_allocator *a, uintptr_t addr, size_t siz
  * with the reason when there is none. */
 tide_status _tide_block_info(struct tide_allocator *a, uintptr_t addr, void **base, size_t *size,
                              tide_stream *stream);
-/* With capture_detection and nothing watched: whether a call on `stream`
- * must take the capture path (it is being captured, or asking failed, which
- * that path reports). */
-bool _tide_capture_detected(struct tide_allocator *a, tide_stream stream);
 
 #endif /* TIDE_CORE_H */
