@@ -39,7 +39,7 @@ endif()
 # Functions a source file exports on purpose, for callers that look them up
 # by name rather than through the header.
 set(plugin "")
-file(GLOB sources ${SRC}/*.c ${SRC}/*.h)
+file(GLOB_RECURSE sources ${SRC}/*.c ${SRC}/*.h)
 foreach(source ${sources})
   file(READ ${source} text)
   string(REGEX MATCHALL "TIDE_API[^;(]*[ *](tide_[a-z0-9_]+)[ ]*\\(" marked "${text}")

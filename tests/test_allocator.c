@@ -12,7 +12,7 @@
 
 #include <cmocka.h>
 
-#include "core.h"
+#include "memory/core.h"
 
 #define MiB ((size_t)1 << 20)
 

@@ -33,8 +33,8 @@
 
 #include <cmocka.h>
 
-#include "backend.h"
-#include "internal.h"
+#include "backend/backend.h"
+#include "base/internal.h"
 
 #define MiB ((size_t)1 << 20)
 #define GiB ((size_t)1 << 30)

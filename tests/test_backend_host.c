@@ -18,8 +18,8 @@
 
 #include <cmocka.h>
 
-#include "backend.h"
-#include "internal.h"
+#include "backend/backend.h"
+#include "base/internal.h"
 
 #define GRAN ((size_t)2 << 20)
 

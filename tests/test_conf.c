@@ -14,7 +14,7 @@
 
 #include <cmocka.h>
 
-#include "internal.h"
+#include "base/internal.h"
 
 static tide_config *new_config(void) {
   tide_config *config = NULL;

@@ -14,7 +14,7 @@
 
 #include <cmocka.h>
 
-#include "core.h"
+#include "memory/core.h"
 #include "testutil.h"
 
 /* ------------------------------------------------------------------------ */

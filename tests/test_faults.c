@@ -35,7 +35,7 @@
 
 #include <cmocka.h>
 
-#include "core.h"
+#include "memory/core.h"
 #include "testutil.h"
 
 #define SLOTS 24

@@ -25,7 +25,7 @@
 
 #include <cmocka.h>
 
-#include "backend.h"
+#include "backend/backend.h"
 #include "testutil.h"
 
 /* ------------------------------------------------------------------------ */

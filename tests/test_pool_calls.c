@@ -24,7 +24,7 @@
 
 #include <cmocka.h>
 
-#include "core.h"
+#include "memory/core.h"
 #include "testutil.h"
 
 #define MiB ((size_t)1 << 20)

@@ -16,7 +16,7 @@
 
 #include <cmocka.h>
 
-#include "core.h"
+#include "memory/core.h"
 #include "testutil.h"
 
 typedef struct world {

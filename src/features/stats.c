@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core.h"
+#include "features/features.h"
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 

@@ -15,7 +15,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#include "core.h"
+#include "features/features.h"
 
 /* Memory of another process mapped here. */
 typedef struct _tide_import {

@@ -8,7 +8,7 @@
  * then raises its out-of-memory error) and the reason stays in
  * tide_last_error() for the Python layer to show. */
 
-#include "core.h"
+#include "memory/core.h"
 
 void *tide_torch_alloc(tide_ssize size, int device, void *stream) {
   if (size <= 0) {

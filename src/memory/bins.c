@@ -5,7 +5,7 @@
  * below 1 MiB make that a list head; graded bins above are short lists that
  * are scanned. Equal sizes in exact bins are served last-freed first, which
  * keeps recently used memory hot. */
-#include "core.h"
+#include "memory/core.h"
 
 #define SUB_COUNT (1u << _TIDE_SUB_BITS)
 

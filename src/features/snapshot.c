@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core.h"
+#include "features/features.h"
 
 typedef struct text {
   char *data;

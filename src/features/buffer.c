@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core.h"
+#include "features/features.h"
 
 struct tide_buf {
   tide_allocator *alloc;
@@ -568,6 +568,18 @@ void _tide_bufs_release_pending(tide_allocator *a) {
   }
   pthread_mutex_unlock(&a->bufs_mutex);
   _tide_error_restore(&saved);
+}
+
+void _tide_reclaim_for_retry(tide_allocator *a) {
+  /* Pages growable buffers' shrinks let go come back once their streams
+   * are waited for: for tide_malloc's retry and for a buffer's own growth
+   * alike. */
+  _tide_bufs_release_pending(a);
+  atomic_fetch_add(&a->num_alloc_retries, 1);
+  atomic_fetch_add(&a->num_sync_all_streams, 1);
+  pthread_mutex_lock(&a->reclaim_mutex);
+  _tide_arenas_release_cached(a);
+  pthread_mutex_unlock(&a->reclaim_mutex);
 }
 
 /* A failure of the worker since the last call, as this call's error. */

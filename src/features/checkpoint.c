@@ -33,7 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core.h"
+#include "features/features.h"
 
 enum { CK_ALLOCATED = 1, CK_FREE = 2, CK_UNMAPPED = 3 };
 

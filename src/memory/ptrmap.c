@@ -6,7 +6,7 @@
  * tombstones, so probes stay short however long the program runs. */
 #include <stdlib.h>
 
-#include "core.h"
+#include "memory/core.h"
 
 #define INITIAL_CAPACITY 64u
 

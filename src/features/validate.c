@@ -42,8 +42,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core.h"
-#include "pinned.h"
+#include "features/features.h"
+#include "features/pinned.h"
 
 /* A free deferred by a capture (pool.c), as the capture state lists it. */
 typedef struct deferred_ref {

@@ -5,7 +5,7 @@
 #ifndef TIDE_PINNED_H
 #define TIDE_PINNED_H
 
-#include "core.h"
+#include "memory/core.h"
 
 typedef struct _tide_pinned _tide_pinned;
 

@@ -5,7 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "core.h"
+#include "memory/core.h"
 
 #define MAX_DEVICES 64
 

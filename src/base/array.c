@@ -1,7 +1,7 @@
 /* array.c: the growable arrays the library's tables are made of. */
 #include <stdlib.h>
 
-#include "internal.h"
+#include "base/internal.h"
 
 bool _tide_grow_array(void **items, size_t *cap, size_t need, size_t item_size) {
   if (need <= *cap) return true;

@@ -1,7 +1,7 @@
 /* clock.c: the monotonic clock trace events are stamped with. */
 #include <time.h>
 
-#include "internal.h"
+#include "base/internal.h"
 
 uint64_t _tide_now_ns(void) {
   struct timespec ts;

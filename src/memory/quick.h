@@ -6,7 +6,7 @@
 #ifndef TIDE_QUICK_H
 #define TIDE_QUICK_H
 
-#include "core.h"
+#include "memory/core.h"
 
 /* ------------------------------------------------------------------------ */
 /* Figures                                                                   */

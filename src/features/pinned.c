@@ -29,7 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pinned.h"
+#include "features/pinned.h"
 
 #define MIN_CLASS 12u /* 4 KiB */
 #define CLASSES 64u
@@ -371,7 +371,7 @@ static pinned_block *lock_block(_tide_pinned *pool, const char *op, const void *
   pthread_mutex_unlock(&pool->lock);
   if (rc >= 0) return NULL;
   void *base = NULL;
-  bool device = tide_block_info(pool->alloc, ptr, &base, NULL, NULL) == TIDE_OK;
+  bool device = _tide_block_info(pool->alloc, (uintptr_t)ptr, &base, NULL, NULL) == TIDE_OK;
   _tide_error_set(TIDE_ERR_BAD_POINTER, "%s(%p): not pinned memory of this allocator (device %d)%s",
                   op, ptr, pool->alloc->device,
                   device ? ": it is device memory from tide_malloc, freed with tide_free" : "");

@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core.h"
+#include "memory/core.h"
 
 int _tide_trace_init(_tide_trace_ring *ring, size_t cap) {
   memset(ring, 0, sizeof *ring);

@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "quick.h"
+#include "memory/quick.h"
 
 #define BLOCKS_PER_CHUNK 128
 
@@ -422,6 +422,12 @@ static bool within_wait_limit(const _tide_arena *arena, size_t need) {
 static int take_event(_tide_arena *arena, _tide_event *out);
 static void give_event(_tide_arena *arena, _tide_event e);
 static int settle_stream(_tide_arena *arena);
+
+bool _tide_capture_detected(tide_allocator *a, tide_stream stream) {
+  bool capturing;
+  uint64_t id;
+  return _tide_capture_status(&a->backend, stream, &capturing, &id) != TIDE_OK || capturing;
+}
 
 /* Idle marks may be used: not while captures are watched (an event
  * recorded on a capturing stream would join the graph, and a capture's

@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "base/internal.h"
 
 #define TIDE_CONF_ENV "TIDALLOC_CONF"
 #define VALUE_TEXT_LEN 256  /* the longest formatted value (a full list) fits */

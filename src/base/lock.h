@@ -6,7 +6,7 @@
 
 #include <sched.h>
 
-#include "internal.h"
+#include "base/internal.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #define TIDE_CPU_RELAX() __builtin_ia32_pause()

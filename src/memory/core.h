@@ -1,16 +1,18 @@
-/* core.h: the allocator's own data structures — blocks, segments, bins,
- * pools, arenas, capture pools and the allocator — and the functions the
- * core files (bins.c, ptrmap.c, segment.c, arena.c, allocator.c, pool.c,
- * checkpoint.c, stats.c, trace.c, snapshot.c) call across each other. Everything here is guarded by
- * the lock of the arena that owns it, unless a comment says otherwise. */
+/* core.h: the memory layer — blocks, bins, the live map, segments, pools,
+ * arenas and the allocator's state — and the functions of its files
+ * (bins.c, ptrmap.c, segment.c, arena.c, arenas.c, mapcalls.c, trace.c).
+ * It includes only the layers below (base/, backend/); the features
+ * (features/features.h) and the API (api/) build on it. Everything here is
+ * guarded by the lock of the arena that owns it, unless a comment says
+ * otherwise. */
 #ifndef TIDE_CORE_H
 #define TIDE_CORE_H
 
 #include <pthread.h>
 
-#include "backend.h"
-#include "internal.h"
-#include "lock.h"
+#include "backend/backend.h"
+#include "base/internal.h"
+#include "base/lock.h"
 
 /* ------------------------------------------------------------------------ */
 /* Blocks                                                                    */
@@ -514,91 +516,33 @@ void _tide_unmapped_insert(_tide_pool *pool, _tide_block *b);
 void _tide_unmapped_remove(_tide_pool *pool, _tide_block *b);
 
 /* ------------------------------------------------------------------------ */
-/* Capture pools (pool.c, checkpoint.c)                                      */
+/* Capture state (its pools, captures and deferred frees are pool.c's)       */
 /* ------------------------------------------------------------------------ */
 
-#define _TIDE_POOL_MAGIC 0x74696465506ful /* "tideP" */
-
-/* A capture pool: the arenas whose pool_id is its id hold its memory. Under
- * the allocator's capture mutex, except `id` and `alloc` (fixed). */
-struct tide_pool {
-  long magic;
-  struct tide_allocator *alloc;
-  struct tide_pool *next; /* the allocator's pools */
-  uint64_t id;
-  int uses;     /* users: the creator, each graph; 0: its memory is going back */
-  int captures; /* begins (or detected captures) that allocate to it now */
-};
-
-/* Where the allocations of a capture go: those of `stream`, or, when
- * capture_id is not 0, those of every stream of that capture. */
-typedef struct _tide_capture {
-  struct _tide_capture *next;
-  tide_stream stream;
-  uint64_t capture_id;
-  struct tide_pool *pool;
-  bool detected; /* made by capture_detection, not by tide_capture_begin */
-} _tide_capture;
-
-/* A free deferred until no stream it waits for is being captured. */
-typedef struct _tide_deferred {
-  struct _tide_deferred *next;
-  _tide_arena *arena;
-  _tide_block *block;
-  tide_stream stream; /* the free's */
-  uintptr_t addr;     /* the block's, and its arena's pool, read without the arena's lock */
-  uint64_t pool_id;
-  /* Its captures ended, but the free could not be ordered after its
-   * streams (an event refused and the stream not waitable now): the status
-   * of that last try, else 0. */
-  int stuck;
-  char why[192]; /* that try's message */
-} _tide_deferred;
-
+/* What the allocator holds of capture pools (features/features.h has the
+ * types it points to); arenas only know their pool's id (pool_id). */
 typedef struct _tide_captures {
   pthread_mutex_t mutex; /* before arenas_mutex and arena locks, never after */
-  _tide_capture *active;
+  struct _tide_capture *active;
   struct tide_pool *pools;
-  _tide_deferred *deferred;
+  struct _tide_deferred *deferred;
   int unlisted; /* deferrals and retries in progress: their frees may be off the list */
   int watchers; /* tide_capture_watch_begin calls not yet ended: captures routed elsewhere */
   uint64_t next_pool_id;
 } _tide_captures;
 
-void _tide_captures_init(struct tide_allocator *a);
-/* Frees what the capture state holds (the arenas are the caller's). */
-void _tide_captures_destroy(struct tide_allocator *a);
-/* The arena of `stream` in the pool its allocations go to now; *out NULL
- * when they go to the stream's own arena. */
-int _tide_capture_route(struct tide_allocator *a, tide_stream stream, _tide_arena **out);
-/* With capture_detection and nothing watched: whether a call on `stream`
- * must take the capture path (it is being captured, or asking failed, which
- * that path reports). */
-bool _tide_capture_detected(struct tide_allocator *a, tide_stream stream);
-/* tide_free while captures are watched: defers what a capture must defer. */
-int _tide_capture_free(struct tide_allocator *a, uintptr_t addr, size_t size, bool sized,
-                       tide_stream stream);
-/* Retry deferred frees; let go of pools whose memory is all back. */
-void _tide_capture_settle(struct tide_allocator *a);
-/* Retry deferred frees: those whose captures ended become real frees. */
-void _tide_capture_retry_deferred(struct tide_allocator *a);
-/* After a retry: a free deferred in `pool` whose captures ended but that
- * still cannot be completed, with why (TIDE_ERR_NOT_READY when its streams
- * cannot be waited for now); TIDE_OK if none, or if a capture allocates to
- * the pool (the restore's first refusal). */
-int _tide_capture_deferred_stuck(struct tide_allocator *a, const struct tide_pool *pool);
-/* A handle that looks like a pool (for its allocator to be reached). */
-bool _tide_capture_pool_valid(const struct tide_pool *pool);
-/* TIDE_OK if the pool has users, else TIDE_ERR_STATE naming `op`. Under
- * the capture mutex. */
-int _tide_capture_pool_live(const struct tide_pool *pool, const char *op);
-/* A stable copy of the arenas of pool `id`, as _tide_arenas_snapshot. */
-size_t _tide_capture_pool_arenas(struct tide_allocator *a, uint64_t id, _tide_arena ***out);
-/* Drop captures found by capture_detection whose capture has ended. */
-void _tide_capture_prune(struct tide_allocator *a);
+/* Whether `stream` is being captured now, and the id of its capture (the
+ * backend's answer; a backend without captures says no). */
+static inline int _tide_capture_status(const _tide_backend *be, tide_stream stream, bool *capturing,
+                                       uint64_t *id) {
+  *capturing = false;
+  *id = 0;
+  if (!be->ops->stream_capture_status) return TIDE_OK;
+  return be->ops->stream_capture_status(be->ctx, stream, capturing, id);
+}
 
 /* ------------------------------------------------------------------------ */
-/* The allocator (allocator.c)                                               */
+/* The allocator's state (its entry points: allocator.c)                    */
 /* ------------------------------------------------------------------------ */
 
 typedef struct _tide_trace_ring {
@@ -686,6 +630,9 @@ int _tide_mem_set_access(struct tide_allocator *a, uintptr_t addr, size_t size);
 int _tide_mem_unmap(struct tide_allocator *a, uintptr_t addr, size_t size);
 int _tide_mem_unmap_run(struct tide_allocator *a, uintptr_t addr, size_t page, size_t count,
                         size_t *done);
+/* Reserve physical budget under the memory limit; give it back (mapcalls.c). */
+int _tide_budget_take(struct tide_allocator *a, size_t bytes, size_t request);
+void _tide_budget_give(struct tide_allocator *a, size_t bytes);
 
 /* The calling thread is about to block until a stream or event is done. */
 static inline void _tide_note_stream_wait(struct tide_allocator *a) {
@@ -698,54 +645,6 @@ static inline bool _tide_allocator_valid(const struct tide_allocator *a) {
   return a && (uintptr_t)a % _Alignof(struct tide_allocator) == 0 && a->magic == _TIDE_MAGIC;
 }
 
-/* Turn the fast paths of tide_malloc and tide_free on or off (off while
- * captures are watched). */
-void _tide_fast_paths_update(struct tide_allocator *a, bool captures_watched);
-/* Unmap every import left (allocator teardown, share.c); the first failure. */
-int _tide_imports_close_all(struct tide_allocator *a);
-
-/* The arena of `stream`, created on first use; NULL with a message for a
- * stream the device does not know. */
-_tide_arena *_tide_arena_get(struct tide_allocator *a, tide_stream stream);
-/* Before `bytes` are mapped outside the segments (a growable buffer), unmap
- * free pages inside them as growth would (release_holes), so that reserved
- * memory stays near the allocated peak. Under the arena lock. */
-void _tide_arena_make_room(_tide_arena *arena, size_t bytes);
-/* What the growable buffers of each of n arenas add to its figures, for
- * tide_check: their lengths (allocated and requested bytes), mapped pages
- * (reserved bytes, pages and handles) and count (allocations). Waits for
- * their workers to be idle; takes no arena lock. Returns holding the list's
- * mutex and every buffer's, so that no buffer changes its figures while the
- * caller takes the arena locks and compares; _tide_bufs_figures_end lets go. */
-typedef struct _tide_buf_figures {
-  int64_t length, count;
-  uint64_t pages;
-  size_t page;
-} _tide_buf_figures;
-void _tide_bufs_figures(struct tide_allocator *a, _tide_arena *const *arenas, size_t n,
-                        _tide_buf_figures *out);
-void _tide_bufs_figures_end(struct tide_allocator *a);
-/* Give back every buffer's pages let go by shrinks, waiting for their
- * streams to be past them (tide_empty_cache, and before an allocation
- * fails); best effort. Call it holding no lock: it takes the list's mutex,
- * then each buffer's. */
-void _tide_bufs_release_pending(struct tide_allocator *a);
-/* The growable buffers now, for the snapshot: up to `cap` into `out`;
- * returns how many there are. */
-typedef struct _tide_buf_info {
-  uintptr_t address;
-  size_t capacity, length, mapped;
-  bool ring;
-  tide_stream stream;
-} _tide_buf_info;
-size_t _tide_bufs_list(struct tide_allocator *a, _tide_buf_info *out, size_t cap);
-/* Destroy the growable buffers left (tide_destroy); returns how many. */
-size_t _tide_bufs_destroy_all(struct tide_allocator *a);
-
-/* Reserve physical budget under the memory limit; give it back. */
-int _tide_budget_take(struct tide_allocator *a, size_t bytes, size_t request);
-void _tide_budget_give(struct tide_allocator *a, size_t bytes);
-
 /* Trace (trace.c). */
 int _tide_trace_init(_tide_trace_ring *ring, size_t cap);
 void _tide_trace_destroy(_tide_trace_ring *ring);
@@ -756,32 +655,88 @@ static inline void _tide_trace(struct tide_allocator *a, tide_trace_kind kind, i
   if (TIDE_UNLIKELY(a->trace.cap != 0)) _tide_trace_push_slow(a, kind, pool, addr, size, stream);
 }
 
-/* Stats (stats.c): the sum over arenas. */
-int _tide_stats_collect(struct tide_allocator *a, tide_stats *out);
-/* Largest free block over every arena. */
-size_t _tide_largest_free_block(struct tide_allocator *a);
+/* Before `bytes` are mapped outside the segments (a growable buffer), unmap
+ * free pages inside them as growth would (release_holes), so that reserved
+ * memory stays near the allocated peak. Under the arena lock (arena.c). */
+void _tide_arena_make_room(_tide_arena *arena, size_t bytes);
+/* With capture_detection and nothing watched: whether a call on `stream`
+ * must take the capture path (it is being captured, or asking failed, which
+ * that path reports) (arena.c). */
+bool _tide_capture_detected(struct tide_allocator *a, tide_stream stream);
 
-/* The consistency check behind tide_check (validate.c): TIDE_OK, or
- * TIDE_ERR_STATE with the first broken invariant written into `why` (or
- * TIDE_ERR_OOM when the check had no memory). Takes every lock it needs. */
-int _tide_validate(struct tide_allocator *a, char *why, size_t len);
+/* ------------------------------------------------------------------------ */
+/* The arenas of an allocator (arenas.c)                                     */
+/* ------------------------------------------------------------------------ */
 
+/* The home slot of a stream in a table of streams. */
+static inline unsigned _tide_stream_home(tide_stream stream) {
+  return (unsigned)(((uintptr_t)stream * UINT64_C(0x9E3779B97F4A7C15)) >> 58) &
+         (_TIDE_STREAM_SLOTS - 1);
+}
+
+/* The stream's own arena in its home slot of a fast path's table of
+ * streams, or NULL: the fast path looks no further (_tide_arena_of does). */
+static TIDE_ALWAYS_INLINE _tide_arena *_tide_stream_arena_home(_tide_stream_slot *table,
+                                                               tide_stream stream) {
+  const _tide_stream_slot *slot = &table[_tide_stream_home(stream)];
+  _tide_arena *arena = atomic_load_explicit(&slot->arena, memory_order_acquire);
+  if (TIDE_LIKELY(arena != NULL) &&
+      TIDE_LIKELY(atomic_load_explicit(&slot->stream, memory_order_relaxed) == stream))
+    return arena;
+  return NULL;
+}
+
+/* The stream's own arena from the allocator's table of streams, or NULL. */
+static inline _tide_arena *_tide_stream_arena(struct tide_allocator *a, tide_stream stream) {
+  unsigned i = _tide_stream_home(stream);
+  for (unsigned probes = 0; probes < _TIDE_STREAM_SLOTS; probes++) {
+    _tide_arena *arena = atomic_load_explicit(&a->streams[i].arena, memory_order_acquire);
+    if (TIDE_UNLIKELY(!arena)) return NULL;
+    if (TIDE_LIKELY(atomic_load_explicit(&a->streams[i].stream, memory_order_relaxed) == stream))
+      return arena;
+    i = (i + 1) & (_TIDE_STREAM_SLOTS - 1);
+  }
+  return NULL;
+}
+
+/* A stream's own arena not in the table of streams: this thread's cache,
+ * then the arena table, where `create` makes it on first use; NULL with a
+ * message for a stream the device does not know. */
+_tide_arena *_tide_arena_lookup(struct tide_allocator *a, tide_stream stream, bool create);
+
+/* The stream's own arena: the table of streams, this thread's cache, then
+ * the arena table. */
+static inline _tide_arena *_tide_arena_of(struct tide_allocator *a, tide_stream stream,
+                                          bool create) {
+  _tide_arena *arena = _tide_stream_arena(a, stream);
+  if (TIDE_LIKELY(arena != NULL)) return arena;
+  return _tide_arena_lookup(a, stream, create);
+}
+
+/* The arena of `stream`, created on first use; NULL with a message for a
+ * stream the device does not know. */
+_tide_arena *_tide_arena_get(struct tide_allocator *a, tide_stream stream);
+/* Turn the fast paths of tide_malloc and tide_free on or off (off while
+ * captures are watched). */
+void _tide_fast_paths_update(struct tide_allocator *a, bool captures_watched);
+/* The arena of `stream` in capture pool `pool` (whose id is pool_id), made
+ * on first use (an unused arena is taken again first). */
+int _tide_arena_of_pool(struct tide_allocator *a, struct tide_pool *pool, uint64_t pool_id,
+                        tide_stream stream, _tide_arena **out);
 /* Arenas of an allocator: a stable copy of the table for iteration. */
 size_t _tide_arenas_snapshot(struct tide_allocator *a, _tide_arena ***out);
-/* Before a request fails for lack of memory: wait for pending frees, for
- * the streams of pages growable buffers' shrinks let go (and give those
- * back), and give every arena's cached pages back (what PyTorch does before
- * it gives up), counted as a retry. Takes the arena locks and the buffers':
- * call it holding none. */
-void _tide_reclaim_for_retry(struct tide_allocator *a);
-/* The arena of `stream` in capture pool `pool`, made on first use (an
- * unused arena is taken again first). */
-int _tide_arena_of_pool(struct tide_allocator *a, struct tide_pool *pool, tide_stream stream,
-                        _tide_arena **out);
+
+/* Wait for pending frees and give every cached page back, in every arena
+ * but those of capture pools with users: what PyTorch does before it gives
+ * up. Returns the first failure. */
+int _tide_arenas_release_cached(struct tide_allocator *a);
 /* A free tide_free's fast path did not finish: look in every arena. */
 tide_status _tide_free_slow(struct tide_allocator *a, uintptr_t addr, size_t size, bool sized,
                             tide_stream stream);
-/* The figures of the arenas of capture pool `pool_id`. */
-void _tide_stats_collect_pool(struct tide_allocator *a, uint64_t pool_id, tide_stats *out);
+/* The allocated block whose range holds addr, in any arena: its start, size
+ * and stream (each may be NULL); TIDE_ERR_BAD_POINTER, or another status,
+ * with the reason when there is none. */
+tide_status _tide_block_info(struct tide_allocator *a, uintptr_t addr, void **base, size_t *size,
+                             tide_stream *stream);
 
 #endif /* TIDE_CORE_H */

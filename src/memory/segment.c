@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core.h"
+#include "memory/core.h"
 
 static inline size_t round_up(size_t v, size_t to) { return (v + to - 1) / to * to; }
 static inline size_t round_down(size_t v, size_t to) { return v / to * to; }

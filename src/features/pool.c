@@ -36,7 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core.h"
+#include "features/features.h"
 
 static _Atomic uint64_t next_pool_id = 1; /* ids are never reused in the process */
 
@@ -117,11 +117,7 @@ size_t _tide_capture_pool_arenas(tide_allocator *a, uint64_t id, _tide_arena ***
 
 /* Whether `stream` is being captured, and into which capture. */
 static int capture_status(tide_allocator *a, tide_stream stream, bool *capturing, uint64_t *id) {
-  const _tide_backend *be = &a->backend;
-  *capturing = false;
-  *id = 0;
-  if (!be->ops->stream_capture_status) return TIDE_OK;
-  return be->ops->stream_capture_status(be->ctx, stream, capturing, id);
+  return _tide_capture_status(&a->backend, stream, capturing, id);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -370,12 +366,6 @@ static int pool_of_stream(tide_allocator *a, tide_stream stream, tide_pool **out
   return rc;
 }
 
-bool _tide_capture_detected(tide_allocator *a, tide_stream stream) {
-  bool capturing;
-  uint64_t id;
-  return capture_status(a, stream, &capturing, &id) != TIDE_OK || capturing;
-}
-
 int _tide_capture_route(tide_allocator *a, tide_stream stream, _tide_arena **out) {
   *out = NULL;
   retry_deferred(a);
@@ -383,7 +373,7 @@ int _tide_capture_route(tide_allocator *a, tide_stream stream, _tide_arena **out
   tide_pool *pool = NULL;
   int rc = pool_of_stream(a, stream, &pool);
   if (rc || !pool) return rc;
-  return _tide_arena_of_pool(a, pool, stream, out);
+  return _tide_arena_of_pool(a, pool, pool->id, stream, out);
 }
 
 tide_status tide_capture_pool(tide_allocator *a, tide_stream stream, tide_pool **out) {

@@ -1,23 +1,25 @@
-/* allocator.c: the device allocator behind the public API — creation, the
- * arena of each stream (and of each stream in a capture pool), malloc and
- * free, the memory limit and the out-of-memory path, streams, copies, the
- * entry points of the pinned pool (pinned.c), and the host backend's
- * controls.
+/* allocator.c: the device allocator behind the public API — creation,
+ * malloc and free, the memory limit and the out-of-memory path, streams,
+ * copies, the entry points of the pinned pool (pinned.c), and the host
+ * backend's controls. The arenas of streams and capture pools are
+ * arenas.c's; this file calls down into them and into the features, and
+ * nothing below calls back into it.
  *
- * The fast path of tide_malloc/tide_free is: find the stream's arena in a
- * per-thread cache, take its lock, take back (or keep) a quick block and
- * update its figures (quick.h, inline: no call). The rest of the full path,
- * best fit or merging in the bins, is a call into arena.c under the same
- * lock; growth, the out-of-memory path, frees on the wrong stream and graph
- * captures (pool.c, one predictable branch on a flag) leave it. */
+ * The fast path of tide_malloc/tide_free is: find the stream's arena in the
+ * allocator's table of streams (core.h, inline), take its lock, take back
+ * (or keep) a quick block and update its figures (quick.h, inline: no
+ * call). The rest of the full path, best fit or merging in the bins, is a
+ * call into arena.c under the same lock; growth, the out-of-memory path,
+ * frees on the wrong stream and graph captures (pool.c, one predictable
+ * branch on a flag) leave it. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "core.h"
-#include "pinned.h"
-#include "quick.h"
+#include "features/features.h"
+#include "features/pinned.h"
+#include "memory/quick.h"
 
 static _Atomic uint64_t next_allocator_id = 1;
 
@@ -170,270 +172,8 @@ tide_status tide_destroy(tide_allocator *a) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* Arenas by stream                                                          */
+/* The memory limit (mapcalls.c takes physical memory under it)             */
 /* ------------------------------------------------------------------------ */
-
-/* Behind the allocator's table of streams (below), for streams it has no
- * room for: the last arenas this thread used, keyed by allocator id and
- * stream; ids are never reused, so an entry of a destroyed allocator never
- * matches. */
-#define ARENA_CACHE 8
-static _Thread_local struct {
-  uint64_t id;
-  tide_stream stream;
-  _tide_arena *arena;
-} arena_cache[ARENA_CACHE];
-
-static inline unsigned cache_slot(uint64_t id, tide_stream stream) {
-  uintptr_t h = (uintptr_t)stream * 0x9E3779B1u + (uintptr_t)id;
-  return (unsigned)(h >> 4) % ARENA_CACHE;
-}
-
-/* The stream's own arena (not one of its capture pool arenas). */
-static _tide_arena *find_arena_locked(tide_allocator *a, tide_stream stream) {
-  size_t n = atomic_load(&a->narenas);
-  for (size_t i = 0; i < n; i++)
-    if (a->arenas[i]->stream == stream && a->arenas[i]->pool_id == 0) return a->arenas[i];
-  return NULL;
-}
-
-/* With one arena its own figures are the allocator's, at no cost. A second
- * arena makes the allocator-wide allocated bytes a shared counter, started
- * from the first arena's figures under its lock (arenas read the flag under
- * their own lock, so no update is missed). */
-static void share_peak(tide_allocator *a, _tide_arena *first) {
-  _tide_lock_acquire(&first->lock);
-  _tide_arena_stats figures;
-  _tide_arena_figures(first, &figures);
-  atomic_store(&a->allocated.cur, figures.cur[_TIDE_ST_ALLOCATED][0]);
-  atomic_store(&a->allocated.peak, first->stats.peak[_TIDE_ST_ALLOCATED][0]);
-  atomic_store(&a->shared_peak, true);
-  atomic_store(&a->hit_extras, true);
-  _tide_lock_release(&first->lock);
-}
-
-/* An arena for a stream that does not exist could never give its cache
- * back (nothing to synchronize): none is made or given to one. */
-static int check_arena_stream(tide_allocator *a, tide_stream stream) {
-  const _tide_backend *be = &a->backend;
-  if (be->ops->stream_check && be->ops->stream_check(be->ctx, stream))
-    return _tide_error_set(TIDE_ERR_INVALID,
-                           "stream %p is not a stream of this device (unknown "
-                           "or destroyed): nothing was allocated",
-                           (void *)stream);
-  return TIDE_OK;
-}
-
-static int add_arena_locked(tide_allocator *a, tide_stream stream, _tide_arena **out) {
-  size_t n = atomic_load(&a->narenas);
-  int bad = check_arena_stream(a, stream);
-  if (bad) return bad;
-  if (n == a->arenas_cap) {
-    size_t cap = a->arenas_cap ? a->arenas_cap * 2 : 8;
-    _tide_arena **grown = realloc(a->arenas, cap * sizeof *grown);
-    if (!grown) return _tide_error_set(TIDE_ERR_OOM, "out of host memory for arenas");
-    a->arenas = grown;
-    a->arenas_cap = cap;
-  }
-  int rc = _tide_arena_create(a, stream, out);
-  if (rc) return rc;
-  if (n == 1) share_peak(a, a->arenas[0]);
-  a->arenas[n] = *out;
-  atomic_store(&a->narenas, n + 1);
-  return TIDE_OK;
-}
-
-static inline unsigned stream_slot(tide_stream stream) {
-  return (unsigned)(((uintptr_t)stream * UINT64_C(0x9E3779B97F4A7C15)) >> 58) &
-         (_TIDE_STREAM_SLOTS - 1);
-}
-
-/* The table of streams of a fast path that is off. */
-static _tide_stream_slot no_streams[_TIDE_STREAM_SLOTS];
-
-void _tide_fast_paths_update(tide_allocator *a, bool captures_watched) {
-  _tide_stream_slot *all = captures_watched ? no_streams : a->streams;
-  atomic_store_explicit(&a->free_streams, all, memory_order_release);
-  atomic_store_explicit(&a->malloc_streams, a->plain_rounding ? all : no_streams,
-                        memory_order_release);
-}
-
-/* The stream's own arena in its home slot of a fast path's table of
- * streams, or NULL: the fast path looks no further (arena_of does). */
-static TIDE_ALWAYS_INLINE _tide_arena *stream_arena_home(_tide_stream_slot *table,
-                                                         tide_stream stream) {
-  const _tide_stream_slot *slot = &table[stream_slot(stream)];
-  _tide_arena *arena = atomic_load_explicit(&slot->arena, memory_order_acquire);
-  if (TIDE_LIKELY(arena != NULL) &&
-      TIDE_LIKELY(atomic_load_explicit(&slot->stream, memory_order_relaxed) == stream))
-    return arena;
-  return NULL;
-}
-
-/* The stream's own arena from the allocator's table of streams, or NULL. */
-static inline _tide_arena *stream_arena(tide_allocator *a, tide_stream stream) {
-  unsigned i = stream_slot(stream);
-  for (unsigned probes = 0; probes < _TIDE_STREAM_SLOTS; probes++) {
-    _tide_arena *arena = atomic_load_explicit(&a->streams[i].arena, memory_order_acquire);
-    if (TIDE_UNLIKELY(!arena)) return NULL;
-    if (TIDE_LIKELY(atomic_load_explicit(&a->streams[i].stream, memory_order_relaxed) == stream))
-      return arena;
-    i = (i + 1) & (_TIDE_STREAM_SLOTS - 1);
-  }
-  return NULL;
-}
-
-/* Enter a new own arena in the table of streams, if it has room. Under
- * arenas_mutex: the stream first, then the arena, which readers look at
- * first. */
-static void stream_table_add(tide_allocator *a, _tide_arena *arena) {
-  unsigned i = stream_slot(arena->stream);
-  for (unsigned probes = 0; probes < _TIDE_STREAM_SLOTS; probes++) {
-    if (!atomic_load_explicit(&a->streams[i].arena, memory_order_relaxed)) {
-      atomic_store_explicit(&a->streams[i].stream, arena->stream, memory_order_relaxed);
-      atomic_store_explicit(&a->streams[i].arena, arena, memory_order_release);
-      return;
-    }
-    i = (i + 1) & (_TIDE_STREAM_SLOTS - 1);
-  }
-}
-
-static _tide_arena *arena_slow(tide_allocator *a, tide_stream stream, bool create) {
-  pthread_mutex_lock(&a->arenas_mutex);
-  _tide_arena *arena = find_arena_locked(a, stream);
-  if (!arena && create) {
-    if (add_arena_locked(a, stream, &arena))
-      arena = NULL;
-    else
-      stream_table_add(a, arena);
-  }
-  pthread_mutex_unlock(&a->arenas_mutex);
-  if (arena) {
-    unsigned slot = cache_slot(a->id, stream);
-    arena_cache[slot].id = a->id;
-    arena_cache[slot].stream = stream;
-    arena_cache[slot].arena = arena;
-  }
-  return arena;
-}
-
-/* The stream's own arena: the table of streams, this thread's cache, then
- * the arena table. */
-static inline _tide_arena *arena_of(tide_allocator *a, tide_stream stream, bool create) {
-  _tide_arena *arena = stream_arena(a, stream);
-  if (TIDE_LIKELY(arena != NULL)) return arena;
-  unsigned slot = cache_slot(a->id, stream);
-  if (TIDE_LIKELY(arena_cache[slot].id == a->id && arena_cache[slot].stream == stream))
-    return arena_cache[slot].arena;
-  return arena_slow(a, stream, create);
-}
-
-_tide_arena *_tide_arena_get(tide_allocator *a, tide_stream stream) {
-  return arena_of(a, stream, true);
-}
-
-/* Add an arena's history to the allocator's retired figures (its current
- * ones are all zero: it holds nothing). The active peak is folded in as it
- * is summed (the larger of the allocated and active peaks), so the
- * allocator's figures do not change. */
-static void retire_stats(_tide_arena_stats *to, _tide_arena_stats *from) {
-  for (int st = 0; st < _TIDE_ST_COUNT; st++)
-    for (int p = 0; p < TIDE_POOL_KINDS; p++) to->peak[st][p] += from->peak[st][p];
-  for (int k = 0; k < 2; k++)
-    for (int p = 0; p < TIDE_POOL_KINDS; p++) {
-      int stat = k == 0 ? _TIDE_ST_ALLOCATED : _TIDE_ST_ALLOCATIONS;
-      int64_t peak = from->peak[stat][p];
-      to->active_peak[k][p] += from->active_peak[k][p] > peak ? from->active_peak[k][p] : peak;
-    }
-  for (int c = 0; c < _TIDE_CT_COUNT; c++) to->counters[c] += from->counters[c];
-  memset(from, 0, sizeof *from);
-}
-
-/* Capture pool arenas stay in the table when their pool goes (snapshots of
- * the table hold them): an unused one is given to the next pool. Under
- * arenas_mutex. */
-static void give_to_pool(tide_allocator *a, _tide_arena *arena, struct tide_pool *pool,
-                         tide_stream stream) {
-  _tide_lock_acquire(&arena->lock);
-  if (arena->pool_id == _TIDE_UNUSED_ARENA) retire_stats(&a->retired_stats, &arena->stats);
-  arena->stream = stream;
-  arena->stream_gone = false;
-  arena->pool = pool;
-  arena->pool_id = pool->id;
-  arena->keep_cache = true;
-  _tide_lock_release(&arena->lock);
-}
-
-int _tide_arena_of_pool(tide_allocator *a, struct tide_pool *pool, tide_stream stream,
-                        _tide_arena **out) {
-  pthread_mutex_lock(&a->arenas_mutex);
-  size_t n = atomic_load(&a->narenas);
-  _tide_arena *unused = NULL;
-  int rc = TIDE_OK;
-  *out = NULL;
-  for (size_t i = 0; i < n && !*out; i++) {
-    if (a->arenas[i]->pool_id == pool->id && a->arenas[i]->stream == stream) *out = a->arenas[i];
-    if (!unused && a->arenas[i]->pool_id == _TIDE_UNUSED_ARENA) unused = a->arenas[i];
-  }
-  if (!*out && unused) {
-    /* As for a new arena: the stream must exist (a begin may outlive it). */
-    rc = check_arena_stream(a, stream);
-    if (!rc) {
-      give_to_pool(a, unused, pool, stream);
-      *out = unused;
-    }
-  } else if (!*out && (rc = add_arena_locked(a, stream, out)) == TIDE_OK) {
-    give_to_pool(a, *out, pool, stream);
-  }
-  pthread_mutex_unlock(&a->arenas_mutex);
-  return rc;
-}
-
-size_t _tide_arenas_snapshot(tide_allocator *a, _tide_arena ***out) {
-  pthread_mutex_lock(&a->arenas_mutex);
-  size_t n = atomic_load(&a->narenas);
-  *out = malloc((n ? n : 1) * sizeof **out);
-  if (!*out)
-    n = 0;
-  else if (n)
-    memcpy(*out, a->arenas, n * sizeof **out);
-  pthread_mutex_unlock(&a->arenas_mutex);
-  return n;
-}
-
-/* ------------------------------------------------------------------------ */
-/* The memory limit                                                          */
-/* ------------------------------------------------------------------------ */
-
-int _tide_budget_take(tide_allocator *a, size_t bytes, size_t request) {
-  size_t limit = atomic_load_explicit(&a->limit, memory_order_relaxed);
-  int64_t cur = atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
-  do {
-    if ((size_t)cur + bytes > limit) {
-      char want[32], held[32], lim[32];
-      /* With no limit set, the device's memory is the limit. */
-      return _tide_error_set(TIDE_ERR_OOM,
-                             "%s %s would be passed: %s reserved, %s more "
-                             "needed for a request of %zu bytes",
-                             limit < a->total_memory ? "the memory limit of" : "the device's",
-                             _tide_format_bytes(limit, lim, sizeof lim),
-                             _tide_format_bytes((uint64_t)cur, held, sizeof held),
-                             _tide_format_bytes(bytes, want, sizeof want), request);
-    }
-  } while (!atomic_compare_exchange_weak_explicit(&a->reserved.cur, &cur, cur + (int64_t)bytes,
-                                                  memory_order_relaxed, memory_order_relaxed));
-  int64_t now = cur + (int64_t)bytes;
-  int64_t peak = atomic_load_explicit(&a->reserved.peak, memory_order_relaxed);
-  while (now > peak &&
-         !atomic_compare_exchange_weak_explicit(&a->reserved.peak, &peak, now, memory_order_relaxed,
-                                                memory_order_relaxed)) {
-  }
-  return TIDE_OK;
-}
-
-void _tide_budget_give(tide_allocator *a, size_t bytes) {
-  atomic_fetch_sub_explicit(&a->reserved.cur, (int64_t)bytes, memory_order_relaxed);
-}
 
 tide_status tide_set_memory_fraction(tide_allocator *a, double fraction) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
@@ -457,25 +197,6 @@ tide_status tide_set_memory_limit(tide_allocator *a, size_t bytes) {
 /* ------------------------------------------------------------------------ */
 /* Out of memory                                                             */
 /* ------------------------------------------------------------------------ */
-
-/* Wait for pending frees and give every cached page back, in every arena:
- * what PyTorch does before it gives up. Returns the first failure. */
-static int release_all_cached(tide_allocator *a) {
-  _tide_arena **arenas;
-  size_t n = _tide_arenas_snapshot(a, &arenas);
-  _tide_first_error first = {0};
-  for (size_t i = 0; i < n; i++) {
-    _tide_lock_acquire(&arenas[i]->lock);
-    /* A capture pool with users keeps its memory: graphs replay into it. */
-    if (!arenas[i]->keep_cache) {
-      _tide_first_error_note(&first, _tide_arena_process_events(arenas[i], true));
-      _tide_first_error_note(&first, _tide_arena_release_cached(arenas[i]));
-    }
-    _tide_lock_release(&arenas[i]->lock);
-  }
-  free(arenas);
-  return _tide_first_error_end(&first);
-}
 
 static void out_of_memory(tide_allocator *a, tide_stream stream, size_t size, size_t rounded,
                           const char *cause) {
@@ -515,18 +236,6 @@ static void out_of_memory(tide_allocator *a, tide_stream stream, size_t size, si
             : (limited ? "" : "; raise host_capacity (the emulated device's memory)"));
 }
 
-void _tide_reclaim_for_retry(tide_allocator *a) {
-  /* Pages growable buffers' shrinks let go come back once their streams
-   * are waited for: for tide_malloc's retry and for a buffer's own growth
-   * alike. */
-  _tide_bufs_release_pending(a);
-  atomic_fetch_add(&a->num_alloc_retries, 1);
-  atomic_fetch_add(&a->num_sync_all_streams, 1);
-  pthread_mutex_lock(&a->reclaim_mutex);
-  release_all_cached(a);
-  pthread_mutex_unlock(&a->reclaim_mutex);
-}
-
 static void *malloc_retry(tide_allocator *a, _tide_arena *arena, size_t size, size_t rounded,
                           tide_stream stream) {
   char cause[512];
@@ -556,7 +265,7 @@ static TIDE_NOINLINE _tide_arena *capture_arena(tide_allocator *a, tide_stream s
     _tide_error_prefix("tide_malloc on stream %p: finding its capture pool failed", (void *)stream);
     return NULL;
   }
-  return arena ? arena : arena_of(a, stream, true);
+  return arena ? arena : _tide_arena_of(a, stream, true);
 }
 
 /* Whether a call on `stream` goes through the capture path (pool.c): while
@@ -629,7 +338,7 @@ static TIDE_NOINLINE void *malloc_slow(tide_allocator *a, size_t size, tide_stre
     return NULL;
   }
   size_t rounded = rounded_size(a, size);
-  _tide_arena *arena = TIDE_LIKELY(!captures_involved(a, stream)) ? arena_of(a, stream, true)
+  _tide_arena *arena = TIDE_LIKELY(!captures_involved(a, stream)) ? _tide_arena_of(a, stream, true)
                                                                   : capture_arena(a, stream);
   if (TIDE_UNLIKELY(!arena)) return NULL;
   _tide_lock_acquire(&arena->lock);
@@ -641,8 +350,8 @@ static TIDE_NOINLINE void *malloc_slow(tide_allocator *a, size_t size, tide_stre
 void *tide_malloc(tide_allocator *a, size_t size, tide_stream stream) {
   /* size - 1 wraps for 0: one comparison refuses both impossible sizes. */
   if (TIDE_UNLIKELY(!valid(a) || size - 1 >= TIDE_MAX_ALLOC)) return malloc_slow(a, size, stream);
-  _tide_arena *arena =
-      stream_arena_home(atomic_load_explicit(&a->malloc_streams, memory_order_relaxed), stream);
+  _tide_arena *arena = _tide_stream_arena_home(
+      atomic_load_explicit(&a->malloc_streams, memory_order_relaxed), stream);
   if (TIDE_UNLIKELY(!arena)) return malloc_slow(a, size, stream);
   size_t rounded = (size + TIDE_MIN_BLOCK - 1) & ~(TIDE_MIN_BLOCK - 1);
   if (TIDE_UNLIKELY(!_tide_lock_try(&arena->lock)))
@@ -672,7 +381,7 @@ void *tide_pool_malloc(tide_pool *pool, size_t size, tide_stream stream) {
   int rc = _tide_capture_pool_live(pool, __func__);
   pthread_mutex_unlock(&a->captures.mutex);
   _tide_arena *arena = NULL;
-  if (!rc) rc = _tide_arena_of_pool(a, pool, stream, &arena);
+  if (!rc) rc = _tide_arena_of_pool(a, pool, pool->id, stream, &arena);
   if (rc) {
     _tide_error_prefix("tide_pool_malloc(%zu bytes) on stream %p", size, (void *)stream);
     return NULL;
@@ -682,43 +391,6 @@ void *tide_pool_malloc(tide_pool *pool, size_t size, tide_stream stream) {
   return malloc_in_arena(a, arena, size, rounded, stream);
 }
 
-/* Look for the block in every arena: a free on another stream than the
- * allocation's, of a block of a capture pool, or a bad pointer. */
-tide_status _tide_free_slow(tide_allocator *a, uintptr_t addr, size_t size, bool sized,
-                            tide_stream stream) {
-  _tide_arena **arenas;
-  size_t n = _tide_arenas_snapshot(a, &arenas);
-  int rc = TIDE_OK;
-  for (size_t i = 0; i < n; i++) {
-    _tide_lock_acquire(&arenas[i]->lock);
-    _tide_block *b = _tide_arena_live(arenas[i], addr);
-    if (b) {
-      if (sized && b->requested != size)
-        rc = _tide_error_set(TIDE_ERR_INVALID,
-                             "tide_free_sized(%p): size %zu given, but %zu bytes were asked "
-                             "for; nothing was freed",
-                             (void *)addr, size, b->requested);
-      else
-        rc = _tide_arena_free(arenas[i], b, stream);
-      _tide_lock_release(&arenas[i]->lock);
-      free(arenas);
-      return (tide_status)rc;
-    }
-    _tide_lock_release(&arenas[i]->lock);
-  }
-  for (size_t i = 0; i < n && !rc; i++) {
-    _tide_lock_acquire(&arenas[i]->lock);
-    rc = _tide_arena_explain_pointer(arenas[i], addr);
-    _tide_lock_release(&arenas[i]->lock);
-  }
-  free(arenas);
-  if (rc) return (tide_status)rc;
-  return (tide_status)_tide_error_set(TIDE_ERR_BAD_POINTER,
-                                      "%p was not allocated by this tidalloc allocator (device "
-                                      "%d): it is outside all of its segments",
-                                      (void *)addr, a->device);
-}
-
 static TIDE_NOINLINE tide_status free_any(tide_allocator *a, void *ptr, size_t size, bool sized,
                                           tide_stream stream) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
@@ -726,7 +398,7 @@ static TIDE_NOINLINE tide_status free_any(tide_allocator *a, void *ptr, size_t s
   uintptr_t addr = (uintptr_t)ptr;
   if (TIDE_UNLIKELY(captures_involved(a, stream)))
     return (tide_status)_tide_capture_free(a, addr, size, sized, stream);
-  _tide_arena *arena = arena_of(a, stream, false);
+  _tide_arena *arena = _tide_arena_of(a, stream, false);
   if (TIDE_UNLIKELY(!arena && a->conf.capture_detection))
     return (tide_status)_tide_capture_free(a, addr, size, sized, stream);
   if (TIDE_LIKELY(arena != NULL)) {
@@ -807,7 +479,7 @@ static TIDE_NOINLINE tide_status free_contended(tide_allocator *a, _tide_arena *
 tide_status tide_free(tide_allocator *a, void *ptr, tide_stream stream) {
   if (TIDE_UNLIKELY(!valid(a) || !ptr)) return free_any(a, ptr, 0, false, stream);
   _tide_arena *arena =
-      stream_arena_home(atomic_load_explicit(&a->free_streams, memory_order_relaxed), stream);
+      _tide_stream_arena_home(atomic_load_explicit(&a->free_streams, memory_order_relaxed), stream);
   if (TIDE_UNLIKELY(!arena)) return free_any(a, ptr, 0, false, stream);
   if (TIDE_UNLIKELY(!_tide_lock_try(&arena->lock)))
     return free_contended(a, arena, (uintptr_t)ptr, stream);
@@ -847,7 +519,7 @@ static TIDE_NOINLINE tide_status free_home_slow(tide_allocator *a, void *ptr) {
 tide_status tide_free_home(tide_allocator *a, void *ptr, tide_stream hint) {
   if (TIDE_UNLIKELY(!valid(a) || !ptr)) return free_home_slow(a, ptr);
   _tide_arena *arena =
-      stream_arena_home(atomic_load_explicit(&a->free_streams, memory_order_relaxed), hint);
+      _tide_stream_arena_home(atomic_load_explicit(&a->free_streams, memory_order_relaxed), hint);
   if (TIDE_UNLIKELY(!arena)) return free_home_slow(a, ptr);
   _tide_lock_acquire(&arena->lock);
   _tide_block *b = _tide_arena_live(arena, (uintptr_t)ptr);
@@ -922,35 +594,10 @@ tide_status tide_record_stream(tide_allocator *a, void *ptr, tide_stream stream)
   return with_block(a, ptr, add_stream, &stream);
 }
 
-static tide_status block_info_interior(tide_allocator *a, uintptr_t addr, void **base, size_t *size,
-                                       tide_stream *stream) {
-  _tide_arena **arenas;
-  size_t n = _tide_arenas_snapshot(a, &arenas);
-  int rc = -1;
-  for (size_t i = 0; i < n && rc < 0; i++) {
-    _tide_lock_acquire(&arenas[i]->lock);
-    const _tide_block *b = _tide_arena_containing_block(arenas[i], addr);
-    if (b && b->state == _TIDE_ALLOCATED) {
-      if (base) *base = (void *)b->addr;
-      if (size) *size = b->size;
-      if (stream) *stream = arenas[i]->stream;
-      rc = TIDE_OK;
-    } else if (b) {
-      rc = _tide_arena_explain_pointer(arenas[i], addr);
-    }
-    _tide_lock_release(&arenas[i]->lock);
-  }
-  free(arenas);
-  if (rc < 0)
-    rc = _tide_error_set(TIDE_ERR_BAD_POINTER, "%p was not allocated by this tidalloc allocator",
-                         (void *)addr);
-  return (tide_status)rc;
-}
-
 tide_status tide_block_info(tide_allocator *a, const void *ptr, void **base, size_t *size,
                             tide_stream *stream) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
-  return block_info_interior(a, (uintptr_t)ptr, base, size, stream);
+  return _tide_block_info(a, (uintptr_t)ptr, base, size, stream);
 }
 
 tide_status tide_empty_cache(tide_allocator *a) {
@@ -958,7 +605,7 @@ tide_status tide_empty_cache(tide_allocator *a) {
   _tide_capture_settle(a); /* frees no capture defers now can be given back */
   _tide_bufs_release_pending(a);
   pthread_mutex_lock(&a->reclaim_mutex);
-  int rc = release_all_cached(a);
+  int rc = _tide_arenas_release_cached(a);
   pthread_mutex_unlock(&a->reclaim_mutex);
   _tide_saved_error saved; /* the status returned keeps its own message */
   _tide_error_save(&saved);

@@ -60,8 +60,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend.h"
-#include "internal.h"
+#include "backend/backend.h"
+#include "base/internal.h"
 
 /* -DTIDE_WITHOUT_CUDA builds the stub even where cuda.h is around. */
 #if defined(__has_include) && !defined(TIDE_WITHOUT_CUDA)

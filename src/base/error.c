@@ -5,7 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "internal.h"
+#include "base/internal.h"
 
 #define TIDE_ERROR_LEN 1024
 

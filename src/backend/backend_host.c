@@ -57,8 +57,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "backend.h"
-#include "internal.h"
+#include "backend/backend.h"
+#include "base/internal.h"
 
 /* Ids pack a generation in the high 32 bits and a slot in the low ones. */
 _Static_assert(sizeof(void *) == 8, "the host backend packs ids into 64-bit pointers");

@@ -1,0 +1,78 @@
+/* mapcalls.c: the memory limit physical memory is taken under, and the
+ * backend calls that create, map, make accessible, unmap and release device
+ * memory, timed. tide_stats.mapping_ns sums the time the
+ * calling threads spent in them: on a GPU, tens of microseconds a mapping,
+ * most of what growing and shrinking expandable memory costs a program
+ * (bench/results/history/README.md, "What mapping costs the GPU"). The
+ * clock's own cost, tens of nanoseconds, is noise beside any of these calls. */
+#include "memory/core.h"
+
+static int timed(tide_allocator *a, uint64_t start, int rc) {
+  atomic_fetch_add_explicit(&a->mapping_ns, _tide_now_ns() - start, memory_order_relaxed);
+  return rc;
+}
+
+int _tide_mem_create(tide_allocator *a, size_t size, _tide_handle *h) {
+  uint64_t start = _tide_now_ns();
+  return timed(a, start, a->backend.ops->create(a->backend.ctx, size, h));
+}
+
+int _tide_mem_release(tide_allocator *a, _tide_handle h) {
+  uint64_t start = _tide_now_ns();
+  return timed(a, start, a->backend.ops->release(a->backend.ctx, h));
+}
+
+int _tide_mem_map(tide_allocator *a, uintptr_t addr, size_t size, _tide_handle h) {
+  uint64_t start = _tide_now_ns();
+  return timed(a, start, a->backend.ops->map(a->backend.ctx, addr, size, h));
+}
+
+int _tide_mem_set_access(tide_allocator *a, uintptr_t addr, size_t size) {
+  uint64_t start = _tide_now_ns();
+  return timed(a, start, a->backend.ops->set_access(a->backend.ctx, addr, size));
+}
+
+int _tide_mem_unmap(tide_allocator *a, uintptr_t addr, size_t size) {
+  uint64_t start = _tide_now_ns();
+  return timed(a, start, a->backend.ops->unmap(a->backend.ctx, addr, size));
+}
+
+int _tide_mem_unmap_run(tide_allocator *a, uintptr_t addr, size_t page, size_t count,
+                        size_t *done) {
+  uint64_t start = _tide_now_ns();
+  return timed(a, start, a->backend.ops->unmap_run(a->backend.ctx, addr, page, count, done));
+}
+
+/* ------------------------------------------------------------------------ */
+/* The memory limit                                                          */
+/* ------------------------------------------------------------------------ */
+
+int _tide_budget_take(tide_allocator *a, size_t bytes, size_t request) {
+  size_t limit = atomic_load_explicit(&a->limit, memory_order_relaxed);
+  int64_t cur = atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
+  do {
+    if ((size_t)cur + bytes > limit) {
+      char want[32], held[32], lim[32];
+      /* With no limit set, the device's memory is the limit. */
+      return _tide_error_set(TIDE_ERR_OOM,
+                             "%s %s would be passed: %s reserved, %s more "
+                             "needed for a request of %zu bytes",
+                             limit < a->total_memory ? "the memory limit of" : "the device's",
+                             _tide_format_bytes(limit, lim, sizeof lim),
+                             _tide_format_bytes((uint64_t)cur, held, sizeof held),
+                             _tide_format_bytes(bytes, want, sizeof want), request);
+    }
+  } while (!atomic_compare_exchange_weak_explicit(&a->reserved.cur, &cur, cur + (int64_t)bytes,
+                                                  memory_order_relaxed, memory_order_relaxed));
+  int64_t now = cur + (int64_t)bytes;
+  int64_t peak = atomic_load_explicit(&a->reserved.peak, memory_order_relaxed);
+  while (now > peak &&
+         !atomic_compare_exchange_weak_explicit(&a->reserved.peak, &peak, now, memory_order_relaxed,
+                                                memory_order_relaxed)) {
+  }
+  return TIDE_OK;
+}
+
+void _tide_budget_give(tide_allocator *a, size_t bytes) {
+  atomic_fetch_sub_explicit(&a->reserved.cur, (int64_t)bytes, memory_order_relaxed);
+}

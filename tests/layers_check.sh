@@ -1,0 +1,198 @@
+#!/bin/sh
+# layers_check.sh: the library's layers (docs/design.md, "Layers") are folders
+# of src/, lowest first: base, backend, memory, features, api. A file may use
+# its own folder and the folders below it, never one above: no #include of a
+# header of a higher folder, and no object file of the static library with
+# an undefined symbol that a higher folder's object defines (nm). Folder
+# dependencies then form no cycle, and tide_malloc can be read downward.
+# Every file of src/ lies in one of those folders, with a name unique in src/.
+#
+# The check also shows it can fail: it runs itself on a copy of src/ with an
+# upward #include added, and on the library's symbols with an upward call
+# added, and fails unless both are caught.
+#
+# usage: layers_check.sh [path/to/tidalloc] (the command's directory holds
+# libtidalloc.a, whose symbols are checked; without it, only the includes).
+# NM names the nm program (default nm).
+set -u
+root=$(cd "$(dirname "$0")/.." && pwd)
+lib=""
+[ $# -ge 1 ] && lib="$(dirname "$1")/libtidalloc.a"
+exec python3 - "$root/src" "$lib" "${NM:-nm}" <<'PY'
+import os, re, shutil, subprocess, sys, tempfile
+
+LAYERS = ["base", "backend", "memory", "features", "api"]  # lowest first
+RANK = {name: i for i, name in enumerate(LAYERS)}
+
+# Upward uses still in the code, each (file, header or symbol): printed at
+# every run; one that is gone must leave this list too.
+KNOWN = {}
+
+INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
+NM_LINE = re.compile(r"^[^:]*:([^:]+):\s*(?:[0-9a-fA-F]+)?\s+([A-Za-z])\s+(\S+)$")
+
+
+def sources(src):
+    """{path relative to src: folder}, and the problems of the tree itself."""
+    files, problems = {}, []
+    for entry in sorted(os.listdir(src)):
+        path = os.path.join(src, entry)
+        if not os.path.isdir(path):
+            problems.append(f"src/{entry} is in no layer folder ({', '.join(LAYERS)})")
+        elif entry not in RANK:
+            problems.append(f"src/{entry}/ is not a layer ({', '.join(LAYERS)})")
+        else:
+            for name in sorted(os.listdir(path)):
+                if name.endswith((".c", ".h")):
+                    files[f"{entry}/{name}"] = entry
+    seen = {}
+    for rel in files:
+        base = os.path.basename(rel)
+        if base in seen:
+            problems.append(f"src/{rel} and src/{seen[base]} share a name")
+        seen[base] = rel
+    return files, problems
+
+
+def include_edges(src, files):
+    """(file, its folder, folder used, header) for each #include "..."."""
+    edges, problems = [], []
+    for rel, folder in files.items():
+        with open(os.path.join(src, rel), encoding="utf-8") as f:
+            text = f.read()
+        for header in INCLUDE.findall(text):
+            if header == "tidalloc.h":
+                continue  # the public header, below every layer
+            target = header if "/" in header else f"{folder}/{header}"
+            if target.startswith("../") or target not in files:
+                problems.append(f"src/{rel}: #include \"{header}\" is no header of src/<layer>/")
+                continue
+            edges.append((rel, folder, files[target], header))
+    return edges, problems
+
+
+def symbol_edges(nm_lines, files):
+    """(file, its folder, folder used, symbol) for each undefined symbol of an
+    object that another object of the library defines."""
+    folder_of = {os.path.basename(rel): folder for rel, folder in files.items()}
+    rel_of = {os.path.basename(rel): rel for rel in files}
+    defined, undefined = {}, []
+    for line in nm_lines:
+        m = NM_LINE.match(line.rstrip("\n"))
+        if not m:
+            continue
+        member, kind, sym = m.groups()
+        source = member[:-2] if member.endswith(".o") else member
+        if source not in folder_of:
+            continue
+        if kind in "Uw":
+            undefined.append((source, sym))
+        elif kind.isupper():
+            defined[sym] = source
+    edges = []
+    for source, sym in undefined:
+        if sym in defined:
+            edges.append((rel_of[source], folder_of[source], folder_of[defined[sym]], sym))
+    return edges
+
+
+def cycles(edges):
+    graph = {}
+    for _, a, b, _ in edges:
+        if a != b:
+            graph.setdefault(a, set()).add(b)
+    found, state = [], {}
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def check(src, nm_lines, known):
+    """Problems found, the known exceptions met, and the edges."""
+    files, problems = sources(src)
+    includes, unknown = include_edges(src, files)
+    problems += unknown
+    edges = [("include",) + e for e in includes]
+    if nm_lines is not None:
+        edges += [("call",) + e for e in symbol_edges(nm_lines, files)]
+    met, kept = set(), []
+    for kind, rel, a, b, what in edges:
+        if RANK[b] > RANK[a]:
+            if (rel, what) in known:
+                met.add((rel, what))
+                continue
+            verb = "includes" if kind == "include" else "uses"
+            problems.append(f"src/{rel} ({a}) {verb} {what}, of {b}, a higher layer")
+            continue
+        kept.append((rel, a, b, what))
+    for cycle in cycles(kept):
+        problems.append("folders in a cycle: " + " -> ".join(cycle))
+    return problems, met, edges
+
+
+src, lib, nm = sys.argv[1:4]
+nm_lines = None
+if lib:
+    try:
+        out = subprocess.run([nm, "-A", lib], capture_output=True, text=True, check=True)
+        nm_lines = out.stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError) as e:
+        print(f"FAIL: cannot read the symbols of {lib} with {nm}: {e}", file=sys.stderr)
+        sys.exit(1)
+else:
+    print("symbols: not checked (no path of the built command given)")
+
+problems, met, edges = check(src, nm_lines, KNOWN)
+for key in sorted(set(KNOWN) - met):
+    problems.append(f"known exception src/{key[0]} -> {key[1]} no longer occurs: remove it")
+pairs = {}
+for kind, rel, a, b, what in edges:
+    if a != b:
+        pairs.setdefault((a, b), set()).add(kind)
+print("folder dependencies (lowest layer first: " + ", ".join(LAYERS) + "):")
+for (a, b) in sorted(pairs, key=lambda p: (RANK[p[0]], RANK[p[1]])):
+    print(f"  {a} -> {b} ({', '.join(sorted(pairs[(a, b)]))})")
+if KNOWN:
+    print(f"known upward uses, to be removed ({len(KNOWN)}):")
+    for (rel, what), why in sorted(KNOWN.items()):
+        print(f"  src/{rel} -> {what}: {why}")
+
+# The check must be able to fail: an upward include and an upward call.
+with tempfile.TemporaryDirectory() as tmp:
+    copy = os.path.join(tmp, "src")
+    shutil.copytree(src, copy)
+    with open(os.path.join(copy, "base", "error.c"), "a", encoding="utf-8") as f:
+        f.write('\n#include "memory/core.h"\n')
+    caught, _, _ = check(copy, None, KNOWN)
+    if not any("base/error.c (base) includes memory/core.h" in p for p in caught):
+        problems.append("self-test: an #include of memory/core.h in base/error.c went unseen")
+    else:
+        print("self-test: an upward #include is caught:", [p for p in caught if "error.c" in p][0])
+if nm_lines is not None:
+    fake = nm_lines + [f"{lib}:segment.c.o:                 U tide_malloc"]
+    caught, _, _ = check(src, fake, KNOWN)
+    if not any("memory/segment.c (memory) uses tide_malloc" in p for p in caught):
+        problems.append("self-test: a call of tide_malloc from segment.c went unseen")
+    else:
+        print("self-test: an upward call is caught:", [p for p in caught if "tide_malloc" in p][0])
+
+for p in problems:
+    print("FAIL:", p, file=sys.stderr)
+if problems:
+    sys.exit(1)
+if KNOWN:
+    print(f"layers: no upward include or call but the {len(KNOWN)} known ones above")
+else:
+    print("layers: every include and call goes to the same layer or a lower one")
+PY
