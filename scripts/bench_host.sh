@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # bench_host.sh: the benchmarks that run without a GPU, with their results
 # written under bench/results/<name>/ next to a description of the machine:
-#   replay.csv  both recorded traces, expandable segments (defaults, and
-#               without release_holes) and fixed segments
+#   replay.csv  the recorded traces (TRACE_DIR's *_generate and STREAM_TRACES:
+#               bench/torch/stream_gct.py's 96 frames on the H200),
+#               expandable segments (defaults, and without release_holes)
+#               and fixed segments
 #   stream.csv  the streaming workload, fixed vs expandable segments
 #   micro.csv   alloc+free latency: tidalloc's cached path, glibc, mimalloc
 #   machine.txt CPU, system, compiler, commit and date
@@ -16,6 +18,7 @@ name=${1:-host}
 out=bench/results/$name
 tidalloc=${TIDALLOC:-build/tidalloc}
 traces=${TRACE_DIR:-../shared/traces}
+stream_traces=${STREAM_TRACES:-bench/traces/stream_gct_96.csv.gz}
 frames=${FRAMES:-64 128 256 512 1024}
 
 [[ -x $tidalloc ]] || { echo "bench_host: $tidalloc is not built (make build)" >&2; exit 1; }
@@ -35,9 +38,12 @@ echo "conf,trace,events,peak_live_bytes,peak_allocated_bytes,peak_reserved_bytes
   >"$out/replay.csv"
 for conf in "expandable_segments:True" "expandable_segments:True,release_holes:False" \
   "expandable_segments:False"; do
-  for trace in "$traces"/*_generate.csv.gz; do
-    row=$("$tidalloc" replay "$trace" --conf "$conf" --csv | tail -1)
-    echo "\"$conf\",$row" >>"$out/replay.csv"
+  for trace in "$traces"/*_generate.csv.gz $stream_traces; do
+    # The streaming model's trace holds 17 GiB: replayed on an emulated H200.
+    c=$conf
+    [[ $trace == *stream_gct* ]] && c=$conf,host_capacity:141GiB
+    row=$("$tidalloc" replay "$trace" --conf "$c" --csv | tail -1)
+    echo "\"$c\",$row" >>"$out/replay.csv"
   done
 done
 

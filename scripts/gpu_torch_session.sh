@@ -48,7 +48,10 @@ if want build; then
     note "build: FAILED (build.log)"
   fi
 fi
-export TIDALLOC_LIB=$PWD/build-torch/libtidalloc.so
+# The library built here, unless the caller names one (built elsewhere).
+if want build || [[ -z ${TIDALLOC_LIB:-} ]]; then
+  export TIDALLOC_LIB=$PWD/build-torch/libtidalloc.so
+fi
 
 if want shim; then
   t0=$SECONDS
@@ -110,7 +113,7 @@ if want upstream; then
     done
     wait
     for alloc in native tidalloc; do
-      note "upstream $base $alloc: exit $(cat "$out/${base}_$alloc.rc") ($((SECONDS - t0)) s): $(tail -1 "$out/${base}_$alloc.log")"
+      note "upstream $base $alloc: exit $(cat "$out/${base}_$alloc.rc") ($((SECONDS - t0)) s): $(grep -m1 '^allocator:' "$out/${base}_$alloc.log"); $(tail -1 "$out/${base}_$alloc.log")"
     done
     "$py" tests/torch/upstream/compare_junit.py --common "$out/${base}_native.xml" \
       "$out/${base}_tidalloc.xml" >"$out/${base}_compare.txt" 2>&1

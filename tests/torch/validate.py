@@ -113,9 +113,14 @@ def device_mappings(torch):
     """Physical handles mapped and unmapped so far (tidalloc's memory_stats
     keys), or None where the allocator does not count them."""
     stats = torch.cuda.memory_stats()
-    if "num_device_map" not in stats:
-        return None
-    return stats["num_device_map"], stats["num_device_unmap"]
+    if "num_device_map" in stats:  # the pluggable bridge's figures
+        return stats["num_device_map"], stats["num_device_unmap"]
+    installed = sys.modules.get("tidalloc.torch")
+    if installed is not None and installed.bridge():  # the shim: PyTorch's keys only
+        import tidalloc
+        st = tidalloc.stats(torch.cuda.current_device())
+        return st.mappings, st.unmappings
+    return None
 
 
 def timed_run(torch, run):

@@ -59,3 +59,35 @@ def pytest_configure(config):
             added.append("%s.%s" % (module_name.rsplit(".", 1)[-1], name))
     if added:
         print("upstream_compat: defined %s" % ", ".join(sorted(set(added))))
+
+
+def _allocator():
+    """What allocates CUDA memory in this process, as a line for the report,
+    and whether that is what the run asked for (TIDALLOC_INSTALL=1: tidalloc,
+    installed by sitecustomize.py, whose errors Python only mentions in one
+    line of stderr and then goes on without it)."""
+    if os.environ.get("TIDALLOC_INSTALL") != "1":
+        return "allocator: PyTorch's own", True
+    try:
+        import tidalloc.torch
+    except Exception as e:  # noqa: BLE001: any failure means the run is not under tidalloc
+        return "allocator: tidalloc was asked for but cannot be imported (%s)" % e, False
+    bridge = tidalloc.torch.bridge()
+    if bridge is None:
+        return ("allocator: tidalloc was asked for but is not installed (sitecustomize.py "
+                "failed: run python -c 'import tidalloc.torch; tidalloc.torch.install()' to see "
+                "why)"), False
+    return "allocator: tidalloc (%s)" % bridge, True
+
+
+def pytest_report_header(config):
+    return _allocator()[0]
+
+
+def pytest_sessionstart(session):
+    """A run that asked for tidalloc and does not have it stops at once:
+    its results would be the native allocator's under tidalloc's name."""
+    line, ok = _allocator()
+    if not ok:
+        import pytest
+        pytest.exit(line, returncode=3)
