@@ -30,6 +30,25 @@ def tidalloc_mappings():
     return st.mappings, st.unmappings
 
 
+def breakdown():
+    """Where reserved memory is, from the allocator's snapshot: bytes of
+    the segments' blocks by state, and what reserved holds outside them
+    (growable buffers, and under tidalloc pages waiting to be unmapped)."""
+    by_state = {}
+    in_segments = 0
+    for seg in torch.cuda.memory_snapshot():
+        for block in seg["blocks"]:
+            state = block["state"]
+            if state == "unmapped":
+                continue
+            by_state[state] = by_state.get(state, 0) + block["size"]
+            in_segments += block["size"]
+    outside = torch.cuda.memory_reserved() - in_segments
+    parts = ["%s %.3f" % (k, v / GiB) for k, v in sorted(by_state.items())]
+    return "GiB in segments: %s; outside segments %.3f; allocated %.3f" % (
+        ", ".join(parts), outside / GiB, torch.cuda.memory_allocated() / GiB)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--frames", type=int, default=128)
@@ -46,11 +65,16 @@ def main():
             worst = [0.0, -1]
             step = [0]
 
+            top = [0.0, -1, ""]
+
             def on_step(batch):
                 torch.cuda.synchronize()
                 a = torch.cuda.max_memory_allocated() / GiB
                 if a > worst[0]:
                     worst[:] = [a, step[0]]
+                r = torch.cuda.memory_reserved() / GiB
+                if r > top[0] + 0.05:  # a new reserved peak: where its bytes are
+                    top[:] = [r, step[0], breakdown()]
                 step[0] += 1
 
             before = tidalloc_mappings()
@@ -75,6 +99,7 @@ def main():
                       torch.cuda.max_memory_reserved() / torch.cuda.max_memory_allocated(),
                       torch.cuda.memory_allocated() / GiB, torch.cuda.memory_reserved() / GiB,
                       maps), flush=True)
+            print("    reserved peak %.3f GiB at step %d: %s" % tuple(top), flush=True)
 
 
 if __name__ == "__main__":
