@@ -863,6 +863,24 @@ def warm_up(model, args):
             release(args.device)
 
 
+def report_tidalloc(device):
+    """Under tidalloc, on stderr: the driver's work over the whole process
+    and, with the shim, how often PyTorch called its graph-pool methods
+    (cudagraph trees' checkpoints and live-allocation checks cost there)."""
+    if allocator_backend(device) != "tidalloc":
+        return
+    import tidalloc
+    st = tidalloc.stats(device_index(device))
+    print("stream_gct: tidalloc: %d mappings, %d unmappings, %.1f ms in mapping calls, %d stream "
+          "waits" % (st.mappings, st.unmappings, st.mapping_ns / 1e6, st.stream_waits),
+          file=sys.stderr)
+    from tidalloc import shim
+    calls = {k: v for k, v in shim.counts().items() if v}
+    if calls:
+        print("stream_gct: tidalloc shim calls: %s" % ", ".join(
+            "%s %d" % kv for kv in sorted(calls.items())), file=sys.stderr)
+
+
 def trace_capacity():
     """The trace ring's size under tidalloc (0 when tracing is off)."""
     from tidalloc import _lib
@@ -962,6 +980,7 @@ def main(argv=None):
         print_row(row)
         if row["status"] == "oom" and args.stop_on_oom:
             break
+    report_tidalloc(args.device)
     if args.trace_csv:
         from tidalloc import viz
         n = viz.write_replay_trace(args.trace_csv, device_index(args.device),
