@@ -981,6 +981,9 @@ def main(argv=None):
         if row["status"] == "oom" and args.stop_on_oom:
             break
     report_tidalloc(args.device)
+    if args.compile and torch.device(args.device).type == "cuda":
+        from tidalloc.viz import pool_breakdown
+        print("stream_gct: at the end, by pool: %s" % pool_breakdown(torch), file=sys.stderr)
     if args.trace_csv:
         from tidalloc import viz
         n = viz.write_replay_trace(args.trace_csv, device_index(args.device),

@@ -192,3 +192,17 @@ def timeline_png(path, device=0):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def pool_breakdown(torch):
+    """Reserved and allocated bytes of each pool (the usual memory and each
+    private pool of CUDA graphs) from torch.cuda.memory_snapshot(), under any
+    allocator, as one line: where memory held beyond what is allocated sits."""
+    pools = {}
+    for seg in torch.cuda.memory_snapshot():
+        pool = tuple(seg.get("segment_pool_id", (0, 0)))
+        r, a = pools.get(pool, (0, 0))
+        pools[pool] = (r + seg["total_size"], a + seg["allocated_size"])
+    return "; ".join("%s reserved %.1f MiB allocated %.1f MiB" % (
+        "usual memory" if pool == (0, 0) else "pool %s" % (pool,), r / 2**20, a / 2**20)
+        for pool, (r, a) in sorted(pools.items())) or "no memory"

@@ -299,3 +299,20 @@ def test_replay_trace_refuses_a_ring_that_lost_events(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "lost the oldest events" in r.stdout and "trace:" in r.stdout
     assert not (tmp_path / "t.csv.gz").exists()
+
+
+def test_pool_breakdown_sums_each_pool_apart():
+    from tidalloc.viz import pool_breakdown
+
+    class FakeCuda:
+        @staticmethod
+        def memory_snapshot():
+            return [dict(segment_pool_id=(0, 0), total_size=4 << 20, allocated_size=1 << 20),
+                    dict(segment_pool_id=(1, 3), total_size=2 << 20, allocated_size=0),
+                    dict(segment_pool_id=(0, 0), total_size=2 << 20, allocated_size=2 << 20)]
+
+    class FakeTorch:
+        cuda = FakeCuda
+
+    assert pool_breakdown(FakeTorch) == ("usual memory reserved 6.0 MiB allocated 3.0 MiB; "
+                                         "pool (1, 3) reserved 2.0 MiB allocated 0.0 MiB")

@@ -316,21 +316,8 @@ def case_compile_kv(torch, out, steps, batch=4, width=512, layers=4):
     print("compile_kv: %d steps, batch %d, width %d, %d layers: %.3f s, peak allocated %d, "
           "peak reserved %d (%.4f)" % (steps, batch, width, layers, seconds, peak_alloc, peak_res,
                                        peak_res / max(peak_alloc, 1)))
+    from tidalloc.viz import pool_breakdown
     print("compile_kv: at the end, by pool: %s" % pool_breakdown(torch))
-
-
-def pool_breakdown(torch):
-    """Reserved and allocated bytes of each pool (the usual memory and each
-    private pool of graphs), from the allocator's snapshot: where memory
-    held beyond what is allocated sits."""
-    pools = {}
-    for seg in torch.cuda.memory_snapshot():
-        pool = tuple(seg.get("segment_pool_id", (0, 0)))
-        r, a = pools.get(pool, (0, 0))
-        pools[pool] = (r + seg["total_size"], a + seg["allocated_size"])
-    return "; ".join("%s reserved %.1f MiB allocated %.1f MiB" % (
-        "usual memory" if pool == (0, 0) else "pool %s" % (pool,), r / 2**20, a / 2**20)
-        for pool, (r, a) in sorted(pools.items()))
 
 
 def case_dynamic_shapes(torch, out):
