@@ -177,7 +177,7 @@ def test_stream_gct_workers_get_the_frame_count(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["paired_time.py", "stream_gct", "--frames", "64",
                                      "--pairs", "2"])
     assert paired_time.main() == 0
-    assert FakeProcess.args == [["--frames", "64"], ["--frames", "64"]]
+    assert FakeProcess.args == [["--frames", "64", "--cold"], ["--frames", "64", "--cold"]]
     out, _ = capsys.readouterr()
     assert len([line for line in out.splitlines() if line.startswith("stream_gct,")]) == 4
 
@@ -231,3 +231,36 @@ def test_outputs_are_compared_only_between_runs_of_one_program(monkeypatch, caps
 def test_pluggable_bridge_configuration(monkeypatch):
     allocator, env = paired_time.config_env("tidalloc-pluggable")
     assert allocator == "tidalloc" and env["TIDALLOC_TORCH_BRIDGE"] == "pluggable"
+
+
+def test_streaming_workers_start_each_run_cold_unless_told(monkeypatch, capsys):
+    for argv, want in ((["stream_gct"], True), (["stream_gct", "--cache", "warm"], False),
+                       (["gpt2"], False), (["gpt2", "--cache", "cold"], True)):
+        FakeProcess.started, FakeProcess.args = [], []
+        monkeypatch.setattr(paired_time, "Worker", FakeProcess)
+        monkeypatch.setattr("sys.argv", ["paired_time.py"] + argv + ["--pairs", "1"])
+        assert paired_time.main() == 0
+        assert all(("--cold" in a) == want for a in FakeProcess.args), (argv, FakeProcess.args)
+    capsys.readouterr()
+
+
+def test_a_cold_worker_empties_the_cache_before_each_timed_run(monkeypatch, capsys):
+    import io
+    validate = load_validate()
+    events = []
+
+    class Cuda(FakeCuda):
+        def empty_cache(self):
+            events.append("empty")
+
+    class Torch:
+        cuda = Cuda()
+
+    def run(digest):
+        events.append("run")
+        digest.update(b"x")
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("run\nrun\nquit\n"))
+    assert validate.serve(Torch(), run, cold=True) == 0
+    assert events == ["run", "empty", "run", "empty", "run"]
+    capsys.readouterr()

@@ -32,7 +32,13 @@ its own program after an @, so that two programs can be paired:
 --configs expandable tidalloc@stream_gct_growable times the torch.cat
 caches under expandable segments against the growable ones under tidalloc
 (their outputs are then not compared: the caches keep their rows in
-another order, so sums round differently). stdout: one CSV row per run
+another order, so sums round differently).
+
+--cache cold (the default for the stream_gct programs) empties each
+worker's cache before each timed run, untimed: a streaming program runs once
+per process, and a run that reuses the memory the previous run left mapped
+makes a tenth of the mappings (tidalloc at 128 frames: 3,306 instead of
+26,434), which would flatter an allocator whose cost is in mapping. stdout: one CSV row per run
 (program,pair,position,config,seconds,digest,maps,unmaps); stderr: each
 configuration's peak allocated and reserved memory over its runs, and the
 summary. `paired_time.py --summarize FILE [A B]` summarizes saved rows, runs
@@ -264,6 +270,11 @@ def main():
                         help="frames per run of the stream_gct programs (default 128)")
     parser.add_argument("--configs", nargs=2, default=["expandable", "tidalloc"],
                         metavar=("A", "B"))
+    parser.add_argument("--cache", choices=("cold", "warm"),
+                        help="cold: each worker empties its cache before each timed run, as a "
+                        "program's one run in a fresh process finds it (the default for the "
+                        "stream_gct programs); warm: runs reuse what earlier runs left cached "
+                        "(the default for gpt2 and vit)")
     parser.add_argument("--pairs", type=int, default=40)
     parser.add_argument("--budget-s", type=float, help="begin no pair after this many seconds")
     parser.add_argument("--fresh-every", type=int, default=0, metavar="N",
@@ -311,8 +322,10 @@ def main():
 def run_set(args, pairs, budget_s, emit):
     """One pair of worker processes for up to `pairs` pairs; (status, pairs)."""
     programs = [split_config(c, args.program)[1] for c in args.configs]
-    extra = ["--frames", str(args.frames)] if any(p.startswith("stream_gct")
-                                                  for p in programs) else []
+    streaming = any(p.startswith("stream_gct") for p in programs)
+    extra = ["--frames", str(args.frames)] if streaming else []
+    if (args.cache or ("cold" if streaming else "warm")) == "cold":
+        extra.append("--cold")
     a, b = (Worker(args.program, c, program_args=extra) for c in args.configs)
     status, done = 0, []
     try:

@@ -41,10 +41,11 @@ times one run for each "run" line read from stdin, answering each with a
 line "SECONDS DIGEST MAPS UNMAPS" (-1 where the allocator does not count
 mappings), until "quit" or the end of its input; then a line "peaks
 ALLOCATED_MIB RESERVED_MIB" (torch.cuda.max_memory_allocated/reserved over
-all its runs).
+all its runs). --cold empties the cache before each timed run.
 
     python tests/torch/validate.py gpt2|vit|stream_gct[_growable|_compile] native|tidalloc
-                                   [--repeats N] [--frames N] [--trace-csv FILE.csv.gz] [--serve]"""
+                                   [--repeats N] [--frames N] [--trace-csv FILE.csv.gz]
+                                   [--serve [--cold]]"""
 import argparse
 import hashlib
 import os
@@ -133,11 +134,23 @@ def timed_run(torch, run):
     return time.perf_counter() - start, digest.hexdigest()[:16]
 
 
-def serve(torch, run, warmups=1):
+def empty_caches(torch):
+    """Untimed: every cached block back to the device, so that the next run
+    maps its memory as a program's only run in a fresh process would."""
+    import gc
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+
+
+def serve(torch, run, warmups=1, cold=False):
     """The first run (`warmups` of them), then one timed run per "run"
     command on stdin. The process sits idle between commands, so two of
     them (one per allocator) can take turns on one machine, each run next
-    to the other's in time."""
+    to the other's in time. cold: the cache is emptied before each timed
+    run (untimed), so that runs do not reuse the memory earlier runs left
+    mapped."""
     for _ in range(warmups):
         _, first = timed_run(torch, run)
     print("ready", flush=True)
@@ -149,6 +162,9 @@ def serve(torch, run, warmups=1):
         if command != "run":
             print("validate.py: unknown command %r" % command, file=sys.stderr)
             return 2
+        if cold:
+            empty_caches(torch)
+            before = device_mappings(torch) or before
         seconds, digest = timed_run(torch, run)
         after = device_mappings(torch)
         maps, unmaps = (after[0] - before[0], after[1] - before[1]) if after else (-1, -1)
@@ -174,6 +190,8 @@ def main():
     parser.add_argument("--trace-csv", metavar="FILE.csv.gz",
                         help="under tidalloc, write every allocation and free of the whole run "
                         "as a trace that `tidalloc replay` reads (turns the trace ring on)")
+    parser.add_argument("--cold", action="store_true", help="with --serve: empty the cache "
+                        "before each timed run (untimed)")
     parser.add_argument("--serve", action="store_true", help="after the first run, time one run "
                         "per 'run' line on stdin (for paired_time.py)")
     args = parser.parse_args()
@@ -194,7 +212,8 @@ def main():
 
     if args.serve:
         # Compiled: the second run still records CUDA graphs the first only warmed up.
-        sys.exit(serve(torch, run, warmups=2 if args.program.endswith("_compile") else 1))
+        sys.exit(serve(torch, run, warmups=2 if args.program.endswith("_compile") else 1,
+                       cold=args.cold))
     digests, seconds, mappings = [], [], []
     for i in range(1 + args.repeats):
         t, d = timed_run(torch, run)
