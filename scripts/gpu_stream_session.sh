@@ -123,6 +123,8 @@ for spec in ${PAIRED:-}; do
   grep -v '^W\|^  warnings\|^$' "$out/paired_$i.txt" | tail -12 | tee -a "$summary" >/dev/null
 done
 note "session: $((SECONDS - start)) s"
-tar -czf "$out/logs.tar.gz" -C "$out" --exclude logs.tar.gz --exclude summary.txt . 2>/dev/null &&
-  find "$out" -mindepth 1 ! -name logs.tar.gz ! -name summary.txt -delete
+# (Only this folder's archive and summary are left out: a lane's own archive goes in.)
+tar -czf "$out/logs.tar.gz.tmp" -C "$out" --exclude=./logs.tar.gz.tmp --exclude=./summary.txt . &&
+  find "$out" -mindepth 1 -maxdepth 1 ! -name logs.tar.gz.tmp ! -name summary.txt -exec rm -rf {} + &&
+  mv "$out/logs.tar.gz.tmp" "$out/logs.tar.gz"
 cat "$summary"

@@ -34,3 +34,12 @@ def test_the_native_run_says_so(tmp_path):
     r = run_pytest(tmp_path, {"TIDALLOC_INSTALL": "0"})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "allocator: PyTorch's own" in r.stdout
+
+
+def test_the_allocator_line_is_written_under_q(tmp_path):
+    (tmp_path / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([UPSTREAM, PYTHON]), TIDALLOC_INSTALL="0")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "upstream_compat",
+                        "-p", "no:cacheprovider", "test_nothing.py"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "allocator: PyTorch's own" in r.stdout, r.stdout + r.stderr

@@ -86,8 +86,12 @@ def pytest_report_header(config):
 
 def pytest_sessionstart(session):
     """A run that asked for tidalloc and does not have it stops at once:
-    its results would be the native allocator's under tidalloc's name."""
+    its results would be the native allocator's under tidalloc's name. The
+    line is written also under -q, which leaves out the report header."""
     line, ok = _allocator()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(line)
     if not ok:
         import pytest
         pytest.exit(line, returncode=3)
