@@ -16,6 +16,8 @@
 #                     FUZZ_SECONDS (default 60); prints the executions reached.
 #                     FUZZ_CSV=file appends them, FUZZ_TARGETS="conf ops" picks,
 #                     FUZZ_JOBS=N runs N workers per target (their total counts)
+#   make fuzz-stage   the same programs copied to fuzz-stage/ with the sources
+#                     they were built from, to fuzz on another machine's cores
 #   make install      install into PREFIX (default /usr/local; DESTDIR is honoured)
 #   make format       clang-format every C file in place; format-check only checks
 #   make clean        remove the build directories
@@ -59,7 +61,7 @@ CMAKE_BUILD := env -u MAKEFLAGS -u MAKELEVEL -u MFLAGS cmake --build
 CTEST := ctest --output-on-failure --no-tests=error -j$(JOBS)
 
 .PHONY: all deps build run test test-unit test-asan test-tsan fuzz gpu-test gpu-test-cmake \
-        gpu-test-make gpu-test-empty gpu-test-none gpu-test-torch install format format-check \
+        gpu-test-make gpu-test-empty gpu-test-none gpu-test-torch install format format-check fuzz-stage \
         clean help
 
 all: build
@@ -124,6 +126,15 @@ fuzz: deps
 	$(CMAKE_BUILD) build-fuzz -j$(JOBS)
 	FUZZ_SECONDS=$(FUZZ_SECONDS) NO_ASLR="$(NO_ASLR)" FUZZ_CSV="$(FUZZ_CSV)" \
 	  FUZZ_TARGETS="$(FUZZ_TARGETS)" FUZZ_JOBS="$(FUZZ_JOBS)" scripts/fuzz.sh build-fuzz
+
+# The fuzz programs built from the committed sources and copied to fuzz-stage/
+# with what they were built from, to run on another machine's cores
+# (scripts/gpu_stream_session.sh's fuzz lane, with fuzz-stage carried).
+fuzz-stage: deps
+	cmake -S . -B build-fuzz $(SAN_CMAKE) -DCMAKE_C_FLAGS="$(FUZZ_CFLAGS)" -DTIDE_FUZZ=ON \
+	  -DTIDE_BUILD_TESTS=OFF -DTIDE_BUILD_TOOLS=OFF -DTIDE_BUILD_EXAMPLES=OFF $(CMAKE_ARGS)
+	$(CMAKE_BUILD) build-fuzz -j$(JOBS)
+	scripts/fuzz_stage.sh build-fuzz fuzz-stage "$(or $(FUZZ_TARGETS),ops)"
 
 # tests/gpu holds the GPU tests: a CMakeLists.txt that the root project adds
 # with -DTIDE_GPU_TESTS=ON (it enables CUDA, links tidalloc_static and labels

@@ -18,6 +18,9 @@
 #                  missing, and given the jobs column if it predates it)
 #   (fuzz/<target>.options, when present, adds libFuzzer flags for that
 #   target: one per line, lines starting with # are comments)
+#   FUZZ_SOURCES, FUZZ_COMMIT  the sources hash and commit to record, for
+#                  programs built on another machine from a tree this one's
+#                  history may not hold (default: computed here)
 #   NO_ASLR        a command prefix that turns address randomization off (the
 #                  Makefile passes setarch -R where the sanitizer runtime needs
 #                  it); when it is not set at all, this script finds out itself
@@ -72,6 +75,11 @@ sources_of() { # COMMIT: the hash, or nothing where the commit is unknown here
 sources=$(sources_of HEAD)
 [ -n "$(git -C "$root" status --porcelain -- src include fuzz tools/trace_read.c 2>/dev/null)" ] &&
   sources+="+dirty"
+# Programs built elsewhere and run here (a copy of the working tree whose
+# history may lag behind it) say what they were built from: FUZZ_SOURCES and
+# FUZZ_COMMIT, as the build machine computed them.
+sources=${FUZZ_SOURCES:-$sources}
+commit=${FUZZ_COMMIT:-$commit}
 date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 failed=""
 summary=""

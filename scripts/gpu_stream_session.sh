@@ -12,6 +12,10 @@
 #             (scripts/gpu_torch_session.sh's upstream step)
 #   gputest   make gpu-test (TIDE_GPU_OOM_LIMIT_GIB, default 40, keeps its
 #             out-of-memory test from taking the memory of the other lanes)
+#   fuzz      the libFuzzer programs scripts/fuzz_stage.sh put in FUZZ_DIR
+#             (default fuzz-stage, carried), FUZZ_JOBS workers (default 8)
+#             for FUZZ_SECONDS (default 420); rows in fuzz.csv, counted for
+#             the sources they were built from
 # Then PAIRED, alone on the machine: tests/torch/paired_time.py once per
 # spec PROGRAM:FRAMES:CONFIG_A:CONFIG_B:PAIRS (space-separated specs), each
 # begun no later than PAIRED_BUDGET_S after the first, cut at PAIR_SECONDS
@@ -87,7 +91,19 @@ if want gputest; then
   } >"$out/gpu_tests.txt" 2>&1 &
   pids+=($!)
 fi
+if want fuzz; then # programs staged by scripts/fuzz_stage.sh, run on this machine's cores
+  if [[ -r ${FUZZ_DIR:-fuzz-stage}/built_from ]]; then
+    read -r fuzz_sources fuzz_commit <"${FUZZ_DIR:-fuzz-stage}/built_from"
+    FUZZ_SOURCES=$fuzz_sources FUZZ_COMMIT=$fuzz_commit FUZZ_JOBS=${FUZZ_JOBS:-8} \
+      FUZZ_SECONDS=${FUZZ_SECONDS:-420} FUZZ_TARGETS=${FUZZ_TARGETS:-ops} FUZZ_CSV=$out/fuzz.csv \
+      scripts/fuzz.sh "${FUZZ_DIR:-fuzz-stage}" >"$out/fuzz.txt" 2>&1 &
+    pids+=($!)
+  else
+    note "fuzz: no staged programs in ${FUZZ_DIR:-fuzz-stage} (scripts/fuzz_stage.sh)"
+  fi
+fi
 for pid in "${pids[@]}"; do wait "$pid"; done
+[[ -f $out/fuzz.csv ]] && { note "== fuzz"; tail -n +2 "$out/fuzz.csv" | tee -a "$summary" >/dev/null; }
 for lane in eager native_compile tidalloc_compile upstream; do
   [[ -f $out/$lane.txt ]] && { note "== $lane"; grep -v '^date:\|^commit:\|^host:\|^cpus:' "$out/$lane.txt" | tail -40 | tee -a "$summary" >/dev/null; }
 done
