@@ -119,8 +119,7 @@ FUZZ_CFLAGS := -fsanitize=fuzzer-no-link,address,undefined $(SAN_CFLAGS_COMMON)
 # -O2, not the -O1 of the other sanitizer builds: the sweeps of the
 # consistency check that fuzz_ops runs after every step (bin heads, page
 # tables) become vector code: a replay of a corpus ran 1.2 times the inputs
-# per CPU-second
-# (bench/results/history/host/fuzz_ops_speed.md).
+# per CPU-second (bench/results/history/host/fuzz_ops_speed.md).
 FUZZ_CMAKE := $(SAN_CMAKE) -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O2 -g"
 
 fuzz: deps
