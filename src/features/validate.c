@@ -61,8 +61,9 @@ typedef struct checker {
   const _tide_arena *arena;
   const _tide_block **blocks; /* every block record of the arena, sorted */
   size_t nblocks, blocks_cap;
-  bool out_of_memory;            /* the check itself ran out of host memory */
-  const _tide_buf_figures *bufs; /* per arena: what its growable buffers add */
+  const _tide_block *local_blocks[64]; /* `blocks` until more are needed */
+  bool out_of_memory;                  /* the check itself ran out of host memory */
+  const _tide_buf_figures *bufs;       /* per arena: what its growable buffers add */
 } checker;
 
 /* What the blocks of one arena add up to, [stat][all, small, large]. */
@@ -113,9 +114,29 @@ static void add(sums *s, int stat, int pool, int64_t value) {
 /* Block records                                                             */
 /* ------------------------------------------------------------------------ */
 
+/* Room for `need` items in *items, which starts out as the caller's array
+ * `local` (of *cap items) and moves to the heap once that is too short. The
+ * check runs after every step of a fuzz input and its arrays are short:
+ * allocating each of them, with the address sanitizer recording the stack
+ * of every allocation and free, cost more than filling them. */
+static bool grow_local(void **items, size_t *cap, size_t need, size_t item_size,
+                       const void *local) {
+  if (need <= *cap) return true;
+  if (*items != local) return _tide_grow_array(items, cap, need, item_size);
+  size_t new_cap = *cap * 2;
+  while (new_cap < need) new_cap *= 2;
+  void *p = malloc(new_cap * item_size);
+  if (!p) return false;
+  memcpy(p, local, *cap * item_size);
+  *items = p;
+  *cap = new_cap;
+  return true;
+}
+
 static bool remember(checker *c, const _tide_block *b) {
   if (c->nblocks == c->blocks_cap &&
-      !_tide_grow_array((void **)&c->blocks, &c->blocks_cap, c->nblocks + 1, sizeof *c->blocks))
+      !grow_local((void **)&c->blocks, &c->blocks_cap, c->nblocks + 1, sizeof *c->blocks,
+                  c->local_blocks))
     return no_memory(c);
   c->blocks[c->nblocks++] = b;
   return true;
@@ -197,19 +218,27 @@ UNCHECKED_LOADS static bool check_handles(checker *c, const _tide_segment *seg, 
   CHECK(c, seg->npages % n == 0, "segment %#lx of %zu pages is not whole handles of %zu",
         (unsigned long)seg->base, seg->npages, n);
   *handles = 0;
-  size_t load = 0;
-  for (size_t i = 0; i < seg->npages; i += n) {
+  /* Counted without a branch per page, from locals (the compiler cannot
+   * tell that the counts do not alias the table): the loop runs over the
+   * whole device after every step of a fuzz input. */
+  const _tide_handle *pages = seg->pages;
+  size_t npages = seg->npages, count = 0, load = 0;
+  _tide_handle prev = 0; /* the group before; 0 before the first */
+  for (size_t i = 0; i < npages; i += n) {
     for (size_t j = i + 1; j < i + n; j++)
-      CHECK(c, seg->pages[j] == seg->pages[i],
+      CHECK(c, pages[j] == pages[i],
             "page %zu of segment %#lx lies in the handle of %zu pages at page %zu (%#llx) but "
             "names handle %#llx",
-            j, (unsigned long)seg->base, n, i, (unsigned long long)seg->pages[i],
-            (unsigned long long)seg->pages[j]);
-    bool continues = i >= n && seg->pages[i] && seg->pages[i - n] == seg->pages[i];
-    bool goes_on = i + n < seg->npages && seg->pages[i] && seg->pages[i + n] == seg->pages[i];
-    *handles += seg->pages[i] != 0 && !continues;
-    load += goes_on && !continues;
+            j, (unsigned long)seg->base, n, i, (unsigned long long)pages[i],
+            (unsigned long long)pages[j]);
+    _tide_handle cur = pages[i], next = i + n < npages ? pages[i + n] : 0;
+    bool continues = (cur != 0) & (prev == cur);
+    bool goes_on = (cur != 0) & (next == cur);
+    count += (cur != 0) & !continues;
+    load += goes_on & !continues;
+    prev = cur;
   }
+  *handles = count;
   CHECK(c, load == seg->load_handles, "segment %#lx counts %u load handles, its page table has %zu",
         (unsigned long)seg->base, seg->load_handles, load);
   return true;
@@ -428,41 +457,54 @@ static bool check_bin(checker *c, const _tide_pool *pool, uint32_t bin, size_t *
 }
 
 /* Whether bins [first, first + count) have no list: the common case (the
- * heads lie in the arena, a fixed array: no range to ask about). Four at a
- * time: a memcmp against zeros, checked whole by the address sanitizer at
- * each call, made this sweep a tenth of a fuzz run's time. */
+ * heads lie in the arena, a fixed array: no range to ask about). One OR
+ * over them, which the compiler does several heads at a time: a memcmp
+ * against zeros, checked whole by the address sanitizer at each call, made
+ * this sweep a tenth of a fuzz run's time. */
 UNCHECKED_LOADS static bool heads_empty(const _tide_bins *bins, uint32_t first, uint32_t count) {
   _tide_block *const *h = &bins->head[first];
-  uintptr_t any[4] = {0, 0, 0, 0};
-  uint32_t i = 0;
-  for (; i + 4 <= count; i += 4) {
-    any[0] |= (uintptr_t)h[i];
-    any[1] |= (uintptr_t)h[i + 1];
-    any[2] |= (uintptr_t)h[i + 2];
-    any[3] |= (uintptr_t)h[i + 3];
-  }
-  for (; i < count; i++) any[0] |= (uintptr_t)h[i];
-  return (any[0] | any[1] | any[2] | any[3]) == 0;
+  uintptr_t any = 0;
+  for (uint32_t i = 0; i < count; i++) any |= (uintptr_t)h[i];
+  return any == 0;
 }
+
+/* Bit i set: bin first + i has a list. Compared whole with the bitmap word,
+ * instead of bit by bit with a branch for each (which, with the sanitizers'
+ * checks of every load, was a tenth of a fuzz run's time). */
+UNCHECKED_LOADS static uint64_t heads_full(const _tide_bins *bins, uint32_t first, uint32_t count) {
+  _tide_block *const *h = &bins->head[first];
+  uint64_t full = 0;
+  for (uint32_t i = 0; i < count; i++) full |= (uint64_t)(h[i] != NULL) << i;
+  return full;
+}
+
+/* Every bitmap word covers 64 bins, none past the last. */
+_Static_assert(_TIDE_BIN_COUNT % 64 == 0, "the bins fill their bitmap words");
 
 static bool check_bins(checker *c, const sums *s, const _tide_pool *pool) {
   const _tide_bins *bins = &pool->bins;
   size_t n = 0, limit = s->free_blocks[pool->kind];
   for (uint32_t w = 0; w < _TIDE_BIN_WORDS; w++) {
-    uint32_t first = w * 64, count = _TIDE_BIN_COUNT - first < 64 ? _TIDE_BIN_COUNT - first : 64;
-    CHECK(c, bit_of(bins->summary, w) == (bins->map[w] != 0),
+    uint32_t first = w * 64, count = 64;
+    uint64_t word = bins->map[w];
+    CHECK(c, bit_of(bins->summary, w) == (word != 0),
           "pool %d: the summary bit of bitmap word %u disagrees with it", pool->kind, w);
-    if (bins->map[w] == 0) { /* the common case, checked in one sweep */
+    if (word == 0) { /* the common case, checked in one sweep */
       CHECK(c, heads_empty(bins, first, count),
             "pool %d: bins %u..%u are marked empty, one of them is not", pool->kind, first,
             first + count - 1);
       continue;
     }
-    for (uint32_t bin = first; bin < first + count; bin++) {
-      CHECK(c, bit_of(bins->map, bin) == (bins->head[bin] != NULL),
-            "bin %u of pool %d: its bitmap bit says %s, its list is %s", bin, pool->kind,
-            bit_of(bins->map, bin) ? "full" : "empty", bins->head[bin] ? "full" : "empty");
-      if (bins->head[bin] && !check_bin(c, pool, bin, &n, limit)) return false;
+    uint64_t differ = word ^ heads_full(bins, first, count);
+    if (differ) {
+      uint32_t bin = first + (uint32_t)__builtin_ctzll(differ);
+      bool marked = (word >> (bin - first)) & 1;
+      return fail(c, "bin %u of pool %d: its bitmap bit says %s, its list is %s", bin, pool->kind,
+                  marked ? "full" : "empty", bins->head[bin] ? "full" : "empty");
+    }
+    for (uint64_t left = word; left; left &= left - 1) {
+      uint32_t bin = first + (uint32_t)__builtin_ctzll(left);
+      if (!check_bin(c, pool, bin, &n, limit)) return false;
     }
   }
   CHECK(c, n == limit && bins->count == n,
@@ -750,13 +792,14 @@ static int by_base(const void *x, const void *y) {
 
 /* No two segments of the allocator share an address. */
 static bool check_disjoint(checker *c, _tide_arena *const *arenas, size_t n) {
-  size_t count = 0, cap = 0;
-  range *ranges = NULL;
+  range local[64];
+  size_t count = 0, cap = sizeof local / sizeof *local;
+  range *ranges = local;
   for (size_t i = 0; i < n; i++)
     for (int kind = 0; kind < 2; kind++)
       for (const _tide_segment *seg = arenas[i]->pools[kind].segments; seg; seg = seg->next) {
-        if (!_tide_grow_array((void **)&ranges, &cap, count + 1, sizeof *ranges)) {
-          free(ranges);
+        if (!grow_local((void **)&ranges, &cap, count + 1, sizeof *ranges, local)) {
+          if (ranges != local) free(ranges);
           return no_memory(c);
         }
         ranges[count++] = (range){seg->base, seg->size};
@@ -767,7 +810,7 @@ static bool check_disjoint(checker *c, _tide_arena *const *arenas, size_t n) {
     if (ranges[i - 1].base + ranges[i - 1].size > ranges[i].base)
       ok = fail(c, "segments %#lx (%zu bytes) and %#lx overlap", (unsigned long)ranges[i - 1].base,
                 ranges[i - 1].size, (unsigned long)ranges[i].base);
-  free(ranges);
+  if (ranges != local) free(ranges);
   return ok;
 }
 
@@ -829,6 +872,8 @@ static bool collect_deferred(checker *c, struct tide_allocator *a, deferred_ref 
 
 int _tide_validate(struct tide_allocator *a, char *why, size_t len) {
   checker c = {.why = why, .len = len, .a = a};
+  c.blocks = c.local_blocks;
+  c.blocks_cap = sizeof c.local_blocks / sizeof *c.local_blocks;
   if (len) why[0] = '\0';
   /* The capture state first: its mutex comes before the arenas'. */
   pthread_mutex_lock(&a->captures.mutex);
@@ -843,7 +888,8 @@ int _tide_validate(struct tide_allocator *a, char *why, size_t len) {
   size_t n = atomic_load(&a->narenas);
   /* Growable buffers first: their locks come before the arenas', and are
    * held until the end, so that no buffer changes the figures meanwhile. */
-  _tide_buf_figures *bufs = calloc(n ? n : 1, sizeof *bufs);
+  _tide_buf_figures local_bufs[16];
+  _tide_buf_figures *bufs = n <= 16 ? local_bufs : calloc(n, sizeof *bufs);
   if (!bufs) {
     pthread_mutex_unlock(&a->arenas_mutex);
     pthread_mutex_unlock(&a->captures.mutex);
@@ -860,8 +906,8 @@ int _tide_validate(struct tide_allocator *a, char *why, size_t len) {
   pthread_mutex_unlock(&a->arenas_mutex);
   pthread_mutex_unlock(&a->captures.mutex);
   free(deferred);
-  free(bufs);
-  free(c.blocks);
+  if (bufs != local_bufs) free(bufs);
+  if (c.blocks != c.local_blocks) free(c.blocks);
   if (!ok) return c.out_of_memory ? TIDE_ERR_OOM : TIDE_ERR_STATE;
   return a->pinned ? _tide_pinned_validate(a->pinned, why, len) : TIDE_OK;
 }
