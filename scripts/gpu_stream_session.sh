@@ -12,17 +12,21 @@
 #             (scripts/gpu_torch_session.sh's upstream step)
 #   gputest   make gpu-test (TIDE_GPU_OOM_LIMIT_GIB, default 40, keeps its
 #             out-of-memory test from taking the memory of the other lanes)
+#   extra     the shell command EXTRA (bash -c), with the library and the shim
+#             built and EXTRA_OUT set to a folder of its own: diagnostics
+#             that need no quiet machine (memory breakdowns, snapshots)
 #   fuzz      the libFuzzer programs scripts/fuzz_stage.sh put in FUZZ_DIR
 #             (default fuzz-stage, carried), FUZZ_JOBS workers (default 8)
 #             for FUZZ_SECONDS (default 420); rows in fuzz.csv, counted for
 #             the sources they were built from
 # Then PAIRED, alone on the machine: tests/torch/paired_time.py once per
-# spec PROGRAM:FRAMES:CONFIG_A:CONFIG_B:PAIRS (space-separated specs), each
+# spec PROGRAM:FRAMES:PAIRS:CONFIG_A+CONFIG_B[+...] (space-separated specs;
+# the first configuration is the reference, PAIRS counts rounds), each
 # cut at PAIR_SECONDS (default 580) or at what is left of SESSION_SECONDS
 # since the start, and not begun with less than a minute left.
 #
 #   OUT=dir LANES="eager compile upstream gputest" FRAMES=128 \
-#     PAIRED="stream_gct:128:expandable:tidalloc:10" scripts/gpu_stream_session.sh
+#     PAIRED="stream_gct:128:10:expandable+tidalloc" scripts/gpu_stream_session.sh
 #
 # $OUT gets summary.txt (every lane's summary and every pairing's figures)
 # and logs.tar.gz (everything else: the lanes' files, paired_<i>.csv and
@@ -91,6 +95,11 @@ if want gputest; then
   } >"$out/gpu_tests.txt" 2>&1 &
   pids+=($!)
 fi
+if want extra; then
+  mkdir -p "$out/extra"
+  EXTRA_OUT=$out/extra bash -c "${EXTRA:-echo 'extra: no EXTRA command'}" >"$out/extra.txt" 2>&1 &
+  pids+=($!)
+fi
 if want fuzz; then # programs staged by scripts/fuzz_stage.sh, run on this machine's cores
   if [[ -r ${FUZZ_DIR:-fuzz-stage}/built_from ]]; then
     read -r fuzz_sources fuzz_commit <"${FUZZ_DIR:-fuzz-stage}/built_from"
@@ -104,7 +113,7 @@ if want fuzz; then # programs staged by scripts/fuzz_stage.sh, run on this machi
 fi
 for pid in "${pids[@]}"; do wait "$pid"; done
 [[ -f $out/fuzz.csv ]] && { note "== fuzz"; tail -n +2 "$out/fuzz.csv" | tee -a "$summary" >/dev/null; }
-for lane in eager native_compile tidalloc_compile upstream; do
+for lane in eager native_compile tidalloc_compile upstream extra; do
   [[ -f $out/$lane.txt ]] && { note "== $lane"; grep -v '^date:\|^commit:\|^host:\|^cpus:' "$out/$lane.txt" | tail -40 | tee -a "$summary" >/dev/null; }
 done
 if [[ -f $out/gpu_tests.txt ]]; then
@@ -115,7 +124,8 @@ note "lanes done at $((SECONDS - start)) s"
 
 i=0
 for spec in ${PAIRED:-}; do
-  IFS=: read -r program frames a b pairs <<<"$spec"
+  IFS=: read -r program frames pairs configs <<<"$spec" # a configuration may hold : and , (tidalloc:KEY:VALUE,...)
+  IFS=+ read -r -a config_list <<<"$configs"
   i=$((i + 1))
   t0=$SECONDS
   limit=${PAIR_SECONDS:-580}
@@ -127,10 +137,10 @@ for spec in ${PAIRED:-}; do
   fi
   # Pairs begin until 3/4 of the limit, so that the last one can end in it.
   timeout -k 10 "$limit" "$py" tests/torch/paired_time.py "$program" --frames "$frames" \
-    --configs "$a" "$b" --pairs "$pairs" --budget-s $((limit * 3 / 4)) \
+    --configs "${config_list[@]}" --pairs "$pairs" --budget-s $((limit * 3 / 4)) \
     >"$out/paired_$i.csv" 2>"$out/paired_$i.txt"
   rc=$?
-  note "== paired $i: $program, $frames frames, $a vs $b: exit $rc ($((SECONDS - t0)) s)"
+  note "== paired $i: $program, $frames frames, ${config_list[*]}: exit $rc ($((SECONDS - t0)) s)"
   grep -v '^W\|^  warnings\|^$' "$out/paired_$i.txt" | tail -12 | tee -a "$summary" >/dev/null
 done
 note "session: $((SECONDS - start)) s"

@@ -197,12 +197,33 @@ def timeline_png(path, device=0):
 def pool_breakdown(torch):
     """Reserved and allocated bytes of each pool (the usual memory and each
     private pool of CUDA graphs) from torch.cuda.memory_snapshot(), under any
-    allocator, as one line: where memory held beyond what is allocated sits."""
+    allocator, as one line: where memory held beyond what is allocated sits.
+    Where the snapshot lists blocks, each pool also gets its segments and its
+    free blocks (count, bytes, the largest): many small free blocks are
+    fragmentation, one large one is memory kept for later."""
     pools = {}
     for seg in torch.cuda.memory_snapshot():
         pool = tuple(seg.get("segment_pool_id", (0, 0)))
-        r, a = pools.get(pool, (0, 0))
-        pools[pool] = (r + seg["total_size"], a + seg["allocated_size"])
-    return "; ".join("%s reserved %.1f MiB allocated %.1f MiB" % (
-        "usual memory" if pool == (0, 0) else "pool %s" % (pool,), r / 2**20, a / 2**20)
-        for pool, (r, a) in sorted(pools.items())) or "no memory"
+        p = pools.setdefault(pool, dict(reserved=0, allocated=0, segments=0, blocks=False,
+                                        free=0, free_blocks=0, largest=0))
+        p["reserved"] += seg["total_size"]
+        p["allocated"] += seg["allocated_size"]
+        p["segments"] += 1
+        for block in seg.get("blocks", ()):
+            p["blocks"] = True
+            if block.get("state", "active_allocated" if block.get("allocated") else
+                         "inactive") == "inactive":
+                p["free"] += block["size"]
+                p["free_blocks"] += 1
+                p["largest"] = max(p["largest"], block["size"])
+
+    def line(pool, p):
+        text = "%s reserved %.1f MiB allocated %.1f MiB" % (
+            "usual memory" if pool == (0, 0) else "pool %s" % (pool,), p["reserved"] / 2**20,
+            p["allocated"] / 2**20)
+        if p["blocks"]:
+            text += " (%d segment(s); free %.1f MiB in %d block(s), the largest %.1f MiB)" % (
+                p["segments"], p["free"] / 2**20, p["free_blocks"], p["largest"] / 2**20)
+        return text
+
+    return "; ".join(line(pool, p) for pool, p in sorted(pools.items())) or "no memory"

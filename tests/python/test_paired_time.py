@@ -264,3 +264,44 @@ def test_a_cold_worker_empties_the_cache_before_each_timed_run(monkeypatch, caps
     assert validate.serve(Torch(), run, cold=True) == 0
     assert events == ["run", "empty", "run", "empty", "run"]
     capsys.readouterr()
+
+
+def test_three_configurations_rotate_and_share_the_reference(monkeypatch, capsys):
+    machine = {"runs": 0}
+    workers = [FakeWorker("expandable", 2.0, machine), FakeWorker("tidalloc", 1.9, machine),
+               FakeWorker("growable", 1.8, machine)]
+    rounds = paired_time.run_rounds(workers, 6)
+    assert [r[1] for r in rounds[:3]] == [["expandable", "tidalloc", "growable"],
+                                          ["tidalloc", "growable", "expandable"],
+                                          ["growable", "expandable", "tidalloc"]]
+    # Each configuration takes each place twice in six rounds.
+    for config in ("expandable", "tidalloc", "growable"):
+        assert sorted(r[1].index(config) for r in rounds) == [0, 0, 1, 1, 2, 2]
+    pairs = paired_time.pairs_of(rounds, "expandable", "growable")
+    assert [p[1] for p in pairs[:3]] == ["expandable", "growable", "growable"]
+    assert len(pairs) == 6
+    # Through main: one summary per configuration against the first, as CSV rows of rounds.
+    FakeProcess.started, FakeProcess.args = [], []
+    monkeypatch.setattr(paired_time, "Worker", FakeProcess)
+    monkeypatch.setattr("sys.argv", ["paired_time.py", "gpt2", "--pairs", "3", "--configs",
+                                     "expandable", "tidalloc", "tidalloc-pluggable"])
+    assert paired_time.main() == 0
+    out, err = capsys.readouterr()
+    assert FakeProcess.started == ["expandable", "tidalloc", "tidalloc-pluggable"]
+    assert len([line for line in out.splitlines() if line.startswith("gpt2,")]) == 9
+    assert "tidalloc / expandable per pair" in err
+    assert "tidalloc-pluggable / expandable per pair" in err
+    # Saved rows of three configurations read back as pairs of any two of them.
+    got = paired_time.read_pairs(out.splitlines(), "tidalloc", "tidalloc-pluggable")
+    assert len(got["gpt2"]) == 3
+
+
+def test_configurations_must_be_two_or_more_and_different(monkeypatch):
+    for configs in (["tidalloc"], ["tidalloc", "tidalloc"]):
+        monkeypatch.setattr("sys.argv", ["paired_time.py", "gpt2", "--configs"] + configs)
+        try:
+            paired_time.main()
+        except SystemExit as e:
+            assert "two or more different" in str(e.code)
+        else:
+            raise AssertionError("%s was accepted" % configs)

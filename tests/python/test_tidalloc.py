@@ -316,3 +316,20 @@ def test_pool_breakdown_sums_each_pool_apart():
 
     assert pool_breakdown(FakeTorch) == ("usual memory reserved 6.0 MiB allocated 3.0 MiB; "
                                          "pool (1, 3) reserved 2.0 MiB allocated 0.0 MiB")
+
+    class WithBlocks:
+        @staticmethod
+        def memory_snapshot():
+            blocks = [dict(size=1 << 20, state="active_allocated"),
+                      dict(size=512 << 10, state="inactive"),
+                      dict(size=256 << 10, state="active_pending_free"),
+                      dict(size=256 << 10, state="inactive")]
+            return [dict(segment_pool_id=(1, 2), total_size=2 << 20, allocated_size=1 << 20,
+                         blocks=blocks)]
+
+    class FakeTorch2:
+        cuda = WithBlocks
+
+    assert pool_breakdown(FakeTorch2) == (
+        "pool (1, 2) reserved 2.0 MiB allocated 1.0 MiB (1 segment(s); free 0.8 MiB in 2 "
+        "block(s), the largest 0.5 MiB)")

@@ -1,5 +1,5 @@
-"""paired_time.py: the time of one validation program under two allocators,
-measured in pairs of runs next to each other in time.
+"""paired_time.py: the time of one validation program under two allocators
+(or more), measured in pairs of runs next to each other in time.
 
 Why: a GPT-2 generation loop is bound by the CPU, and on a shared machine
 whole processes run 30-50% slower than others for tens of seconds at a time.
@@ -12,9 +12,18 @@ of each pair (B over A) is taken, and the summary gives their median, their
 geometric mean with a 95% bootstrap interval, and the same split by order
 (which shows whether the second run of a pair is slower).
 
+More than two configurations (--configs A B C ...) run as rounds: one worker
+per configuration, one run of each per round, the order rotated by one each
+round (A B C, B C A, C A B), and every other configuration's time divided by
+A's in the same round. One reference run then serves several comparisons
+(tidalloc and the growable caches both against expandable segments), which
+saves a third of the time of two separate pairings. --pairs counts rounds.
+
     taskset -c 4-7 python tests/torch/paired_time.py gpt2 --pairs 40 \\
         [--configs expandable tidalloc] [--budget-s 480] [--fresh-every 8] > pairs.csv
     python tests/torch/paired_time.py stream_gct --frames 512 --pairs 20 > pairs.csv
+    python tests/torch/paired_time.py stream_gct --frames 512 --pairs 4 \\
+        --configs expandable tidalloc tidalloc@stream_gct_growable > rounds.csv
 
 Programs: validate.py's (gpt2, vit, stream_gct: bench/torch/stream_gct.py's
 model, built once per worker, --frames frames with fresh caches each run;
@@ -140,24 +149,45 @@ class Worker:
         return self.proc.wait(), peaks
 
 
-def run_pairs(a, b, pairs, budget_s=None, clock=time.monotonic, emit=None):
-    """Pairs of runs, A B then B A alternately, until `pairs` are done or
-    `budget_s` has passed (no pair is begun after it). Returns a list of
-    (pair, first_config, seconds_a, seconds_b, digest_a, digest_b)."""
+def run_rounds(workers, rounds, budget_s=None, clock=time.monotonic, emit=None):
+    """Rounds of runs, one run of each worker per round, the order rotated by
+    one each round (two workers: A B, then B A; three: A B C, B C A, C A B),
+    so that every configuration takes every place equally often and a drift
+    within a round favours none. Stops when `rounds` are done or `budget_s`
+    has passed (no round is begun after it). Returns a list of
+    (round, order of the configurations, {configuration: result})."""
     start = clock()
     done = []
-    for i in range(pairs):
+    for i in range(rounds):
         if budget_s is not None and clock() - start > budget_s:
             break
-        order = (a, b) if i % 2 == 0 else (b, a)
+        k = i % len(workers)
+        order = workers[k:] + workers[:k]
         results = {}
         for position, worker in enumerate(order):
             results[worker.config] = worker.run()
             if emit:
                 emit(i, position, worker.config, results[worker.config])
-        ra, rb = results[a.config], results[b.config]
-        done.append((i, order[0].config, ra[0], rb[0], ra[1], rb[1]))
+        done.append((i, [w.config for w in order], results))
     return done
+
+
+def pairs_of(rounds, name_a, name_b):
+    """The pairs (round, first of the two, seconds_a, seconds_b, digest_a,
+    digest_b) of two configurations over `rounds` as run_rounds gives them."""
+    out = []
+    for i, order, results in rounds:
+        first = name_a if order.index(name_a) < order.index(name_b) else name_b
+        ra, rb = results[name_a], results[name_b]
+        out.append((i, first, ra[0], rb[0], ra[1], rb[1]))
+    return out
+
+
+def run_pairs(a, b, pairs, budget_s=None, clock=time.monotonic, emit=None):
+    """Pairs of runs, A B then B A alternately, until `pairs` are done or
+    `budget_s` has passed (no pair is begun after it). Returns a list of
+    (pair, first_config, seconds_a, seconds_b, digest_a, digest_b)."""
+    return pairs_of(run_rounds([a, b], pairs, budget_s, clock, emit), a.config, b.config)
 
 
 def geometric_mean(values):
@@ -269,14 +299,17 @@ def main():
     parser.add_argument("program", choices=PROGRAMS)
     parser.add_argument("--frames", type=int, default=128,
                         help="frames per run of the stream_gct programs (default 128)")
-    parser.add_argument("--configs", nargs=2, default=["expandable", "tidalloc"],
-                        metavar=("A", "B"))
+    parser.add_argument("--configs", nargs="+", default=["expandable", "tidalloc"],
+                        metavar="CONFIG",
+                        help="two or more configurations; the first is the reference that the "
+                        "others' times are divided by (default: expandable tidalloc)")
     parser.add_argument("--cache", choices=("cold", "warm"),
                         help="cold: each worker empties its cache before each timed run, as a "
                         "program's one run in a fresh process finds it (the default for the "
                         "stream_gct programs); warm: runs reuse what earlier runs left cached "
                         "(the default for gpt2 and vit)")
-    parser.add_argument("--pairs", type=int, default=40)
+    parser.add_argument("--pairs", type=int, default=40,
+                        help="pairs (rounds, with more than two configurations; default 40)")
     parser.add_argument("--budget-s", type=float, help="begin no pair after this many seconds")
     parser.add_argument("--fresh-every", type=int, default=0, metavar="N",
                         help="a new pair of worker processes every N pairs, each set begun by a "
@@ -284,6 +317,8 @@ def main():
     args = parser.parse_args()
     if args.fresh_every < 0 or args.pairs < 1:
         sys.exit("paired_time.py: --pairs must be at least 1 and --fresh-every at least 0")
+    if len(args.configs) < 2 or len(set(args.configs)) != len(args.configs):
+        sys.exit("paired_time.py: --configs needs two or more different configurations")
 
     print("program,pair,position,config,seconds,digest,maps,unmaps", flush=True)
 
@@ -305,39 +340,45 @@ def main():
         total += len(done)
         if rc or len(done) < want:
             break
-    pairs = [p for s in sets for p in s]
-    same_program = len({split_config(c, args.program)[1] for c in args.configs}) == 1
-    if same_program and any(p[4] != p[5] for p in pairs):
-        print("paired_time: the two configurations gave different outputs", file=sys.stderr)
-        status = 1
-    for line in summarize(pairs, *args.configs):
-        print(line, file=sys.stderr)
-    groups = [[p[3] / p[2] for p in s] for s in sets if s]
-    if len(groups) > 1:
-        lo, hi = cluster_interval(groups)
-        print("resampling the worker pairs as well: 95%% interval %.4f-%.4f over %d pairs of "
-              "processes" % (lo, hi, len(groups)), file=sys.stderr)
+    rounds = [r for s in sets for r in s]
+    reference = args.configs[0]
+    for other in args.configs[1:]:
+        pairs = pairs_of(rounds, reference, other)
+        same_program = split_config(reference, args.program)[1] == \
+            split_config(other, args.program)[1]
+        if same_program and any(p[4] != p[5] for p in pairs):
+            print("paired_time: %s and %s gave different outputs" % (reference, other),
+                  file=sys.stderr)
+            status = 1
+        for line in summarize(pairs, reference, other):
+            print(line, file=sys.stderr)
+        groups = [[p[3] / p[2] for p in pairs_of(s, reference, other)] for s in sets if s]
+        if len(groups) > 1:
+            lo, hi = cluster_interval(groups)
+            print("resampling the worker pairs as well: 95%% interval %.4f-%.4f over %d sets of "
+                  "processes" % (lo, hi, len(groups)), file=sys.stderr)
     return 1 if status else 0
 
 
-def run_set(args, pairs, budget_s, emit):
-    """One pair of worker processes for up to `pairs` pairs; (status, pairs)."""
+def run_set(args, rounds, budget_s, emit):
+    """One set of worker processes, one per configuration, for up to `rounds`
+    rounds; (status, rounds as run_rounds gives them)."""
     programs = [split_config(c, args.program)[1] for c in args.configs]
     streaming = any(p.startswith("stream_gct") for p in programs)
     extra = ["--frames", str(args.frames)] if streaming else []
     if (args.cache or ("cold" if streaming else "warm")) == "cold":
         extra.append("--cold")
-    a, b = (Worker(args.program, c, program_args=extra) for c in args.configs)
+    workers = [Worker(args.program, c, program_args=extra) for c in args.configs]
     status, done = 0, []
     try:
-        a.wait_ready()
-        b.wait_ready()
-        done = run_pairs(a, b, pairs, budget_s, emit=emit)
+        for w in workers:
+            w.wait_ready()
+        done = run_rounds(workers, rounds, budget_s, emit=emit)
     except RuntimeError as e:
         print("paired_time: %s" % e, file=sys.stderr)
         status = 1
     finally:
-        for w in (a, b):
+        for w in workers:
             rc, peaks = w.close()
             status |= rc != 0
             if peaks:
