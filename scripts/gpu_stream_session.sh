@@ -145,7 +145,10 @@ for spec in ${PAIRED:-}; do
 done
 note "session: $((SECONDS - start)) s"
 # (Only this folder's archive and summary are left out: a lane's own archive goes in.)
-tar -czf "$out/logs.tar.gz.tmp" -C "$out" --exclude=./logs.tar.gz.tmp --exclude=./summary.txt . &&
+# (tar's exit 1 says a file changed while it was read, as a lane's stray
+# process may still write: the archive is whole.)
+tar -czf "$out/logs.tar.gz.tmp" -C "$out" --exclude=./logs.tar.gz.tmp --exclude=./summary.txt .
+(($? <= 1)) &&
   find "$out" -mindepth 1 -maxdepth 1 ! -name logs.tar.gz.tmp ! -name summary.txt -exec rm -rf {} + &&
   mv "$out/logs.tar.gz.tmp" "$out/logs.tar.gz"
 cat "$summary"

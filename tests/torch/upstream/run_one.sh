@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# run_one.sh ALLOCATOR TEST_ID...: PyTorch's own tests one at a time, each in
+# a pytest process of its own (no xdist), from the repository root, with the
+# test files in UPSTREAM_DIR (default .upstream) and ALLOCATOR native or
+# tidalloc. Where gdb is installed each process runs under it, so that a
+# crash leaves a native backtrace (every thread's) in the log; otherwise
+# Python's faulthandler gives the Python frames.
+#   tests/torch/upstream/run_one.sh tidalloc test/test_cuda.py::TestMemPool::test_nested_mempool
+# OUT (default out/upstream_one) gets one log per test; stdout says how
+# each ended, with the last lines of a crash's backtrace.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../../.." || exit 1
+root=$PWD
+alloc=${1:?usage: run_one.sh native|tidalloc TEST_ID...}
+shift
+upstream=${UPSTREAM_DIR:-.upstream}
+out=${OUT:-out/upstream_one}
+mkdir -p "$out"
+py=${TIDE_PYTHON:-python3}
+gdb_cmd=()
+command -v gdb >/dev/null && gdb_cmd=(gdb -q -batch -ex "set pagination off" \
+  -ex "handle SIGPIPE nostop noprint" -ex run -ex "bt 40" --args)
+for id in "$@"; do
+  file=${id%%::*}
+  name=$(echo "${id##*::}" | tr -c 'A-Za-z0-9_\n' _)
+  log=$out/${alloc}_$name.log
+  (cd "$upstream/$(dirname "$file")" &&
+    TIDALLOC_INSTALL=$([[ $alloc == tidalloc ]] && echo 1 || echo 0) \
+    PYTHONPATH=$root/tests/torch/upstream:$root/python${PYTHONPATH:+:$PYTHONPATH} \
+    timeout -k 10 "${ONE_SECONDS:-180}" "${gdb_cmd[@]}" "$py" -X faulthandler -m pytest -q \
+      -p no:cacheprovider -p no:xdist -p upstream_compat "$(basename "$file")::${id#*::}" \
+      >"$root/$log" 2>&1)
+  rc=$?
+  echo "== $alloc $id: exit $rc, $(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)"
+  grep -E 'SIGSEGV|SIGABRT|SIGBUS|^#[0-9]+ ' "$log" |
+    grep -vE '^#[0-9]+ .* in (_Py|Py|method_vectorcall|cfunction|slot_tp|call_|object_|vectorcall)' | head -24
+  grep -E '^E  ' "$log" | head -6
+done
