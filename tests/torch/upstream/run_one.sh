@@ -16,6 +16,7 @@ shift
 upstream=${UPSTREAM_DIR:-.upstream}
 out=${OUT:-out/upstream_one}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 py=${TIDE_PYTHON:-python3}
 gdb_cmd=()
 command -v gdb >/dev/null && gdb_cmd=(gdb -q -batch -ex "set pagination off" \
@@ -29,7 +30,7 @@ for id in "$@"; do
     PYTHONPATH=$root/tests/torch/upstream:$root/python${PYTHONPATH:+:$PYTHONPATH} \
     timeout -k 10 "${ONE_SECONDS:-180}" "${gdb_cmd[@]}" "$py" -X faulthandler -m pytest -q \
       -p no:cacheprovider -p no:xdist -p upstream_compat "$(basename "$file")::${id#*::}" \
-      >"$root/$log" 2>&1)
+      >"$log" 2>&1)
   rc=$?
   echo "== $alloc $id: exit $rc, $(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)"
   grep -E 'SIGSEGV|SIGABRT|SIGBUS|^#[0-9]+ ' "$log" |
