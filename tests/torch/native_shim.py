@@ -355,6 +355,26 @@ def case_steady(torch, out):
     check(figures[999] == figures[100], "memory grew between step 100 and 999: %s" % figures)
 
 
+def case_oom(torch, out):
+    """A request no device holds fails with PyTorch's out-of-memory error,
+    outside a capture and inside one (PyTorch's test_graph_capture_oom), and
+    the allocator serves the next request."""
+    for where in ("outside", "capture"):
+        try:
+            if where == "capture":
+                with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                    torch.zeros(2**40, device="cuda")
+            else:
+                torch.zeros(2**40, device="cuda")
+        except torch.OutOfMemoryError as e:
+            check("out of memory" in str(e), "the error says out of memory: %s" % e)
+        else:
+            raise AssertionError("4 TiB %s a capture did not fail" % where)
+        x = torch.ones(1 << 20, device="cuda")
+        check(x.sum().item() == float(1 << 20), "an allocation after the failure works")
+    out["oom"] = "ok"
+
+
 def case_stats(torch, out):
     x = torch.randn(1 << 20, device="cuda")
     torch.cuda.synchronize()
@@ -382,7 +402,7 @@ def case_stats(torch, out):
 
 
 CASES = ["graph_replay", "shared_pool", "graphed_callables", "mempool", "pool_freed",
-         "compile_train", "compile_kv", "dynamic_shapes", "steady", "stats"]
+         "compile_train", "compile_kv", "dynamic_shapes", "steady", "stats", "oom"]
 
 
 def run(args):
