@@ -262,7 +262,7 @@ def read_pairs(lines, name_a, name_b):
     for (program, run, pair), by in sorted(rows.items()):
         if name_a not in by or name_b not in by:
             continue  # a pair cut short
-        first = name_a if by[name_a][0] == 0 else name_b
+        first = name_a if by[name_a][0] < by[name_b][0] else name_b
         out.setdefault(program, []).append(((run, pair), first, by[name_a][1], by[name_b][1],
                                             by[name_a][2], by[name_b][2]))
     return out

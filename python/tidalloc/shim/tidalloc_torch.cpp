@@ -579,9 +579,12 @@ private:
   }
 
   // Whether a route took the allocation: *out is the block (or an exception).
+  // The latest route first, as PyTorch's allocator does (LIFO): nested
+  // use_mem_pool blocks allocate to the innermost pool.
   bool routed_malloc(Device &d, size_t n, cudaStream_t stream, void **out) {
     std::unique_lock<std::mutex> lock(d.mutex);
-    for (const Route &r : d.routes) {
+    for (auto it = d.routes.rbegin(); it != d.routes.rend(); ++it) {
+      const Route &r = *it;
       if (!r.filter(stream)) continue;
       Pool &pool = d.pools.at(r.id);
       count(kPoolAllocations);

@@ -5,7 +5,8 @@
 # tidalloc. Where gdb is installed each process runs under it, so that a
 # crash leaves a native backtrace in the log; otherwise crash_trace.c,
 # compiled here and preloaded, writes the native frames at the signal
-# (after Python's faulthandler has written the Python ones), and the frames
+# (after Python's faulthandler has written the Python ones; pytest runs
+# with -s, so that stderr is not captured away), and the frames
 # inside libraries without exported names are named with addr2line.
 #   tests/torch/upstream/run_one.sh tidalloc test/test_cuda.py::TestMemPool::test_nested_mempool
 # OUT (default out/upstream_one) gets one log per test; stdout says how
@@ -35,7 +36,7 @@ for id in "$@"; do
   (cd "$upstream/$(dirname "$file")" &&
     TIDALLOC_INSTALL=$([[ $alloc == tidalloc ]] && echo 1 || echo 0) \
     PYTHONPATH=$root/tests/torch/upstream:$root/python${PYTHONPATH:+:$PYTHONPATH} \
-    timeout -k 10 "${ONE_SECONDS:-180}" "${preload[@]}" "${gdb_cmd[@]}" "$py" -X faulthandler -m pytest -q \
+    timeout -k 10 "${ONE_SECONDS:-180}" "${preload[@]}" "${gdb_cmd[@]}" "$py" -X faulthandler -m pytest -q -s \
       -p no:cacheprovider -p no:xdist -p upstream_compat "$(basename "$file")::${id#*::}" \
       >"$log" 2>&1)
   rc=$?
