@@ -136,7 +136,7 @@ fuzz: deps
 # with what they were built from, to run on another machine's cores
 # (scripts/gpu_stream_session.sh's fuzz lane, with fuzz-stage carried).
 fuzz-stage: deps
-	cmake -S . -B build-fuzz $(SAN_CMAKE) -DCMAKE_C_FLAGS="$(FUZZ_CFLAGS)" -DTIDE_FUZZ=ON \
+	cmake -S . -B build-fuzz $(FUZZ_CMAKE) -DCMAKE_C_FLAGS="$(FUZZ_CFLAGS)" -DTIDE_FUZZ=ON \
 	  -DTIDE_BUILD_TESTS=OFF -DTIDE_BUILD_TOOLS=OFF -DTIDE_BUILD_EXAMPLES=OFF $(CMAKE_ARGS)
 	$(CMAKE_BUILD) build-fuzz -j$(JOBS)
 	scripts/fuzz_stage.sh build-fuzz fuzz-stage "$(or $(FUZZ_TARGETS),ops)"
