@@ -194,13 +194,18 @@ def timeline_png(path, device=0):
     plt.close(fig)
 
 
-def pool_breakdown(torch):
+def pool_breakdown(torch, pool_peaks=None):
     """Reserved and allocated bytes of each pool (the usual memory and each
     private pool of CUDA graphs) from torch.cuda.memory_snapshot(), under any
     allocator, as one line: where memory held beyond what is allocated sits.
     Where the snapshot lists blocks, each pool also gets its segments and its
     free blocks (count, bytes, the largest): many small free blocks are
-    fragmentation, one large one is memory kept for later."""
+    fragmentation, one large one is memory kept for later. Under tidalloc's
+    shim each graph pool also gets its allocated peak (`pool_peaks`, {pool
+    id: bytes}, by default from tidalloc.shim.pools()): the most its graphs
+    held at once, which the pool's reserved bytes can be compared with."""
+    if pool_peaks is None:
+        pool_peaks = _shim_pool_peaks(torch)
     pools = {}
     for seg in torch.cuda.memory_snapshot():
         pool = tuple(seg.get("segment_pool_id", (0, 0)))
@@ -224,6 +229,22 @@ def pool_breakdown(torch):
         if p["blocks"]:
             text += " (%d segment(s); free %.1f MiB in %d block(s), the largest %.1f MiB)" % (
                 p["segments"], p["free"] / 2**20, p["free_blocks"], p["largest"] / 2**20)
+        if pool in pool_peaks:
+            text += ", allocated peak %.1f MiB" % (pool_peaks[pool] / 2**20)
         return text
 
     return "; ".join(line(pool, p) for pool, p in sorted(pools.items())) or "no memory"
+
+
+def _shim_pool_peaks(torch):
+    """{pool id: allocated peak} of the graph pools under tidalloc's shim on
+    the current device; {} under any other allocator."""
+    import sys
+    shim = sys.modules.get("tidalloc.shim")
+    if shim is None:
+        return {}
+    try:
+        device = torch.cuda.current_device()
+    except Exception:  # no CUDA here: nothing to ask
+        return {}
+    return {pool: figures[1] for pool, figures in shim.pools(device).items()}

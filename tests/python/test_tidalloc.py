@@ -333,3 +333,6 @@ def test_pool_breakdown_sums_each_pool_apart():
     assert pool_breakdown(FakeTorch2) == (
         "pool (1, 2) reserved 2.0 MiB allocated 1.0 MiB (1 segment(s); free 0.8 MiB in 2 "
         "block(s), the largest 0.5 MiB)")
+    assert pool_breakdown(FakeTorch2, {(1, 2): 3 << 19}) == (
+        "pool (1, 2) reserved 2.0 MiB allocated 1.0 MiB (1 segment(s); free 0.8 MiB in 2 "
+        "block(s), the largest 0.5 MiB), allocated peak 1.5 MiB")

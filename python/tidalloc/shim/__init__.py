@@ -131,6 +131,9 @@ def load(verbose=False):
         shim.tidalloc_torch_install.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
         shim.tidalloc_torch_counts.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_int]
         shim.tidalloc_torch_built_for.restype = ctypes.c_char_p
+        shim.tidalloc_torch_pools.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_uint64),
+                                              ctypes.POINTER(ctypes.c_int64),
+                                              ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
         _shim = shim
     return _shim
 
@@ -150,3 +153,22 @@ def counts():
     values = (ctypes.c_uint64 * len(COUNT_NAMES))()
     _shim.tidalloc_torch_counts(values, len(COUNT_NAMES))
     return dict(zip(COUNT_NAMES, (int(v) for v in values)))
+
+
+def pools(device=0):
+    """The graph pools tidalloc holds for PyTorch on `device`: {MempoolId:
+    (allocated, allocated peak, reserved, reserved peak)} in bytes, as
+    tide_pool_get_stats gives them; {} before the shim is loaded."""
+    if _shim is None:
+        return {}
+    n = 16
+    while True:
+        ids = (ctypes.c_uint64 * (2 * n))()
+        allocated = (ctypes.c_int64 * (2 * n))()
+        reserved = (ctypes.c_int64 * (2 * n))()
+        total = _shim.tidalloc_torch_pools(device, ids, allocated, reserved, n)
+        if total <= n:
+            return {(ids[2 * i], ids[2 * i + 1]): (allocated[2 * i], allocated[2 * i + 1],
+                                                   reserved[2 * i], reserved[2 * i + 1])
+                    for i in range(total)}
+        n = total

@@ -388,6 +388,25 @@ public:
     }
   }
 
+  // Each pool of `device`: its PyTorch id and tidalloc's figures (up to n).
+  // Returns how many pools there are.
+  int pool_figures(int device, uint64_t *ids, tide_stats *figures, int n) {
+    if (device < 0 || device >= kMaxDevices || !devices[device].alloc.load()) return 0;
+    Device &d = devices[device];
+    std::lock_guard<std::mutex> lock(d.mutex);
+    int i = 0;
+    for (auto &[id, pool] : d.pools) {
+      if (i < n) {
+        ids[2 * i] = id.first;
+        ids[2 * i + 1] = id.second;
+        if (tide_pool_get_stats(pool.pool, &figures[i]) != TIDE_OK)
+          std::memset(&figures[i], 0, sizeof figures[i]);
+      }
+      i++;
+    }
+    return i;
+  }
+
   int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) override {
     Device &d = devices[device];
     std::lock_guard<std::mutex> lock(d.mutex);
@@ -784,6 +803,22 @@ __attribute__((visibility("default"))) int tidalloc_torch_counts(uint64_t *out, 
   for (int i = 0; i < n && i < tidalloc_torch::kNumCounts; i++)
     out[i] = tidalloc_torch::counts[i].load();
   return tidalloc_torch::kNumCounts;
+}
+
+// The graph pools of `device` (up to n): ids gets each one's MempoolId_t as
+// two numbers, allocated and reserved its tidalloc figures (current, peak)
+// of all sizes. Returns how many pools there are.
+__attribute__((visibility("default"))) int
+tidalloc_torch_pools(int device, uint64_t *ids, int64_t *allocated, int64_t *reserved, int n) {
+  std::vector<tide_stats> figures(n > 0 ? n : 0);
+  int total = tidalloc_torch::the_allocator()->pool_figures(device, ids, figures.data(), n);
+  for (int i = 0; i < n && i < total; i++) {
+    allocated[2 * i] = figures[i].allocated_bytes[0].current;
+    allocated[2 * i + 1] = figures[i].allocated_bytes[0].peak;
+    reserved[2 * i] = figures[i].reserved_bytes[0].current;
+    reserved[2 * i + 1] = figures[i].reserved_bytes[0].peak;
+  }
+  return total;
 }
 
 // The torch version the shim was built for, as "2.11".
