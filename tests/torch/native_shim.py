@@ -166,6 +166,39 @@ def case_mempool(torch, out):
     out["mempool_reserved_back"] = before - after
 
 
+def case_nested_mempool(torch, out):
+    """Nested use_mem_pool blocks allocate to the innermost pool, as in
+    PyTorch's test_nested_mempool: pools 1, 2, 3 entered in turn, a tensor
+    made at each level on the way in and out."""
+    if not hasattr(torch.cuda, "MemPool"):
+        out["nested_mempool"] = "skipped: no torch.cuda.MemPool"
+        return
+    pools = [torch.cuda.MemPool() for _ in range(3)]
+    made = []  # (tensor, index of the pool it must be in)
+
+    def make(level):
+        made.append((torch.empty(5 << 18, device="cuda"), level))  # 5 MiB
+
+    with torch.cuda.use_mem_pool(pools[0]):
+        make(0)
+        with torch.cuda.use_mem_pool(pools[1]):
+            make(1)
+            with torch.cuda.use_mem_pool(pools[2]):
+                make(2)
+            make(1)
+        make(0)
+    ranges = [[(s["address"], s["address"] + s["total_size"]) for s in p.snapshot()]
+              for p in pools]
+    for i, (t, level) in enumerate(made):
+        holders = [k for k, rs in enumerate(ranges) if any(lo <= t.data_ptr() < hi for lo, hi in rs)]
+        check(holders == [level], "tensor %d, made in pool %d, lies in pool(s) %s"
+              % (i, level + 1, [k + 1 for k in holders]))
+    out["nested_mempool"] = "ok"
+    del made
+    del pools
+    gc.collect()
+
+
 def case_pool_freed(torch, out):
     torch.cuda.synchronize()
     gc.collect()
@@ -401,8 +434,8 @@ def case_stats(torch, out):
     del x
 
 
-CASES = ["graph_replay", "shared_pool", "graphed_callables", "mempool", "pool_freed",
-         "compile_train", "compile_kv", "dynamic_shapes", "steady", "stats", "oom"]
+CASES = ["graph_replay", "shared_pool", "graphed_callables", "mempool", "nested_mempool",
+         "pool_freed", "compile_train", "compile_kv", "dynamic_shapes", "steady", "stats", "oom"]
 
 
 def run(args):
