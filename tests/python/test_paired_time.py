@@ -305,3 +305,18 @@ def test_configurations_must_be_two_or_more_and_different(monkeypatch):
             assert "two or more different" in str(e.code)
         else:
             raise AssertionError("%s was accepted" % configs)
+
+
+def test_one_allocator_twice_compares_two_processes(monkeypatch, capsys):
+    # "native" and "native@PROGRAM" (the same program named again) are two
+    # workers of one allocator: their outputs are compared, so a difference
+    # shows that the program itself differs between processes.
+    DifferentOutputs.started, DifferentOutputs.args = [], []
+    monkeypatch.setattr(paired_time, "Worker", DifferentOutputs)
+    monkeypatch.setattr("sys.argv", ["paired_time.py", "stream_gct_compile", "--pairs", "1",
+                                     "--configs", "native", "native@stream_gct_compile"])
+    assert paired_time.main() == 1
+    err = capsys.readouterr().err
+    assert "native and native@stream_gct_compile gave different outputs" in err
+    assert paired_time.config_env(paired_time.split_config(
+        "native@stream_gct_compile", "stream_gct_compile")[0])[0] == "native"

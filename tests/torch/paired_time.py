@@ -41,7 +41,10 @@ its own program after an @, so that two programs can be paired:
 --configs expandable tidalloc@stream_gct_growable times the torch.cat
 caches under expandable segments against the growable ones under tidalloc
 (their outputs are then not compared: the caches keep their rows in
-another order, so sums round differently).
+another order, so sums round differently). Naming the same program again
+(--configs native native@stream_gct_compile tidalloc) runs one allocator in
+two workers, whose outputs are compared: whether a program's outputs differ
+between processes at all.
 
 --cache cold (the default for the stream_gct programs) empties each
 worker's cache before each timed run, untimed: a streaming program runs once
