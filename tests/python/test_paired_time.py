@@ -68,6 +68,9 @@ class FakeCuda:
     def synchronize(self):
         pass
 
+    def reset_peak_memory_stats(self):
+        pass
+
     def max_memory_allocated(self):
         return 100 << 20
 
@@ -94,6 +97,38 @@ def test_serve_answers_each_run_then_reports_peaks(monkeypatch, capsys):
     assert all(len(r) == 4 and float(r[0]) >= 0 and r[2:] == ["-1", "-1"] for r in runs)
     assert runs[0][1] == runs[1][1]
     assert lines[3] == "peaks 100.0 102.0"
+
+
+def test_serve_reports_each_runs_peaks_apart(monkeypatch, capsys):
+    import io
+    validate = load_validate()
+
+    class Cuda(FakeCuda):
+        peak = [100 << 20, 102 << 20]
+        resets = 0
+
+        def max_memory_allocated(self):
+            return self.peak[0]
+
+        def max_memory_reserved(self):
+            return self.peak[1]
+
+        def reset_peak_memory_stats(self):
+            Cuda.resets += 1
+            self.peak[:] = [10 << 20, 11 << 20]  # the timed runs peak lower than the first
+
+    class Torch:
+        cuda = Cuda()
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("run\nrun\nquit\n"))
+    assert validate.serve(Torch(), lambda digest: digest.update(b"x"), label="tidalloc") == 0
+    out, err = capsys.readouterr()
+    assert Cuda.resets == 2
+    assert "validate.py tidalloc: first run" in err
+    assert "first run: peak allocated 100.0 MiB, reserved 102.0 MiB (1.0200 x)" in err
+    assert "run 0: peak allocated 10.0 MiB, reserved 11.0 MiB (1.1000 x)" in err
+    assert "run 1: peak allocated 10.0 MiB" in err
+    assert out.splitlines()[-1] == "peaks 100.0 102.0"  # the largest, the first run's
 
 
 def test_serve_fails_when_a_run_gives_other_outputs(monkeypatch, capsys):

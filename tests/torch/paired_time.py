@@ -120,8 +120,8 @@ class Worker:
         allocator, env = config_env(config_name)
         self.config = config
         self.proc = subprocess.Popen(
-            [python, os.path.join(HERE, "validate.py"), program, allocator, "--serve"]
-            + list(program_args),
+            [python, os.path.join(HERE, "validate.py"), program, allocator, "--serve",
+             "--label", config] + list(program_args),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
 
     def wait_ready(self):

@@ -40,12 +40,13 @@ free of the process as a trace for `tidalloc replay`.
 times one run for each "run" line read from stdin, answering each with a
 line "SECONDS DIGEST MAPS UNMAPS" (-1 where the allocator does not count
 mappings), until "quit" or the end of its input; then a line "peaks
-ALLOCATED_MIB RESERVED_MIB" (torch.cuda.max_memory_allocated/reserved over
-all its runs). --cold empties the cache before each timed run.
+ALLOCATED_MIB RESERVED_MIB" (the largest peaks of any of its runs; each
+run's own go to stderr, marked with --label). --cold empties the cache
+before each timed run.
 
     python tests/torch/validate.py gpt2|vit|stream_gct[_growable|_compile] native|tidalloc
                                    [--repeats N] [--frames N] [--trace-csv FILE.csv.gz]
-                                   [--serve [--cold]]"""
+                                   [--serve [--cold] [--label NAME]]"""
 import argparse
 import hashlib
 import os
@@ -144,15 +145,31 @@ def empty_caches(torch):
     torch.cuda.synchronize()
 
 
-def serve(torch, run, warmups=1, cold=False):
+def run_peaks(torch):
+    """(peak allocated, peak reserved) in MiB since the last reset."""
+    return torch.cuda.max_memory_allocated() / 2**20, torch.cuda.max_memory_reserved() / 2**20
+
+
+def report_peaks(label, what, peaks):
+    print("validate.py %s: %s: peak allocated %.1f MiB, reserved %.1f MiB (%.4f x)"
+          % (label, what, peaks[0], peaks[1], peaks[1] / max(peaks[0], 1e-9)), file=sys.stderr,
+          flush=True)
+
+
+def serve(torch, run, warmups=1, cold=False, label="worker"):
     """The first run (`warmups` of them), then one timed run per "run"
     command on stdin. The process sits idle between commands, so two of
     them (one per allocator) can take turns on one machine, each run next
     to the other's in time. cold: the cache is emptied before each timed
     run (untimed), so that runs do not reuse the memory earlier runs left
-    mapped."""
+    mapped. The peaks are reset before each timed run and reported on stderr
+    run by run (the first runs together), so that a peak shows which run set
+    it; "peaks" at the end gives the largest of them."""
     for _ in range(warmups):
         _, first = timed_run(torch, run)
+    overall = run_peaks(torch)
+    report_peaks(label, "first run%s" % ("s" if warmups > 1 else ""), overall)
+    runs = 0
     print("ready", flush=True)
     before = device_mappings(torch) or (0, 0)
     for line in sys.stdin:
@@ -165,7 +182,12 @@ def serve(torch, run, warmups=1, cold=False):
         if cold:
             empty_caches(torch)
             before = device_mappings(torch) or before
+        torch.cuda.reset_peak_memory_stats()
         seconds, digest = timed_run(torch, run)
+        peaks = run_peaks(torch)
+        overall = (max(overall[0], peaks[0]), max(overall[1], peaks[1]))
+        report_peaks(label, "run %d" % runs, peaks)
+        runs += 1
         after = device_mappings(torch)
         maps, unmaps = (after[0] - before[0], after[1] - before[1]) if after else (-1, -1)
         before = after or before
@@ -174,8 +196,7 @@ def serve(torch, run, warmups=1, cold=False):
             print("validate.py: a run gave other outputs than the first (%s vs %s)"
                   % (digest, first), file=sys.stderr)
             return 1
-    print("peaks %.1f %.1f" % (torch.cuda.max_memory_allocated() / 2**20,
-                               torch.cuda.max_memory_reserved() / 2**20), flush=True)
+    print("peaks %.1f %.1f" % overall, flush=True)
     return 0
 
 
@@ -194,6 +215,8 @@ def main():
                         "before each timed run (untimed)")
     parser.add_argument("--serve", action="store_true", help="after the first run, time one run "
                         "per 'run' line on stdin (for paired_time.py)")
+    parser.add_argument("--label", help="with --serve: the name its reports on stderr carry "
+                        "(paired_time.py passes the configuration)")
     args = parser.parse_args()
     if args.repeats < 1:
         sys.exit("validate.py: --repeats must be at least 1")
@@ -218,7 +241,7 @@ def main():
     if args.serve:
         # Compiled: the second run still records CUDA graphs the first only warmed up.
         sys.exit(serve(torch, run, warmups=2 if args.program.endswith("_compile") else 1,
-                       cold=args.cold))
+                       cold=args.cold, label=args.label or args.allocator))
     digests, seconds, mappings = [], [], []
     for i in range(1 + args.repeats):
         t, d = timed_run(torch, run)
