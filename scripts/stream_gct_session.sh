@@ -154,5 +154,10 @@ for path in sorted(glob.glob(os.path.join(out, "stream_gct_*.csv"))):
             name, r["frames"], r["status"], r["seconds"] or "-", a or "-", res or "-", ratio,
             per, fill, full, r["error"][:60]))
 EOF
+# Whether the time per frame stays flat once the window is full.
+frames_csvs=("$out"/stream_gct_*_frames.csv)
+if [[ -e ${frames_csvs[0]} ]]; then
+  "$py" scripts/frame_flatness.py "${frames_csvs[@]}" 2>&1 | sed "s|$out/||" | tee -a "$summary"
+fi
 note "stream_gct_session: $(($(date +%s) - start)) s in all, $([[ $failed == 0 ]] && echo 'every run completed' || echo 'a run failed: see its log')"
 exit $failed
