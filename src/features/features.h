@@ -76,8 +76,11 @@ bool _tide_capture_pool_valid(const struct tide_pool *pool);
 int _tide_capture_pool_live(const struct tide_pool *pool, const char *op);
 /* A stable copy of the arenas of pool `id`, as _tide_arenas_snapshot. */
 size_t _tide_capture_pool_arenas(struct tide_allocator *a, uint64_t id, _tide_arena ***out);
-/* Drop captures found by capture_detection whose capture has ended. */
-void _tide_capture_prune(struct tide_allocator *a);
+/* Drop captures found by capture_detection whose capture has ended. A
+ * failure to learn whether one ended (other than its stream being gone)
+ * keeps that record and is returned, with its message: callers that route
+ * allocations by the records must not guess. */
+int _tide_capture_prune(struct tide_allocator *a);
 
 /* ------------------------------------------------------------------------ */
 /* Growable buffers (buffer.c)                                               */

@@ -369,7 +369,9 @@ static int pool_of_stream(tide_allocator *a, tide_stream stream, tide_pool **out
 int _tide_capture_route(tide_allocator *a, tide_stream stream, _tide_arena **out) {
   *out = NULL;
   retry_deferred(a);
-  if (a->conf.capture_detection) _tide_capture_prune(a);
+  /* Routing on a capture whose end could not be learned would guess. */
+  int ended = a->conf.capture_detection ? _tide_capture_prune(a) : TIDE_OK;
+  if (ended) return ended;
   tide_pool *pool = NULL;
   int rc = pool_of_stream(a, stream, &pool);
   if (rc || !pool) return rc;
@@ -382,8 +384,8 @@ tide_status tide_capture_pool(tide_allocator *a, tide_stream stream, tide_pool *
                                         "tide_capture_pool: %s is NULL or invalid",
                                         out ? "the allocator" : "out");
   *out = NULL;
-  if (a->conf.capture_detection) _tide_capture_prune(a);
-  int rc = pool_of_stream(a, stream, out);
+  int rc = a->conf.capture_detection ? _tide_capture_prune(a) : TIDE_OK;
+  if (!rc) rc = pool_of_stream(a, stream, out);
   if (!rc && !*out)
     rc = _tide_error_set(TIDE_ERR_INVALID,
                          "tide_capture_pool: allocations on stream %p go to the allocator's usual "
@@ -392,7 +394,7 @@ tide_status tide_capture_pool(tide_allocator *a, tide_stream stream, tide_pool *
   return (tide_status)rc;
 }
 
-void _tide_capture_prune(tide_allocator *a) {
+int _tide_capture_prune(tide_allocator *a) {
   pthread_mutex_lock(&a->captures.mutex);
   size_t n = 0;
   for (const _tide_capture *c = a->captures.active; c; c = c->next) n += c->detected;
@@ -402,6 +404,8 @@ void _tide_capture_prune(tide_allocator *a) {
     if (c->detected) seen[n++] = *c;
   pthread_mutex_unlock(&a->captures.mutex);
   /* Asked without the mutex: the driver may be slow. */
+  int failed = TIDE_OK;
+  _tide_saved_error first;
   for (size_t i = 0; i < n; i++) {
     bool capturing;
     uint64_t id;
@@ -409,9 +413,16 @@ void _tide_capture_prune(tide_allocator *a) {
     /* Ended (stored in `detected` from here on): the stream is no longer in
      * that capture, or no longer exists (destroyed while captured: nothing
      * could end the capture record otherwise, and its pool would keep its
-     * memory for good). */
+     * memory for good). Any other failure leaves the record as it is, and
+     * is the first failure returned. */
     seen[i].detected =
         rc == TIDE_ERR_INVALID || (rc == TIDE_OK && (!capturing || id != seen[i].capture_id));
+    if (rc && rc != TIDE_ERR_INVALID && !failed) {
+      _tide_error_prefix("learning whether the capture of stream %p ended",
+                         (void *)seen[i].stream);
+      failed = rc;
+      _tide_error_save(&first);
+    }
   }
   pthread_mutex_lock(&a->captures.mutex);
   for (size_t i = 0; i < n; i++) {
@@ -428,6 +439,7 @@ void _tide_capture_prune(tide_allocator *a) {
   if (n) update_watch(a);
   pthread_mutex_unlock(&a->captures.mutex);
   free(seen);
+  return failed ? _tide_error_restore(&first) : TIDE_OK;
 }
 
 tide_status tide_capture_begin(tide_allocator *a, tide_stream stream, tide_pool *pool) {
