@@ -418,8 +418,7 @@ int _tide_capture_prune(tide_allocator *a) {
     seen[i].detected =
         rc == TIDE_ERR_INVALID || (rc == TIDE_OK && (!capturing || id != seen[i].capture_id));
     if (rc && rc != TIDE_ERR_INVALID && !failed) {
-      _tide_error_prefix("learning whether the capture of stream %p ended",
-                         (void *)seen[i].stream);
+      _tide_error_prefix("learning whether the capture of stream %p ended", (void *)seen[i].stream);
       failed = rc;
       _tide_error_save(&first);
     }
