@@ -55,10 +55,10 @@ def main(paths):
         with open(path) as f:
             rows = list(csv.DictReader(f))
         for frames in sorted({r["frames"] for r in rows}, key=int):
-            run = [r for r in rows if r["frames"] == frames]
-            got = flatness(steady_steps(run))
+            steps = steady_steps([r for r in rows if r["frames"] == frames])
+            got = flatness(steps)
             if got is None:
-                print("%s,%s,%d,,,," % (path, frames, len(steady_steps(run))))
+                print("%s,%s,%d,,,," % (path, frames, len(steps)))
                 continue
             n, first, last, ratio, slope = got
             print("%s,%s,%d,%.3f,%.3f,%.4f,%.2f" % (path, frames, n, first * 1e3, last * 1e3,

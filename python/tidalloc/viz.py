@@ -216,8 +216,7 @@ def pool_breakdown(torch, pool_peaks=None):
         p["segments"] += 1
         for block in seg.get("blocks", ()):
             p["blocks"] = True
-            if block.get("state", "active_allocated" if block.get("allocated") else
-                         "inactive") == "inactive":
+            if block["state"] == "inactive":
                 p["free"] += block["size"]
                 p["free_blocks"] += 1
                 p["largest"] = max(p["largest"], block["size"])
