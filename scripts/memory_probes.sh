@@ -11,6 +11,8 @@
 #      same breakdown
 #   3. scripts/stream_gct_peaks.py under tidalloc: torch.cat runs then
 #      growable runs in one process, each reserved peak broken down
+# PROBES picks some of them (default "compile_kv stream_gct_compile
+# stream_gct_peaks").
 # Output: EXTRA_OUT (default out/memory_probes) gets one log per probe; the
 # lines that carry the figures go to stdout.
 set -uo pipefail
@@ -26,12 +28,13 @@ probe() { # NAME SECONDS PATTERN COMMAND...: run, keep the log, print the matchi
   echo "== $name: exit $? ($((SECONDS - t0)) s)"
   grep -E "$pattern" "$out/$name.log" | cut -c1-900
 }
+probes=" ${PROBES:-compile_kv stream_gct_compile stream_gct_peaks} "
 kv=(--cases compile_kv --kv-layers 16 --kv-width 1024 --kv-batch 8 --kv-steps 256)
-for alloc in native tidalloc; do
+[[ $probes == *" compile_kv "* ]] && for alloc in native tidalloc; do
   probe "compile_kv_$alloc" 240 'compile_kv:|checkpoints' \
     "$py" tests/torch/native_shim.py --allocator "$alloc" "${kv[@]}" --out "$out/kv_$alloc.pt"
 done
-probe stream_gct_compile 360 'frames|by pool|tidalloc|^ *[0-9]+,' \
+[[ $probes == *" stream_gct_compile "* ]] && probe stream_gct_compile 360 'frames|by pool|tidalloc|^ *[0-9]+,' \
   "$py" -m tidalloc run bench/torch/stream_gct.py --compile --frame-counts 128
-probe stream_gct_peaks 300 'run [0-9]|reserved peak' \
+[[ $probes == *" stream_gct_peaks "* ]] && probe stream_gct_peaks 300 'run [0-9]|reserved peak' \
   "$py" -m tidalloc run scripts/stream_gct_peaks.py --frames 128 --runs 2
