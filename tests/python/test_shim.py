@@ -94,3 +94,51 @@ print(sorted(shim.counts()) == sorted(shim.COUNT_NAMES))
     built_for, names_ok = r.stdout.split()[-2:]
     assert torch.__version__.startswith(built_for)
     assert names_ok == "True"
+
+
+def _macro_calls(text, names):
+    """(macro, [argument text, ...]) for each call of the named macros in C++
+    source, split at the commas outside parentheses and string literals."""
+    import re
+    for m in re.finditer(r"\b(%s)\(" % "|".join(names), text):
+        args, cur, depth, quote, i = [], "", 1, None, m.end()
+        while depth:
+            c = text[i]
+            if quote:
+                if c == "\\":
+                    cur, i = cur + text[i:i + 2], i + 2
+                    continue
+                quote = None if c == quote else quote
+            elif c in "\"'":
+                quote = c
+            elif c == "(":
+                depth += 1
+            elif c == ")":
+                depth -= 1
+                if not depth:
+                    break
+            elif c == "," and depth == 1:
+                args.append(cur)
+                cur, i = "", i + 1
+                continue
+            cur, i = cur + c, i + 1
+        args.append(cur)
+        yield m.group(1), [a.strip() for a in args]
+
+
+def test_shim_messages_are_one_string():
+    """Every TORCH_CHECK and TORCH_WARN of the shim passes its message as one
+    argument (a literal or msg(...)): several would make c10::str format them
+    through std::ostream in the shim's code, which crashed the process on a
+    number where the shim carries its own copy of libstdc++."""
+    source = os.path.join(PYTHON_DIR, "tidalloc", "shim", "tidalloc_torch.cpp")
+    with open(source) as f:
+        text = "\n".join(line for line in f.read().splitlines()
+                         if not line.lstrip().startswith("//"))
+    skip = {"TORCH_CHECK_WITH": 2, "TORCH_CHECK": 1, "TORCH_WARN": 0, "TORCH_WARN_ONCE": 0}
+    calls = list(_macro_calls(text, sorted(skip, key=len, reverse=True)))
+    assert len(calls) > 20
+    for name, args in calls:
+        message = args[skip[name]:]
+        assert len(message) == 1 and (message[0].startswith('"') or
+                                      message[0].startswith("msg(")), (name, args)

@@ -39,6 +39,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -87,6 +88,34 @@ void count(Count c) { counts[c].fetch_add(1, std::memory_order_relaxed); }
 // ---------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------
+
+// Messages are made here as one string, never by c10::str from several
+// pieces: c10::str formats numbers through std::ostream in this library's
+// code, and where the compiler links a copy of libstdc++ into the shim (a
+// toolchain whose library directory holds only the static libstdc++) that
+// copy's locale does not match the process's, so formatting a number crashed
+// the process (the 4 TiB out-of-memory error). One std::string argument is
+// passed through c10::str untouched.
+std::string piece(const char *s) { return s; }
+std::string piece(const std::string &s) { return s; }
+std::string piece(const void *p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%p", p);
+  return buf;
+}
+std::string piece(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0> std::string piece(T v) {
+  return std::to_string(v);
+}
+template <typename... Pieces> std::string msg(const Pieces &...pieces) {
+  std::string out;
+  (out += ... += piece(pieces));
+  return out;
+}
 
 std::string last_error() {
   return std::string(tide_status_name(tide_last_status())) + ": " + tide_last_error();
@@ -192,7 +221,8 @@ public:
     if (free_on(first, ptr, /*quiet_if_foreign=*/true)) return;
     for (int d = 0; d < kMaxDevices; d++)
       if (d != first && devices[d].alloc.load() && free_on(d, ptr, true)) return;
-    TORCH_CHECK(false, "tidalloc: raw_delete(", ptr, "): no device's allocator holds this block");
+    TORCH_CHECK(false,
+                msg("tidalloc: raw_delete(", ptr, "): no device's allocator holds this block"));
   }
 
   // Returns whether `ptr` was this device's (freed, or refused with a warning).
@@ -205,8 +235,8 @@ public:
     tide_status st = tide_free_home(a, ptr, reinterpret_cast<tide_stream>(hint));
     if (st == TIDE_OK) return true;
     if (st == TIDE_ERR_BAD_POINTER && quiet_if_foreign) return false;
-    TORCH_WARN("tidalloc: freeing ", ptr, " on device ", static_cast<int>(device),
-               " failed: ", last_error());
+    TORCH_WARN(msg("tidalloc: freeing ", ptr, " on device ", static_cast<int>(device),
+                   " failed: ", last_error()));
     return true;
   }
 
@@ -225,17 +255,17 @@ public:
     for (int d = 0; d < kMaxDevices; d++) {
       tide_allocator *a = devices[d].alloc.load();
       if (a && tide_empty_cache(a) != TIDE_OK)
-        TORCH_WARN("tidalloc: empty_cache on device ", d, ": ", last_error());
+        TORCH_WARN(msg("tidalloc: empty_cache on device ", d, ": ", last_error()));
     }
   }
 
   double getMemoryFraction(c10::DeviceIndex device) override { return devices[device].fraction; }
 
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
-    TORCH_CHECK(fraction > 0 && fraction <= 1, "tidalloc: invalid fraction ", fraction,
-                ": it must be in (0, 1]");
+    TORCH_CHECK(fraction > 0 && fraction <= 1,
+                msg("tidalloc: invalid fraction ", fraction, ": it must be in (0, 1]"));
     tide_allocator *a = allocator_of(device);
-    TORCH_CHECK(tide_set_memory_fraction(a, fraction) == TIDE_OK, "tidalloc: ", last_error());
+    TORCH_CHECK(tide_set_memory_fraction(a, fraction) == TIDE_OK, msg("tidalloc: ", last_error()));
     devices[device].fraction = fraction;
   }
 
@@ -262,7 +292,7 @@ public:
     void *base = nullptr;
     size_t bytes = 0;
     TORCH_CHECK(tide_block_info(allocator_of(device), ptr, &base, &bytes, nullptr) == TIDE_OK,
-                "tidalloc: getBaseAllocation: ", last_error());
+                msg("tidalloc: getBaseAllocation: ", last_error()));
     if (size) *size = bytes;
     return base;
   }
@@ -274,14 +304,15 @@ public:
     if (d.nforeign.load() && is_foreign(d, data_ptr.get())) return;
     tide_status st = tide_record_stream(allocator_of(device), data_ptr.get(),
                                         reinterpret_cast<tide_stream>(stream.stream()));
-    TORCH_CHECK(st == TIDE_OK, "tidalloc: record_stream: ", last_error());
+    TORCH_CHECK(st == TIDE_OK, msg("tidalloc: record_stream: ", last_error()));
   }
 
   // ------------------------------------------------------------ statistics
 
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     tide_stats st;
-    TORCH_CHECK(tide_get_stats(allocator_of(device), &st) == TIDE_OK, "tidalloc: ", last_error());
+    TORCH_CHECK(tide_get_stats(allocator_of(device), &st) == TIDE_OK,
+                msg("tidalloc: ", last_error()));
     DeviceStats out;
     for (int p = 0; p < TIDE_POOL_KINDS; p++) {
       put(out.allocation[p], st.allocations[p]);
@@ -311,7 +342,8 @@ public:
   }
 
   void resetPeakStats(c10::DeviceIndex device) override {
-    TORCH_CHECK(tide_reset_peak_stats(allocator_of(device)) == TIDE_OK, "tidalloc: ", last_error());
+    TORCH_CHECK(tide_reset_peak_stats(allocator_of(device)) == TIDE_OK,
+                msg("tidalloc: ", last_error()));
   }
 
 #if TIDE_TORCH_AT_LEAST(10)
@@ -345,12 +377,13 @@ public:
     Device &d = devices[device];
     std::lock_guard<std::mutex> lock(d.mutex);
     for (const Route &r : d.routes)
-      TORCH_CHECK(r.id != mempool_id, "tidalloc: beginAllocateToPool: already allocating to pool (",
-                  mempool_id.first, ", ", mempool_id.second, ")");
+      TORCH_CHECK(r.id != mempool_id,
+                  msg("tidalloc: beginAllocateToPool: already allocating to pool (",
+                      mempool_id.first, ", ", mempool_id.second, ")"));
     incref_locked(d, a, mempool_id, nullptr);
     d.routes.push_back({mempool_id, std::move(filter)});
     d.nroutes.store(static_cast<int>(d.routes.size()), std::memory_order_release);
-    TORCH_CHECK(tide_capture_watch_begin(a) == TIDE_OK, "tidalloc: ", last_error());
+    TORCH_CHECK(tide_capture_watch_begin(a) == TIDE_OK, msg("tidalloc: ", last_error()));
   }
 
   void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
@@ -360,12 +393,12 @@ public:
     std::lock_guard<std::mutex> lock(d.mutex);
     auto it = std::find_if(d.routes.begin(), d.routes.end(),
                            [&](const Route &r) { return r.id == mempool_id; });
-    TORCH_CHECK(it != d.routes.end(), "tidalloc: endAllocateToPool: pool (", mempool_id.first, ", ",
-                mempool_id.second, ") is not being allocated to");
+    TORCH_CHECK(it != d.routes.end(), msg("tidalloc: endAllocateToPool: pool (", mempool_id.first,
+                                          ", ", mempool_id.second, ") is not being allocated to"));
     d.routes.erase(it);
     d.nroutes.store(static_cast<int>(d.routes.size()), std::memory_order_release);
     if (tide_capture_watch_end(a) != TIDE_OK)
-      TORCH_WARN("tidalloc: endAllocateToPool: ", last_error());
+      TORCH_WARN(msg("tidalloc: endAllocateToPool: ", last_error()));
   }
 
   void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
@@ -374,14 +407,14 @@ public:
     std::lock_guard<std::mutex> lock(d.mutex);
     auto it = d.pools.find(mempool_id);
     if (it == d.pools.end()) {
-      TORCH_WARN("tidalloc: releasePool: no pool (", mempool_id.first, ", ", mempool_id.second,
-                 ") on device ", static_cast<int>(device));
+      TORCH_WARN(msg("tidalloc: releasePool: no pool (", mempool_id.first, ", ", mempool_id.second,
+                     ") on device ", static_cast<int>(device)));
       return;
     }
     Pool &p = it->second;
     uint64_t tide_id = tide_pool_id(p.pool);
     if (tide_pool_release(p.pool) != TIDE_OK && tide_last_status() != TIDE_ERR_NOT_READY)
-      TORCH_WARN("tidalloc: releasePool: ", last_error());
+      TORCH_WARN(msg("tidalloc: releasePool: ", last_error()));
     if (--p.uses == 0) {
       d.ids.erase(tide_id);
       d.pools.erase(it);
@@ -469,10 +502,11 @@ public:
     Device &d = devices[device];
     std::lock_guard<std::mutex> lock(d.mutex);
     auto it = d.pools.find(id);
-    TORCH_CHECK(it != d.pools.end(), "tidalloc: getCheckpointState: no pool (", id.first, ", ",
-                id.second, ") on device ", static_cast<int>(device));
+    TORCH_CHECK(it != d.pools.end(), msg("tidalloc: getCheckpointState: no pool (", id.first, ", ",
+                                         id.second, ") on device ", static_cast<int>(device)));
     tide_checkpoint *k = nullptr;
-    TORCH_CHECK(tide_pool_checkpoint(it->second.pool, &k) == TIDE_OK, "tidalloc: ", last_error());
+    TORCH_CHECK(tide_pool_checkpoint(it->second.pool, &k) == TIDE_OK,
+                msg("tidalloc: ", last_error()));
     return std::make_shared<Checkpoint>(k, id, device);
   }
 
@@ -484,11 +518,11 @@ public:
     Device &d = devices[ck->device];
     std::lock_guard<std::mutex> lock(d.mutex);
     auto it = d.pools.find(ck->id);
-    TORCH_CHECK(it != d.pools.end(), "tidalloc: setCheckpointPoolState: pool (", ck->id.first, ", ",
-                ck->id.second, ") is gone");
+    TORCH_CHECK(it != d.pools.end(), msg("tidalloc: setCheckpointPoolState: pool (", ck->id.first,
+                                         ", ", ck->id.second, ") is gone"));
     tide_restore_delta delta;
     TORCH_CHECK(tide_pool_restore(it->second.pool, ck->k, &delta) == TIDE_OK,
-                "tidalloc: ", last_error());
+                msg("tidalloc: ", last_error()));
     return to_torch_delta(*ck, delta);
   }
 
@@ -559,12 +593,12 @@ private:
   }
 
   tide_allocator *allocator_of(c10::DeviceIndex device) {
-    TORCH_CHECK(device >= 0 && device < kMaxDevices, "tidalloc: device ", static_cast<int>(device),
-                " is out of range");
+    TORCH_CHECK(device >= 0 && device < kMaxDevices,
+                msg("tidalloc: device ", static_cast<int>(device), " is out of range"));
     tide_allocator *a = devices[device].alloc.load(std::memory_order_acquire);
     if (a) return a;
     a = tide_device(device);
-    TORCH_CHECK(a, "tidalloc: device ", static_cast<int>(device), ": ", last_error());
+    TORCH_CHECK(a, msg("tidalloc: device ", static_cast<int>(device), ": ", last_error()));
     devices[device].alloc.store(a, std::memory_order_release);
     return a;
   }
@@ -574,12 +608,12 @@ private:
                      std::shared_ptr<cca::CUDAAllocator> own) {
     auto it = d.pools.find(id);
     if (it != d.pools.end()) {
-      TORCH_CHECK(tide_pool_retain(it->second.pool) == TIDE_OK, "tidalloc: ", last_error());
+      TORCH_CHECK(tide_pool_retain(it->second.pool) == TIDE_OK, msg("tidalloc: ", last_error()));
       it->second.uses++;
       return;
     }
     Pool p;
-    TORCH_CHECK(tide_pool_create(a, &p.pool) == TIDE_OK, "tidalloc: ", last_error());
+    TORCH_CHECK(tide_pool_create(a, &p.pool) == TIDE_OK, msg("tidalloc: ", last_error()));
     p.uses = 1;
     p.own_allocator = std::move(own);
     d.ids[tide_pool_id(p.pool)] = id;
@@ -628,8 +662,9 @@ private:
   // PyTorch's out-of-memory error with tidalloc's message.
   void *out_of_memory(c10::DeviceIndex device, size_t n, cudaStream_t stream) {
     std::string why = last_error();
-    TORCH_CHECK(tide_last_status() == TIDE_ERR_OOM, "tidalloc: allocating ", n,
-                " bytes failed: ", why); // not for lack of memory: a plain error
+    TORCH_CHECK(tide_last_status() == TIDE_ERR_OOM,
+                msg("tidalloc: allocating ", n,
+                    " bytes failed: ", why)); // not for lack of memory: a plain error
     Device &d = devices[device];
     {
       std::lock_guard<std::mutex> lock(d.mutex);
@@ -657,8 +692,8 @@ private:
   }
 
   [[noreturn]] static void throw_oom(size_t n, const std::string &why) {
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory (tidalloc). Tried to allocate ",
-                     n, " bytes. ", why);
+    TORCH_CHECK_WITH(OutOfMemoryError, false,
+                     msg("CUDA out of memory (tidalloc). Tried to allocate ", n, " bytes. ", why));
     abort(); // not reached: TORCH_CHECK_WITH throws
   }
 
@@ -683,11 +718,12 @@ private:
 
   static std::vector<void *> pool_allocated(tide_pool *pool) {
     size_t n = 0;
-    TORCH_CHECK(tide_pool_allocated(pool, nullptr, 0, &n) == TIDE_OK, "tidalloc: ", last_error());
+    TORCH_CHECK(tide_pool_allocated(pool, nullptr, 0, &n) == TIDE_OK,
+                msg("tidalloc: ", last_error()));
     std::vector<void *> out(n + 16);
     for (;;) {
       TORCH_CHECK(tide_pool_allocated(pool, out.data(), out.size(), &n) == TIDE_OK,
-                  "tidalloc: ", last_error());
+                  msg("tidalloc: ", last_error()));
       if (n <= out.size()) break;
       out.resize(n + 16);
     }
