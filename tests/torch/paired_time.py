@@ -28,7 +28,8 @@ saves a third of the time of two separate pairings. --pairs counts rounds.
 Programs: validate.py's (gpt2, vit, stream_gct: bench/torch/stream_gct.py's
 model, built once per worker, --frames frames with fresh caches each run;
 stream_gct_growable: its caches in GrowableTensors; stream_gct_compile: its
-hot modules under torch.compile(mode="reduce-overhead")).
+hot modules under torch.compile(mode="reduce-overhead"); compile_kv: the
+growing-KV decoder compiled so, --frames decoding steps per run).
 
 Configurations as in run_validation.sh: native, expandable
 (expandable_segments:True), tidalloc (tidalloc.torch.install(), capture
@@ -46,7 +47,7 @@ another order, so sums round differently). Naming the same program again
 two workers, whose outputs are compared: whether a program's outputs differ
 between processes at all.
 
---cache cold (the default for the stream_gct programs) empties each
+--cache cold (the default for the stream_gct programs and compile_kv) empties each
 worker's cache before each timed run, untimed: a streaming program runs once
 per process, and a run that reuses the memory the previous run left mapped
 makes a tenth of the mappings (tidalloc at 128 frames: 3,306 instead of
@@ -367,7 +368,7 @@ def run_set(args, rounds, budget_s, emit):
     """One set of worker processes, one per configuration, for up to `rounds`
     rounds; (status, rounds as run_rounds gives them)."""
     programs = [split_config(c, args.program)[1] for c in args.configs]
-    streaming = any(p.startswith("stream_gct") for p in programs)
+    streaming = any(p.startswith("stream_gct") or p == "compile_kv" for p in programs)
     extra = ["--frames", str(args.frames)] if streaming else []
     if (args.cache or ("cold" if streaming else "warm")) == "cold":
         extra.append("--cold")

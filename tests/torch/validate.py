@@ -25,6 +25,11 @@ seconds,repeats,median_seconds,min_seconds,max_seconds,peak_reserved_all_mib
         the hot modules under torch.compile(mode="reduce-overhead") (the
         first run, untimed, compiles and records the CUDA graphs). The output is every
         frame's pose and the last frame's depth and confidence.
+  compile_kv: tests/torch/native_shim.py's growing-KV decoder (16 layers,
+        width 1024, batch 8) under torch.compile(mode="reduce-overhead"),
+        --frames decoding steps per run, its K and V caches grown by
+        torch.cat every step from empty; the first run, untimed, records a
+        graph per length; the output is each step's first 8 features.
 
 The allocator: native (PyTorch's default; PYTORCH_CUDA_ALLOC_CONF is the
 caller's, e.g. expandable_segments:True), or tidalloc (installed before CUDA
@@ -44,7 +49,7 @@ ALLOCATED_MIB RESERVED_MIB" (the largest peaks of any of its runs; each
 run's own go to stderr, marked with --label). --cold empties the cache
 before each timed run.
 
-    python tests/torch/validate.py gpt2|vit|stream_gct[_growable|_compile] native|tidalloc
+    python tests/torch/validate.py gpt2|vit|stream_gct[_growable|_compile]|compile_kv native|tidalloc
                                    [--repeats N] [--frames N] [--trace-csv FILE.csv.gz]
                                    [--serve [--cold] [--label NAME]]"""
 import argparse
@@ -100,7 +105,25 @@ def stream_gct(torch, dev, frames, growable=False, compiled=False):
     return module.paired_runner(dev, frames, growable=growable, compiled=compiled)
 
 
-PROGRAMS = ("gpt2", "vit", "stream_gct", "stream_gct_growable", "stream_gct_compile")
+def compile_kv(torch, dev, steps, layers=16, width=1024, batch=8):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from native_shim import Decoder, decode
+    dec = Decoder(torch, layers, width, width // 64)
+    fn = torch.compile(dec.step, mode="reduce-overhead")
+    scale = torch.linspace(0.5, 1.5, width, device=dev)
+    embed = torch.compile(lambda x: torch.nn.functional.layer_norm(x, (width,)) * scale,
+                          mode="reduce-overhead")
+    gen = torch.Generator(device=dev)
+
+    def run(digest):
+        gen.manual_seed(6)
+        outs, _ = decode(torch, fn, embed, dec, steps, batch, width, gen, True)
+        digest.update(torch.stack(outs).float().cpu().numpy().tobytes())
+    return run
+
+
+PROGRAMS = ("gpt2", "vit", "stream_gct", "stream_gct_growable", "stream_gct_compile",
+            "compile_kv")
 
 
 def make_program(name, torch, dev, frames):
@@ -108,6 +131,8 @@ def make_program(name, torch, dev, frames):
     if name.startswith("stream_gct"):
         return stream_gct(torch, dev, frames, growable=name == "stream_gct_growable",
                           compiled=name == "stream_gct_compile")
+    if name == "compile_kv":
+        return compile_kv(torch, dev, frames)
     return {"gpt2": gpt2, "vit": vit}[name](torch, dev)
 
 
@@ -207,7 +232,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3, help="timed runs after the first "
                         "(default 3)")
     parser.add_argument("--frames", type=int, default=128,
-                        help="frames per run of the stream_gct programs (default 128)")
+                        help="frames per run of the stream_gct programs, decoding steps of "
+                        "compile_kv (default 128)")
     parser.add_argument("--trace-csv", metavar="FILE.csv.gz",
                         help="under tidalloc, write every allocation and free of the whole run "
                         "as a trace that `tidalloc replay` reads (turns the trace ring on)")
@@ -228,7 +254,7 @@ def main():
     import torch
     if not torch.cuda.is_available():
         sys.exit("validate.py: no CUDA device (torch.cuda.is_available() is False)")
-    if not args.program.startswith("stream_gct"):
+    if args.program in ("gpt2", "vit"):
         # GPT-2 and ViT as their recorded results ran; the streaming model
         # keeps PyTorch's defaults, as bench/torch/stream_gct.py runs it (with
         # cuDNN's TF32 off, its first run peaked at 43.8 GiB allocated against
