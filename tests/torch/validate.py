@@ -28,7 +28,8 @@ seconds,repeats,median_seconds,min_seconds,max_seconds,peak_reserved_all_mib
   compile_kv: tests/torch/native_shim.py's growing-KV decoder (16 layers,
         width 1024, batch 8) under torch.compile(mode="reduce-overhead"),
         --frames decoding steps per run, its K and V caches grown by
-        torch.cat every step from empty; the first run, untimed, records a
+        torch.cat every step from empty; the first two runs, untimed, warm up
+        and record a
         graph per length; the output is each step's first 8 features.
 
 The allocator: native (PyTorch's default; PYTORCH_CUDA_ALLOC_CONF is the
@@ -150,6 +151,17 @@ def device_mappings(torch):
     return None
 
 
+def tidalloc_costs(torch):
+    """(milliseconds in mapping calls, stream waits) so far under tidalloc's
+    shim, or None under any other allocator."""
+    installed = sys.modules.get("tidalloc.torch")
+    if installed is None or not installed.bridge():
+        return None
+    import tidalloc
+    st = tidalloc.stats(torch.cuda.current_device())
+    return st.mapping_ns / 1e6, st.stream_waits
+
+
 def timed_run(torch, run):
     """One run, from an idle device to an idle device: (seconds, digest)."""
     digest = hashlib.sha256()
@@ -208,10 +220,16 @@ def serve(torch, run, warmups=1, cold=False, label="worker"):
             empty_caches(torch)
             before = device_mappings(torch) or before
         torch.cuda.reset_peak_memory_stats()
+        costs = tidalloc_costs(torch)
         seconds, digest = timed_run(torch, run)
         peaks = run_peaks(torch)
         overall = (max(overall[0], peaks[0]), max(overall[1], peaks[1]))
         report_peaks(label, "run %d" % runs, peaks)
+        if costs is not None:
+            now = tidalloc_costs(torch)
+            print("validate.py %s: run %d: %.1f ms in mapping calls, %d stream waits"
+                  % (label, runs, now[0] - costs[0], now[1] - costs[1]), file=sys.stderr,
+                  flush=True)
         runs += 1
         after = device_mappings(torch)
         maps, unmaps = (after[0] - before[0], after[1] - before[1]) if after else (-1, -1)
@@ -266,7 +284,7 @@ def main():
 
     if args.serve:
         # Compiled: the second run still records CUDA graphs the first only warmed up.
-        sys.exit(serve(torch, run, warmups=2 if args.program.endswith("_compile") else 1,
+        sys.exit(serve(torch, run, warmups=2 if "compile" in args.program else 1,
                        cold=args.cold, label=args.label or args.allocator))
     digests, seconds, mappings = [], [], []
     for i in range(1 + args.repeats):
