@@ -29,8 +29,7 @@ seconds,repeats,median_seconds,min_seconds,max_seconds,peak_reserved_all_mib
         width 1024, batch 8) under torch.compile(mode="reduce-overhead"),
         --frames decoding steps per run, its K and V caches grown by
         torch.cat every step from empty; the first two runs, untimed, warm up
-        and record a
-        graph per length; the output is each step's first 8 features.
+        and record a graph per length; the output is each step's first 8 features.
 
 The allocator: native (PyTorch's default; PYTORCH_CUDA_ALLOC_CONF is the
 caller's, e.g. expandable_segments:True), or tidalloc (installed before CUDA
