@@ -192,7 +192,7 @@ def report_peaks(label, what, peaks):
           flush=True)
 
 
-def serve(torch, run, warmups=1, cold=False, label="worker"):
+def serve(torch, run, warmups=1, cold=False, label="worker", program=""):
     """The first run (`warmups` of them), then one timed run per "run"
     command on stdin. The process sits idle between commands, so two of
     them (one per allocator) can take turns on one machine, each run next
@@ -238,6 +238,15 @@ def serve(torch, run, warmups=1, cold=False, label="worker"):
             print("validate.py: a run gave other outputs than the first (%s vs %s)"
                   % (digest, first), file=sys.stderr)
             return 1
+    if "compile" in program:
+        # Where the reserved memory sits: the usual memory and each graph
+        # pool, with (under tidalloc) each pool's allocated peak, so that a
+        # run's reserved peak can be set against what the graphs need.
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                        "python"))
+        from tidalloc.viz import pool_breakdown
+        print("validate.py %s: by pool: %s" % (label, pool_breakdown(torch)), file=sys.stderr,
+              flush=True)
     print("peaks %.1f %.1f" % overall, flush=True)
     return 0
 
@@ -284,7 +293,8 @@ def main():
     if args.serve:
         # Compiled: the second run still records CUDA graphs the first only warmed up.
         sys.exit(serve(torch, run, warmups=2 if "compile" in args.program else 1,
-                       cold=args.cold, label=args.label or args.allocator))
+                       cold=args.cold, label=args.label or args.allocator,
+                       program=args.program))
     digests, seconds, mappings = [], [], []
     for i in range(1 + args.repeats):
         t, d = timed_run(torch, run)
