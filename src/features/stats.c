@@ -54,8 +54,7 @@ static void add_arena(tide_stats *out, const _tide_arena_stats *s) {
 /* Add what an arena has not yet added to the shared allocated counter. */
 static void flush_unpublished(_tide_arena *arena) {
   if (!atomic_load(&arena->alloc->shared_peak)) return;
-  _tide_global_add(&arena->alloc->allocated, arena->unpublished);
-  arena->unpublished = 0;
+  _tide_arena_publish_now(arena);
 }
 
 int _tide_stats_collect(tide_allocator *a, tide_stats *out) {
@@ -132,6 +131,7 @@ tide_status tide_reset_peak_stats(tide_allocator *a) {
   memset(a->retired_stats.active_peak, 0, sizeof a->retired_stats.active_peak);
   pthread_mutex_unlock(&a->arenas_mutex);
   atomic_store(&a->allocated.peak, atomic_load(&a->allocated.cur));
+  atomic_store(&a->usual_allocated.peak, atomic_load(&a->usual_allocated.cur));
   atomic_store(&a->reserved.peak, atomic_load(&a->reserved.cur));
   return TIDE_OK;
 }

@@ -399,6 +399,8 @@ typedef struct _tide_arena {
  * the exact figure (reads first add every arena's remainder). */
 #define _TIDE_PUBLISH_BYTES ((int64_t)2 << 20)
 void _tide_arena_publish(_tide_arena *arena, int64_t delta);
+/* Add the arena's unpublished bytes to the shared counters now. */
+void _tide_arena_publish_now(_tide_arena *arena);
 /* The live (allocated) block at addr, or NULL: quick blocks, which share the
  * live map, are not live. */
 static inline _tide_block *_tide_arena_live(_tide_arena *arena, uintptr_t addr) {
@@ -596,6 +598,11 @@ struct tide_allocator {
    * is allocated 64-byte aligned for this). */
   _Alignas(64) _tide_global_stat reserved;  /* all arenas: physical bytes held */
   _Alignas(64) _tide_global_stat allocated; /* all arenas, once shared_peak is set */
+  /* For the release policy (arena.c), which judges the usual memory by
+   * itself: the allocated bytes of the usual memory's arenas (pool_id 0),
+   * kept like `allocated`, and the bytes the arenas of capture pools hold. */
+  _Alignas(64) _tide_global_stat usual_allocated;
+  _Atomic int64_t pools_reserved;
   _Alignas(64) char after_counters;
   pthread_mutex_t arenas_mutex; /* guards the arena table */
   _tide_arena **arenas;

@@ -89,15 +89,24 @@ static void segment_counted(_tide_arena *arena, _tide_segment *seg, int delta) {
 }
 
 /* Physical memory taken from the device under the limit, and given back. */
+static void count_pool_bytes(_tide_arena *arena, int64_t delta) {
+  if (arena->pool_id)
+    atomic_fetch_add_explicit(&arena->alloc->pools_reserved, delta, memory_order_relaxed);
+}
+
 static int hold_bytes(_tide_arena *arena, int pool, size_t bytes, size_t request) {
   int rc = _tide_budget_take(arena->alloc, bytes, request);
-  if (!rc) _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, (int64_t)bytes);
+  if (!rc) {
+    _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, (int64_t)bytes);
+    count_pool_bytes(arena, (int64_t)bytes);
+  }
   return rc;
 }
 
 static void drop_bytes(_tide_arena *arena, int pool, size_t bytes) {
   _tide_budget_give(arena->alloc, bytes);
   _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, -(int64_t)bytes);
+  count_pool_bytes(arena, -(int64_t)bytes);
 }
 
 /* A handle held for pool `from` now serves pool `to`: its bytes move from
@@ -1360,6 +1369,7 @@ static bool teardown_handle(_tide_arena *arena, uintptr_t at, size_t size, _tide
     return false;
   }
   _tide_budget_give(arena->alloc, size);
+  count_pool_bytes(arena, -(int64_t)size);
   return true;
 }
 
