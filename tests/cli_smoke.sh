@@ -151,6 +151,20 @@ csv_maps=$(tail -n +2 "$dir/out" | cut -d, -f8)
 [ "${csv_maps:-0}" -ge 1 ] && [ "$csv_maps" = "$(key_of mappings)" ] ||
   fail "replay --csv mappings '$csv_maps', key lines '$(key_of mappings)'"
 
+# A graph pool of 8 MiB beside it: reserved counts the pool, allocated does not
+# (the peaks are reset after the pool's capture), and the trace's figures stay.
+expect_status 0 "replay --graph-pool-mib" -- "$bin" replay "$dir/simple.csv.gz" --graph-pool-mib 8
+expect_key peak_live_bytes 3145728 "replay --graph-pool-mib"
+expect_key peak_allocated_bytes 3145728 "replay --graph-pool-mib"
+pooled=$(key_of peak_reserved_bytes)
+[ "${pooled:-0}" -ge $((reserved + 8388608)) ] ||
+  fail "replay --graph-pool-mib 8: peak_reserved_bytes '$pooled', without the pool '$reserved'"
+for bad in 0 -1 lots 4194305; do
+  expect_status 2 "replay --graph-pool-mib $bad" -- "$bin" replay "$dir/simple.csv.gz" --graph-pool-mib "$bad"
+done
+expect_status nonzero "replay --graph-pool-mib on the CUDA backend without a capture" -- \
+  "$bin" replay "$dir/simple.csv.gz" --graph-pool-mib 8 --conf backend:cuda
+
 # --- replay: what must fail --------------------------------------------------
 head -c 60 "$dir/simple.csv.gz" >"$dir/truncated.csv.gz"
 expect_status nonzero "replay of a truncated gzip file" -- "$bin" replay "$dir/truncated.csv.gz"

@@ -6,7 +6,8 @@
  * the file, and the timed part of each batch measures the allocator and not
  * zlib. Trace addresses map to the pointers tidalloc returned through an
  * open-addressing hash table. Each distinct stream id gets a tidalloc stream
- * when it first appears; id 0 is the default (NULL) stream. */
+ * when it first appears; id 0 is the default (NULL) stream. --graph-pool-mib
+ * first makes a recorded graph's pool of that size beside the trace. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -263,6 +264,44 @@ static bool replay_trace(tide_allocator *alloc, trace_reader *reader, trace_stre
 }
 
 /* ------------------------------------------------------------------------ */
+/* A graph pool beside the trace                                             */
+/* ------------------------------------------------------------------------ */
+
+/* What a CUDA graph recorded before the trace leaves: a capture pool that
+ * keeps `bytes` of memory its replays write to, with nothing allocated in
+ * it (PyTorch counts a graph's blocks only while it records). The peaks
+ * are then reset, as for a run that only replays. Host backend only: the
+ * capture is emulated. */
+typedef struct graph_pool {
+  tide_pool *pool;
+  tide_stream stream;
+} graph_pool;
+
+static bool graph_pool_make(tide_allocator *alloc, size_t bytes, graph_pool *g) {
+  void *p = NULL;
+  bool ok = tide_stream_create(alloc, &g->stream) == TIDE_OK &&
+            tide_pool_create(alloc, &g->pool) == TIDE_OK &&
+            tide_host_capture_begin(alloc, g->stream) == TIDE_OK &&
+            tide_capture_begin(alloc, g->stream, g->pool) == TIDE_OK &&
+            (p = tide_malloc(alloc, bytes, g->stream)) != NULL &&
+            tide_free(alloc, p, g->stream) == TIDE_OK &&
+            tide_host_capture_end(alloc, g->stream) == TIDE_OK &&
+            tide_capture_end(alloc, g->stream) == TIDE_OK &&
+            tide_reset_peak_stats(alloc) == TIDE_OK;
+  if (!ok) cli_report_tide_error("replay: making the graph pool (host backend only)");
+  return ok;
+}
+
+/* The graph and the pool's creator let go: its memory goes back. */
+static bool graph_pool_drop(tide_allocator *alloc, graph_pool *g) {
+  bool ok = true;
+  if (g->pool) ok = tide_pool_release(g->pool) == TIDE_OK && tide_pool_release(g->pool) == TIDE_OK;
+  if (ok && g->stream) ok = tide_stream_destroy(alloc, g->stream) == TIDE_OK;
+  if (!ok) cli_report_tide_error("replay: releasing the graph pool");
+  return ok;
+}
+
+/* ------------------------------------------------------------------------ */
 /* Output                                                                    */
 /* ------------------------------------------------------------------------ */
 
@@ -321,7 +360,7 @@ static void print_csv(const char *path, const replay_result *r) {
 /* ------------------------------------------------------------------------ */
 
 static void print_help(void) {
-  printf("usage: tidalloc replay FILE.csv.gz [--conf STR] [--csv]\n"
+  printf("usage: tidalloc replay FILE.csv.gz [--conf STR] [--csv] [--graph-pool-mib N]\n"
          "\n"
          "Replay a recorded allocation trace (gzip'd CSV, header\n"
          "%s; actions alloc and free) through tidalloc, on the\n"
@@ -333,7 +372,11 @@ static void print_help(void) {
          "an allocation fails.\n"
          "\n"
          "  --conf STR   tidalloc options, \"key:value,...\"\n"
-         "  --csv        one header line and one row instead of `key value` lines\n",
+         "  --csv        one header line and one row instead of `key value` lines\n"
+         "  --graph-pool-mib N  first keep N MiB in a capture pool, as a recorded CUDA\n"
+         "               graph's pool holds the memory its replays write (host backend);\n"
+         "               the peaks are reset after it, so peak_reserved_bytes counts\n"
+         "               the pool and peak_allocated_bytes does not\n",
          TRACE_HEADER);
 }
 
@@ -355,6 +398,7 @@ static bool destroy_everything(tide_allocator *alloc, const trace_streams *strea
 int tide_cli_replay(int argc, char **argv) {
   const char *path = NULL, *conf = NULL;
   bool csv = false;
+  unsigned long pool_mib = 0;
   for (int i = 1; i < argc; i++) {
     const char *value = NULL;
     bool bad = false;
@@ -366,6 +410,17 @@ int tide_cli_replay(int argc, char **argv) {
     } else if (cli_option_value(argc, argv, &i, "--conf", &value, &bad)) {
       if (bad) return CLI_EXIT_USAGE;
       conf = value;
+    } else if (cli_option_value(argc, argv, &i, "--graph-pool-mib", &value, &bad)) {
+      char *end = NULL;
+      if (bad) return CLI_EXIT_USAGE;
+      pool_mib = strtoul(value, &end, 10);
+      if (end == value || *end != '\0' || value[0] == '-' || pool_mib == 0 ||
+          pool_mib > (1ul << 22)) {
+        cli_error("replay: --graph-pool-mib takes a whole number of MiB from 1 to 4194304, not "
+                  "'%s'",
+                  value);
+        return CLI_EXIT_USAGE;
+      }
     } else if (argv[i][0] == '-' || path != NULL) {
       cli_error("replay: unexpected argument '%s' (try `tidalloc replay --help`)", argv[i]);
       return CLI_EXIT_USAGE;
@@ -395,7 +450,10 @@ int tide_cli_replay(int argc, char **argv) {
   }
   streams->count = 1; /* id 0, the default stream */
   replay_result r = {0};
-  bool ok = replay_trace(alloc, reader, streams, &r);
+  graph_pool g = {0};
+  bool ok = pool_mib == 0 || graph_pool_make(alloc, (size_t)pool_mib << 20, &g);
+  if (ok) ok = replay_trace(alloc, reader, streams, &r);
+  if (!graph_pool_drop(alloc, &g)) ok = false;
   if (!destroy_everything(alloc, streams)) ok = false;
   if (ok) {
     if (csv) {
