@@ -31,18 +31,17 @@ def main():
     import tidalloc.torch
     tidalloc.torch.install("trace:4000000" if args.trace_csv else None)
     import torch
-    import tidalloc
     from tidalloc import shim
     import validate
     run = validate.make_program(args.program, torch, torch.device("cuda"), args.frames)
     for i in range(args.runs):
         if args.cold and i >= 2:
             validate.empty_caches(torch)
-        before_stats = tidalloc.stats(0)
+        before_stats = validate.tidalloc_stats(torch)
         before_counts = shim.counts()
         torch.cuda.reset_peak_memory_stats()
         seconds, digest = validate.timed_run(torch, run)
-        st = tidalloc.stats(0)
+        st = validate.tidalloc_stats(torch)
         calls = {k: v - before_counts.get(k, 0) for k, v in shim.counts().items()}
         print("run %d: %.3f s, digest %s, %d maps, %d unmaps, %.1f ms mapping, %d waits, "
               "peak allocated %.1f MiB, reserved %.1f MiB; shim calls %s" % (

@@ -312,13 +312,19 @@ def decode(torch, fn, embed, dec, steps, batch, width, gen, keep_out):
     return outs, caches
 
 
-def case_compile_kv(torch, out, steps, batch=4, width=512, layers=4):
-    heads = width // 64
-    dec = Decoder(torch, layers, width, heads)
+def compiled_decoder(torch, layers, width):
+    """The decoder and its step and embedding, each compiled with
+    reduce-overhead: (dec, step, embed) for decode()."""
+    dec = Decoder(torch, layers, width, width // 64)
     fn = torch.compile(dec.step, mode="reduce-overhead")
     scale = torch.linspace(0.5, 1.5, width, device="cuda")
     embed = torch.compile(lambda x: torch.nn.functional.layer_norm(x, (width,)) * scale,
                           mode="reduce-overhead")
+    return dec, fn, embed
+
+
+def case_compile_kv(torch, out, steps, batch=4, width=512, layers=4):
+    dec, fn, embed = compiled_decoder(torch, layers, width)
     gen = torch.Generator(device="cuda").manual_seed(5)
     # Pass 1 records a graph per length; pass 2 replays them and records the
     # longer ones, which makes the tree restore checkpoints of its pool.

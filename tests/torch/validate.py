@@ -107,12 +107,8 @@ def stream_gct(torch, dev, frames, growable=False, compiled=False):
 
 def compile_kv(torch, dev, steps, layers=16, width=1024, batch=8):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from native_shim import Decoder, decode
-    dec = Decoder(torch, layers, width, width // 64)
-    fn = torch.compile(dec.step, mode="reduce-overhead")
-    scale = torch.linspace(0.5, 1.5, width, device=dev)
-    embed = torch.compile(lambda x: torch.nn.functional.layer_norm(x, (width,)) * scale,
-                          mode="reduce-overhead")
+    from native_shim import compiled_decoder, decode
+    dec, fn, embed = compiled_decoder(torch, layers, width)
     gen = torch.Generator(device=dev)
 
     def run(digest):
@@ -142,23 +138,18 @@ def device_mappings(torch):
     stats = torch.cuda.memory_stats()
     if "num_device_map" in stats:  # the pluggable bridge's figures
         return stats["num_device_map"], stats["num_device_unmap"]
-    installed = sys.modules.get("tidalloc.torch")
-    if installed is not None and installed.bridge():  # the shim: PyTorch's keys only
-        import tidalloc
-        st = tidalloc.stats(torch.cuda.current_device())
-        return st.mappings, st.unmappings
-    return None
+    st = tidalloc_stats(torch)  # the shim: PyTorch's keys only
+    return (st.mappings, st.unmappings) if st else None
 
 
-def tidalloc_costs(torch):
-    """(milliseconds in mapping calls, stream waits) so far under tidalloc's
-    shim, or None under any other allocator."""
+def tidalloc_stats(torch):
+    """tidalloc's own statistics of the current device where tidalloc is
+    installed, or None under any other allocator."""
     installed = sys.modules.get("tidalloc.torch")
     if installed is None or not installed.bridge():
         return None
     import tidalloc
-    st = tidalloc.stats(torch.cuda.current_device())
-    return st.mapping_ns / 1e6, st.stream_waits
+    return tidalloc.stats(torch.cuda.current_device())
 
 
 def timed_run(torch, run):
@@ -192,7 +183,7 @@ def report_peaks(label, what, peaks):
           flush=True)
 
 
-def serve(torch, run, warmups=1, cold=False, label="worker", program=""):
+def serve(torch, run, warmups=1, cold=False, label="worker", by_pool=False):
     """The first run (`warmups` of them), then one timed run per "run"
     command on stdin. The process sits idle between commands, so two of
     them (one per allocator) can take turns on one machine, each run next
@@ -200,7 +191,8 @@ def serve(torch, run, warmups=1, cold=False, label="worker", program=""):
     run (untimed), so that runs do not reuse the memory earlier runs left
     mapped. The peaks are reset before each timed run and reported on stderr
     run by run (the first runs together), so that a peak shows which run set
-    it; "peaks" at the end gives the largest of them."""
+    it; "peaks" at the end gives the largest of them. by_pool: at the end,
+    where the reserved memory sits, pool by pool."""
     for _ in range(warmups):
         _, first = timed_run(torch, run)
     overall = run_peaks(torch)
@@ -219,16 +211,16 @@ def serve(torch, run, warmups=1, cold=False, label="worker", program=""):
             empty_caches(torch)
             before = device_mappings(torch) or before
         torch.cuda.reset_peak_memory_stats()
-        costs = tidalloc_costs(torch)
+        costs = tidalloc_stats(torch)
         seconds, digest = timed_run(torch, run)
         peaks = run_peaks(torch)
         overall = (max(overall[0], peaks[0]), max(overall[1], peaks[1]))
         report_peaks(label, "run %d" % runs, peaks)
         if costs is not None:
-            now = tidalloc_costs(torch)
+            now = tidalloc_stats(torch)
             print("validate.py %s: run %d: %.1f ms in mapping calls, %d stream waits"
-                  % (label, runs, now[0] - costs[0], now[1] - costs[1]), file=sys.stderr,
-                  flush=True)
+                  % (label, runs, (now.mapping_ns - costs.mapping_ns) / 1e6,
+                     now.stream_waits - costs.stream_waits), file=sys.stderr, flush=True)
         runs += 1
         after = device_mappings(torch)
         maps, unmaps = (after[0] - before[0], after[1] - before[1]) if after else (-1, -1)
@@ -238,7 +230,7 @@ def serve(torch, run, warmups=1, cold=False, label="worker", program=""):
             print("validate.py: a run gave other outputs than the first (%s vs %s)"
                   % (digest, first), file=sys.stderr)
             return 1
-    if "compile" in program:
+    if by_pool:
         # Where the reserved memory sits: the usual memory and each graph
         # pool, with (under tidalloc) each pool's allocated peak, so that a
         # run's reserved peak can be set against what the graphs need.
@@ -292,9 +284,9 @@ def main():
 
     if args.serve:
         # Compiled: the second run still records CUDA graphs the first only warmed up.
-        sys.exit(serve(torch, run, warmups=2 if "compile" in args.program else 1,
-                       cold=args.cold, label=args.label or args.allocator,
-                       program=args.program))
+        compiled = "compile" in args.program
+        sys.exit(serve(torch, run, warmups=2 if compiled else 1, cold=args.cold,
+                       label=args.label or args.allocator, by_pool=compiled))
     digests, seconds, mappings = [], [], []
     for i in range(1 + args.repeats):
         t, d = timed_run(torch, run)
