@@ -88,12 +88,14 @@ static void segment_counted(_tide_arena *arena, _tide_segment *seg, int delta) {
   arena->stats.counters[delta > 0 ? _TIDE_CT_SEGMENTS_CREATED : _TIDE_CT_SEGMENTS_RELEASED]++;
 }
 
-/* Physical memory taken from the device under the limit, and given back. */
+/* A graph pool's reserved bytes, counted apart so that the release policy can
+ * judge the usual memory without them. */
 static void count_pool_bytes(_tide_arena *arena, int64_t delta) {
   if (arena->pool_id)
     atomic_fetch_add_explicit(&arena->alloc->pools_reserved, delta, memory_order_relaxed);
 }
 
+/* Physical memory taken from the device under the limit, and given back. */
 static int hold_bytes(_tide_arena *arena, int pool, size_t bytes, size_t request) {
   int rc = _tide_budget_take(arena->alloc, bytes, request);
   if (!rc) {
