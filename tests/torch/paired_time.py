@@ -37,7 +37,9 @@ detection on; PyTorch's own allocator through the shim where it builds),
 tidalloc-pluggable (the same through CUDAPluggableAllocator),
 tidalloc-nodetect; and tidalloc:KEY:VALUE,... (tidalloc with those options
 added to TIDALLOC_CONF), so that two settings of tidalloc can be paired
-(--configs tidalloc:load_handles:False tidalloc). A configuration may name
+(--configs tidalloc:load_handles:False tidalloc), and tidalloc/DIR (tidalloc
+with the library built in DIR, from the repository root), so that two
+versions of the library can be paired. A configuration may name
 its own program after an @, so that two programs can be paired:
 --configs expandable tidalloc@stream_gct_growable times the torch.cat
 caches under expandable segments against the growable ones under tidalloc
@@ -96,6 +98,12 @@ def config_env(config):
         if config == "tidalloc-nodetect":
             conf = env.get("TIDALLOC_CONF", "")
             env["TIDALLOC_CONF"] = (conf + "," if conf else "") + "capture_detection:False"
+        return "tidalloc", env
+    if config.startswith("tidalloc/") and len(config) > len("tidalloc/"):
+        # Another build of the library (a folder holding libtidalloc.so, from
+        # the repository root): two versions of it paired on one machine.
+        env["TIDALLOC_LIB"] = os.path.join(HERE, "..", "..", config[len("tidalloc/"):],
+                                           "libtidalloc.so")
         return "tidalloc", env
     if config.startswith("tidalloc:") and len(config) > len("tidalloc:"):
         conf = env.get("TIDALLOC_CONF", "")
