@@ -152,6 +152,19 @@ def tidalloc_stats(torch):
     return tidalloc.stats(torch.cuda.current_device())
 
 
+# tidalloc's counters a run's line reports beside its mapping time, so that
+# two builds or settings that differ in time can be told apart by what the
+# library did (allocations that retried, waits for all streams, segments).
+RUN_COUNTERS = ("num_allocs", "num_alloc_retries", "num_sync_all_streams", "segments_created",
+                "segments_released", "num_device_alloc", "num_device_free", "unmappings")
+
+
+def counter_deltas(before, after):
+    """`name=delta` for each of RUN_COUNTERS between two tidalloc stats."""
+    return " ".join("%s=%d" % (name, getattr(after, name) - getattr(before, name))
+                    for name in RUN_COUNTERS)
+
+
 def timed_run(torch, run):
     """One run, from an idle device to an idle device: (seconds, digest)."""
     digest = hashlib.sha256()
@@ -218,9 +231,10 @@ def serve(torch, run, warmups=1, cold=False, label="worker", by_pool=False):
         report_peaks(label, "run %d" % runs, peaks)
         if costs is not None:
             now = tidalloc_stats(torch)
-            print("validate.py %s: run %d: %.1f ms in mapping calls, %d stream waits"
+            print("validate.py %s: run %d: %.1f ms in mapping calls, %d stream waits; %s"
                   % (label, runs, (now.mapping_ns - costs.mapping_ns) / 1e6,
-                     now.stream_waits - costs.stream_waits), file=sys.stderr, flush=True)
+                     now.stream_waits - costs.stream_waits, counter_deltas(costs, now)),
+                  file=sys.stderr, flush=True)
         runs += 1
         after = device_mappings(torch)
         maps, unmaps = (after[0] - before[0], after[1] - before[1]) if after else (-1, -1)
