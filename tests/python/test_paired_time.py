@@ -1,5 +1,6 @@
 """test_paired_time.py: the pairing and the summary of tests/torch/paired_time.py,
 with stand-in workers (no torch, no GPU)."""
+import csv
 import importlib.util
 import os
 
@@ -329,6 +330,21 @@ def test_three_configurations_rotate_and_share_the_reference(monkeypatch, capsys
     # Saved rows of three configurations read back as pairs of any two of them.
     got = paired_time.read_pairs(out.splitlines(), "tidalloc", "tidalloc-pluggable")
     assert len(got["gpt2"]) == 3
+
+
+def test_a_configuration_with_commas_reads_back_from_its_rows(monkeypatch, capsys):
+    # tidalloc:KEY:VALUE,KEY:VALUE is one configuration, one CSV field.
+    config = "tidalloc:handle_size_mb:16,handle_threshold_mb:4096"
+    FakeProcess.started, FakeProcess.args = [], []
+    monkeypatch.setattr(paired_time, "Worker", FakeProcess)
+    monkeypatch.setattr("sys.argv", ["paired_time.py", "gpt2", "--pairs", "2", "--configs",
+                                     "expandable", config])
+    assert paired_time.main() == 0
+    out, _ = capsys.readouterr()
+    rows = [line for line in out.splitlines() if line.startswith("gpt2,")]
+    assert len(rows) == 4 and all(len(next(csv.reader([r]))) == 8 for r in rows)
+    got = paired_time.read_pairs(out.splitlines(), "expandable", config)
+    assert len(got["gpt2"]) == 2
 
 
 def test_configurations_must_be_two_or_more_and_different(monkeypatch):

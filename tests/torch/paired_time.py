@@ -67,6 +67,7 @@ pairs, each set begun by a "# run" line; over several sets (or saved runs)
 the summary adds an interval that resamples the sets and then the pairs
 within them. Exits non-zero if a worker fails or the outputs differ."""
 import argparse
+import csv
 import math
 import os
 import random
@@ -267,7 +268,8 @@ def read_pairs(lines, name_a, name_b):
             continue
         if not line or line.startswith("#") or line.startswith("program,"):
             continue
-        program, pair, position, config, seconds, digest = line.split(",")[:6]
+        # A configuration may hold commas (tidalloc:KEY:VALUE,KEY:VALUE): quoted.
+        program, pair, position, config, seconds, digest = next(csv.reader([line]))[:6]
         rows.setdefault((program, run, int(pair)), {})[config] = (int(position), float(seconds),
                                                                   digest)
     out = {}
@@ -335,7 +337,8 @@ def main():
     print("program,pair,position,config,seconds,digest,maps,unmaps", flush=True)
 
     def emit(i, position, config, r):
-        print("%s,%d,%d,%s,%.6f,%s,%d,%d" % (args.program, i, position, config, *r), flush=True)
+        quoted = '"%s"' % config if "," in config else config
+        print("%s,%d,%d,%s,%.6f,%s,%d,%d" % (args.program, i, position, quoted, *r), flush=True)
 
     start, sets, status, total = time.monotonic(), [], 0, 0
     while total < args.pairs:
