@@ -664,7 +664,7 @@ static const option options[] = {
     {"page_size_mb", "2",
      "MiB an expandable segment maps at once (rounded up to the backend's granularity)",
      "a whole number of MiB from 1 to 1024", parse_page_size, format_page_size},
-    {"handle_size_mb", "4",
+    {"handle_size_mb", "8",
      "the most MiB one physical handle of an expandable segment holds: above page_size_mb, "
      "a stream holding handle_threshold_mb gives its requests of at least 4 such handles "
      "segments of handles this large (fewer driver mappings; a handle is unmapped only "
