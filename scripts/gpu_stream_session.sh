@@ -22,8 +22,11 @@
 # Then PAIRED, alone on the machine: tests/torch/paired_time.py once per
 # spec PROGRAM:FRAMES:PAIRS:CONFIG_A+CONFIG_B[+...] (space-separated specs;
 # the first configuration is the reference, PAIRS counts rounds), each
-# cut at PAIR_SECONDS (default 580) or at what is left of SESSION_SECONDS
-# since the start, and not begun with less than a minute left.
+# cut at PAIR_SECONDS (default 580), or at S seconds where PAIRS is N@S, or
+# at what is left of SESSION_SECONDS since the start, and not begun with
+# less than a minute left. PAIR_FRESH_EVERY=N starts new workers every N
+# rounds (paired_time.py --fresh-every), so that what sets one process
+# apart from another is resampled too.
 #
 #   OUT=dir LANES="eager compile upstream gputest" FRAMES=128 \
 #     PAIRED="stream_gct:128:10:expandable+tidalloc" scripts/gpu_stream_session.sh
@@ -129,6 +132,10 @@ for spec in ${PAIRED:-}; do
   i=$((i + 1))
   t0=$SECONDS
   limit=${PAIR_SECONDS:-580}
+  if [[ $pairs == *@* ]]; then # N@S: this pairing's own time limit
+    limit=${pairs#*@}
+    pairs=${pairs%@*}
+  fi
   left=$((${SESSION_SECONDS:-100000} - (SECONDS - start)))
   ((left < limit)) && limit=$left
   if ((limit < 60)); then
@@ -138,6 +145,7 @@ for spec in ${PAIRED:-}; do
   # Pairs begin until 3/4 of the limit, so that the last one can end in it.
   timeout -k 10 "$limit" "$py" tests/torch/paired_time.py "$program" --frames "$frames" \
     --configs "${config_list[@]}" --pairs "$pairs" --budget-s $((limit * 3 / 4)) \
+    --fresh-every "${PAIR_FRESH_EVERY:-0}" \
     >"$out/paired_$i.csv" 2>"$out/paired_$i.txt"
   rc=$?
   note "== paired $i: $program, $frames frames, ${config_list[*]}: exit $rc ($((SECONDS - t0)) s)"
