@@ -347,6 +347,34 @@ def test_a_configuration_with_commas_reads_back_from_its_rows(monkeypatch, capsy
     assert len(got["gpt2"]) == 2
 
 
+def test_compiled_programs_start_the_other_workers_once_the_first_is_ready(monkeypatch, capsys):
+    # Inductor tunes kernels by timing them: workers compiling side by side may
+    # choose differently, so the first compiles alone and the others reuse it.
+    events = []
+
+    class Recording(FakeProcess):
+        def __init__(self, program, config, program_args=()):
+            events.append("start " + config)
+            super().__init__(program, config, program_args)
+
+        def wait_ready(self):
+            events.append("ready " + self.config)
+
+    for program, staggered in (("compile_kv", True), ("stream_gct", False)):
+        events.clear()
+        FakeProcess.started, FakeProcess.args = [], []
+        monkeypatch.setattr(paired_time, "Worker", Recording)
+        monkeypatch.setattr("sys.argv", ["paired_time.py", program, "--pairs", "1", "--configs",
+                                         "native", "tidalloc", "expandable"])
+        assert paired_time.main() == 0
+        capsys.readouterr()
+        if staggered:
+            assert events[:2] == ["start native", "ready native"]
+            assert sorted(events[2:4]) == ["start expandable", "start tidalloc"]
+        else:
+            assert events[:3] == ["start native", "start tidalloc", "start expandable"]
+
+
 def test_configurations_must_be_two_or_more_and_different(monkeypatch):
     for configs in (["tidalloc"], ["tidalloc", "tidalloc"]):
         monkeypatch.setattr("sys.argv", ["paired_time.py", "gpt2", "--configs"] + configs)

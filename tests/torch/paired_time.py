@@ -49,6 +49,13 @@ another order, so sums round differently). Naming the same program again
 two workers, whose outputs are compared: whether a program's outputs differ
 between processes at all.
 
+For the compiled programs (compile_kv, stream_gct_compile) the first
+configuration's worker starts alone and the others once it is ready: inductor
+times some kernels' configurations the first time they run and caches the
+choice on disk, so workers compiling side by side could each choose
+differently and differ for that alone; started after it, they reuse its
+choices.
+
 --cache cold (the default for the stream_gct programs and compile_kv) empties each
 worker's cache before each timed run, untimed: a streaming program runs once
 per process, and a run that reuses the memory the previous run left mapped
@@ -375,6 +382,12 @@ def main():
     return 1 if status else 0
 
 
+# Programs under torch.compile: inductor tunes some kernels by timing them the
+# first time they run, so two processes that compile at once may choose
+# differently and differ in time for that alone.
+COMPILED_PROGRAMS = ("compile_kv", "stream_gct_compile")
+
+
 def run_set(args, rounds, budget_s, emit):
     """One set of worker processes, one per configuration, for up to `rounds`
     rounds; (status, rounds as run_rounds gives them)."""
@@ -383,10 +396,19 @@ def run_set(args, rounds, budget_s, emit):
     extra = ["--frames", str(args.frames)] if streaming else []
     if (args.cache or ("cold" if streaming else "warm")) == "cold":
         extra.append("--cold")
-    workers = [Worker(args.program, c, program_args=extra) for c in args.configs]
+    compiled = any(p in COMPILED_PROGRAMS for p in programs)
+    workers = []
     status, done = 0, []
     try:
-        for w in workers:
+        if compiled:
+            # The first worker compiles alone; the others then find its kernels
+            # and their tuned configurations in inductor's on-disk caches, so
+            # that every worker runs the same kernels and no difference in
+            # autotuning passes for one between allocators.
+            workers.append(Worker(args.program, args.configs[0], program_args=extra))
+            workers[0].wait_ready()
+        workers += [Worker(args.program, c, program_args=extra) for c in args.configs[len(workers):]]
+        for w in workers[1 if compiled else 0:]:
             w.wait_ready()
         done = run_rounds(workers, rounds, budget_s, emit=emit)
     except RuntimeError as e:
