@@ -343,9 +343,14 @@ def main():
 
     print("program,pair,position,config,seconds,digest,maps,unmaps", flush=True)
 
+    # A configuration may hold commas (tidalloc:KEY:VALUE,KEY:VALUE): the csv
+    # module quotes it, as read_pairs reads it back.
+    rows = csv.writer(sys.stdout, lineterminator="\n")
+
     def emit(i, position, config, r):
-        quoted = '"%s"' % config if "," in config else config
-        print("%s,%d,%d,%s,%.6f,%s,%d,%d" % (args.program, i, position, quoted, *r), flush=True)
+        seconds, digest, maps, unmaps = r
+        rows.writerow([args.program, i, position, config, "%.6f" % seconds, digest, maps, unmaps])
+        sys.stdout.flush()
 
     start, sets, status, total = time.monotonic(), [], 0, 0
     while total < args.pairs:
