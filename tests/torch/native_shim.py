@@ -17,7 +17,10 @@ use_mem_pool; a pool's memory back when its graphs are deleted; compiled
 torch.cat every step, replayed and then grown further so that cudagraph
 trees checkpoint and restore the pool (the case fails if they never do);
 dynamic shapes that re-record; 1000 compiled steps with no growth; the
-statistics and snapshot. Exit status 1 if a case failed."""
+statistics and snapshot; MemPools with their own allocator under a memory
+fraction (PyTorch's test_mempool_limited_memory_with_allocator), and a
+tensor that outlives its pool and the pool's allocator. Exit status 1 if a
+case failed."""
 import argparse
 import gc
 import json
@@ -440,8 +443,143 @@ def case_stats(torch, out):
     del x
 
 
+# ---------------------------------------------------------------------------
+# MemPools with their own allocator
+# ---------------------------------------------------------------------------
+
+OWN_ALLOCATOR_SOURCE = r"""
+#include <cuda_runtime_api.h>
+#include <stddef.h>
+#define EXPORT __attribute__((visibility("default")))
+extern "C" {
+EXPORT int own_allocs = 0;
+EXPORT int own_frees = 0;
+EXPORT void *own_alloc(size_t size, int device, void *stream) {
+  void *p = nullptr;
+  if (cudaMalloc(&p, size) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  own_allocs++;
+  return p;
+}
+EXPORT void own_free(void *p, size_t size, int device, void *stream) {
+  cudaFree(p);
+  own_frees++;
+}
+}
+"""
+
+
+def own_allocator(torch):
+    """A CUDAPluggableAllocator over cudaMalloc, built as PyTorch's MemPool
+    tests build theirs (plain device memory rather than their managed
+    memory), and a function that reads how often it allocated and freed."""
+    import ctypes
+    import tempfile
+    from torch.utils.cpp_extension import load
+    src = os.path.join(tempfile.mkdtemp(prefix="tidalloc_own_"), "own_allocator.cpp")
+    with open(src, "w") as f:
+        f.write(OWN_ALLOCATOR_SOURCE)
+    path = load(name="tidalloc_own_allocator", sources=[src], is_python_module=False,
+                with_cuda=True, verbose=False)
+    lib = ctypes.CDLL(path)
+    calls = lambda: (ctypes.c_int.in_dll(lib, "own_allocs").value,
+                     ctypes.c_int.in_dll(lib, "own_frees").value)
+    return torch.cuda.memory.CUDAPluggableAllocator(path, "own_alloc", "own_free"), calls
+
+
+def case_mempool_limited(torch, out):
+    """PyTorch's test_mempool_limited_memory_with_allocator: two pools with
+    their own allocator, one used when the usual memory runs out, under a
+    memory fraction that leaves 80 MiB. The pools' memory counts against the
+    fraction; freed, it stays cached in its pool; the use_on_oom pool's free
+    memory serves the usual allocations that find none, and goes back to its
+    allocator when the pools are deleted."""
+    if not hasattr(torch.cuda, "MemPool"):
+        out["mempool_limited"] = "skipped: no torch.cuda.MemPool"
+        return
+    allocator, calls = own_allocator(torch)
+    base_allocs, base_frees = calls()
+    pool_do_not_use = torch.cuda.MemPool(allocator.allocator())
+    pool_use = torch.cuda.MemPool(allocator.allocator(), use_on_oom=True)
+    nelem_1mb = MiB // 4
+    init_fraction = torch.cuda.get_per_process_memory_fraction()
+    torch.cuda.empty_cache()
+    _, all_memory = torch.cuda.mem_get_info()
+    pre_reserved = torch.cuda.memory_reserved()
+    torch.cuda.set_per_process_memory_fraction((80 * MiB + pre_reserved) / all_memory)
+
+    def oom(what, nelem):
+        try:
+            torch.randn(nelem, device="cuda")
+        except torch.OutOfMemoryError:
+            return
+        raise Failed("%s did not run out of memory" % what)
+
+    try:
+        with torch.cuda.use_mem_pool(pool_do_not_use):
+            a = torch.randn(40 * nelem_1mb, device="cuda")
+        with torch.cuda.use_mem_pool(pool_use):
+            b = torch.randn(40 * nelem_1mb, device="cuda")
+        b_dataptr = b.data_ptr()
+        check(torch.cuda.memory_reserved() - pre_reserved >= 80 * MiB,
+              "the pools' memory counts in reserved (%d bytes more)"
+              % (torch.cuda.memory_reserved() - pre_reserved))
+        oom("40 MiB in the usual memory with the fraction held by the pools", 40 * nelem_1mb)
+        del a, b
+        c = torch.randn(30 * nelem_1mb, device="cuda")
+        c_dataptr = c.data_ptr()
+        oom("a second 30 MiB (only the use_on_oom pool may serve it)", 30 * nelem_1mb)
+        del c
+        check(b_dataptr == c_dataptr, "the use_on_oom pool's free memory served c")
+        with torch.cuda.use_mem_pool(pool_use):
+            e = torch.randn(20 * nelem_1mb, device="cuda")
+        e_dataptr = e.data_ptr()
+        del e
+        check(e_dataptr == c_dataptr, "the pool's memory is its own again once c is freed")
+        allocs, frees = calls()
+        allocs, frees = allocs - base_allocs, frees - base_frees
+        check(allocs == 2 and frees == 0,
+              "freed pool memory stays cached (%d allocations, %d frees)" % (allocs, frees))
+        del pool_use, pool_do_not_use
+        gc.collect()
+        allocs, frees = calls()
+        allocs, frees = allocs - base_allocs, frees - base_frees
+        check(frees == allocs, "deleted pools gave their memory back (%d allocations, %d frees)"
+              % (allocs, frees))
+    finally:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(init_fraction)
+    out["mempool_limited"] = "ok"
+
+
+def case_mempool_allocator_deleted(torch, out):
+    """PyTorch's test_tensor_delete_after_allocator_delete: a tensor of a
+    pool with its own allocator outlives the pool and the allocator's Python
+    object; its memory goes back through that allocator when it dies, at
+    empty_cache at the latest."""
+    if not hasattr(torch.cuda, "MemPool"):
+        out["mempool_allocator_deleted"] = "skipped: no torch.cuda.MemPool"
+        return
+    allocator, calls = own_allocator(torch)
+    base_allocs, base_frees = calls()
+    pool = torch.cuda.MemPool(allocator.allocator())
+    with torch.cuda.use_mem_pool(pool):
+        data = torch.empty(4, device="cuda")
+    check(calls() == (base_allocs + 1, base_frees), "the pool's allocator allocated once")
+    del pool
+    del allocator
+    check(calls()[1] == base_frees, "the live tensor's memory is kept")
+    del data
+    torch.cuda.empty_cache()
+    check(calls()[1] == base_frees + 1, "the tensor's memory went back through its allocator")
+    out["mempool_allocator_deleted"] = "ok"
+
+
 CASES = ["graph_replay", "shared_pool", "graphed_callables", "mempool", "nested_mempool",
-         "pool_freed", "compile_train", "compile_kv", "dynamic_shapes", "steady", "stats", "oom"]
+         "pool_freed", "compile_train", "compile_kv", "dynamic_shapes", "steady", "stats", "oom",
+         "mempool_limited", "mempool_allocator_deleted"]
 
 
 def run(args):

@@ -33,9 +33,11 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -146,6 +148,40 @@ struct Pool {
   int uses = 0;
   std::shared_ptr<cca::CUDAAllocator> own_allocator; // a MemPool with its own allocator
   bool use_on_oom = false;
+  std::map<uintptr_t, size_t> free_pieces; // own memory cached: address -> bytes
+};
+
+// Memory of a pool's own allocator is cached as PyTorch's allocator caches
+// it: each block the allocator gives is a segment, cut into pieces for the
+// pool's requests (and, for a use_on_oom pool, for those of the usual
+// memory that found none); a freed piece goes back to its pool's free
+// pieces, and a segment goes back to its allocator once wholly free, when
+// the pool is released or emptied. Its bytes count in the figures the shim
+// reports and, under a memory fraction, against it (tidalloc's limit is the
+// fraction less them).
+struct OwnSegment {
+  std::shared_ptr<cca::CUDAAllocator> owner; // alive while its memory is held
+  MempoolId_t pool;
+  size_t size;
+  cudaStream_t stream; // pieces are reused on this stream only
+  bool large;
+  int pieces = 0; // handed out, or freed and waiting on other streams
+};
+
+struct OwnPiece { // handed out
+  size_t size;
+  size_t requested;
+  std::vector<cudaStream_t> streams; // others it was used on (record_stream)
+};
+
+// A freed piece kept until the other streams it was used on are done with
+// it, as PyTorch's allocator does with events; streams still to record an
+// event on wait for the pool routes (captures) to end.
+struct OwnPending {
+  uintptr_t addr;
+  size_t size;
+  std::vector<cudaStream_t> streams;
+  std::vector<cudaEvent_t> events;
 };
 
 // A beginAllocateToPool not yet ended: allocations for which filter says
@@ -162,10 +198,14 @@ struct Device {
   std::unordered_map<uint64_t, MempoolId_t> ids; // tide_pool_id -> MempoolId_t
   std::vector<Route> routes;
   std::atomic<int> nroutes{0};
-  std::unordered_map<void *, std::shared_ptr<cca::CUDAAllocator>>
-      foreign; // blocks of own allocators
+  std::map<uintptr_t, OwnSegment> own_segments; // by address
+  std::unordered_map<void *, OwnPiece> foreign; // pieces of own memory handed out
   std::atomic<int> nforeign{0};
+  std::vector<OwnPending> own_pending;
+  tide_stats own{}; // own memory's figures, added to tidalloc's
   double fraction = 1.0;
+  bool fraction_set = false; // by set_per_process_memory_fraction
+  size_t total = 0;          // the device's memory, which the fraction is of
 };
 
 std::array<Device, kMaxDevices> devices;
@@ -251,11 +291,21 @@ public:
 
   void emptyCache(MempoolId_t mempool_id = {0, 0}) override {
     // tidalloc's empty_cache returns the free memory of every pool without
-    // users and of the usual memory: a superset of one pool's.
+    // users and of the usual memory: a superset of one pool's. Own memory
+    // goes back for the pool named (a pool without users gave it back when
+    // released); for all pools, as under PyTorch's allocator, a live pool
+    // keeps it, and only freed pieces waiting on streams are waited for.
     for (int d = 0; d < kMaxDevices; d++) {
       tide_allocator *a = devices[d].alloc.load();
       if (a && tide_empty_cache(a) != TIDE_OK)
         TORCH_WARN(msg("tidalloc: empty_cache on device ", d, ": ", last_error()));
+      if (!a) continue;
+      Device &dev = devices[d];
+      std::lock_guard<std::mutex> lock(dev.mutex);
+      own_poll_locked(dev, /*wait=*/true);
+      auto it = dev.pools.find(mempool_id);
+      if (mempool_id != MempoolId_t{0, 0} && it != dev.pools.end())
+        own_release_locked(dev, it->second);
     }
   }
 
@@ -265,8 +315,20 @@ public:
     TORCH_CHECK(fraction > 0 && fraction <= 1,
                 msg("tidalloc: invalid fraction ", fraction, ": it must be in (0, 1]"));
     tide_allocator *a = allocator_of(device);
-    TORCH_CHECK(tide_set_memory_fraction(a, fraction) == TIDE_OK, msg("tidalloc: ", last_error()));
-    devices[device].fraction = fraction;
+    tide_info info;
+    TORCH_CHECK(tide_get_info(a, &info) == TIDE_OK, msg("tidalloc: ", last_error()));
+    Device &d = devices[device];
+    std::lock_guard<std::mutex> lock(d.mutex);
+    double was = d.fraction;
+    d.fraction = fraction;
+    d.fraction_set = true;
+    d.total = info.total_memory;
+    if (apply_fraction_locked(d) != TIDE_OK) {
+      std::string why = last_error();
+      d.fraction = was;
+      apply_fraction_locked(d);
+      TORCH_CHECK(false, msg("tidalloc: ", why));
+    }
   }
 
   void cacheInfo(c10::DeviceIndex device, size_t *largest) override {
@@ -301,7 +363,7 @@ public:
     if (!data_ptr.get() || data_ptr.get_deleter() != &delete_block) return;
     c10::DeviceIndex device = decode_device(data_ptr.get_context());
     Device &d = devices[device];
-    if (d.nforeign.load() && is_foreign(d, data_ptr.get())) return;
+    if (d.nforeign.load() && record_foreign(d, data_ptr.get(), stream.stream())) return;
     tide_status st = tide_record_stream(allocator_of(device), data_ptr.get(),
                                         reinterpret_cast<tide_stream>(stream.stream()));
     TORCH_CHECK(st == TIDE_OK, msg("tidalloc: record_stream: ", last_error()));
@@ -313,17 +375,22 @@ public:
     tide_stats st;
     TORCH_CHECK(tide_get_stats(allocator_of(device), &st) == TIDE_OK,
                 msg("tidalloc: ", last_error()));
+    tide_stats own;
+    {
+      std::lock_guard<std::mutex> lock(devices[device].mutex);
+      own = devices[device].own;
+    }
     DeviceStats out;
     for (int p = 0; p < TIDE_POOL_KINDS; p++) {
-      put(out.allocation[p], st.allocations[p]);
-      put(out.segment[p], st.segments[p]);
-      put(out.active[p], st.active_blocks[p]);
+      put(out.allocation[p], st.allocations[p], own.allocations[p]);
+      put(out.segment[p], st.segments[p], own.segments[p]);
+      put(out.active[p], st.active_blocks[p], own.active_blocks[p]);
       put(out.inactive_split[p], st.inactive_split[p]);
-      put(out.allocated_bytes[p], st.allocated_bytes[p]);
-      put(out.reserved_bytes[p], st.reserved_bytes[p]);
-      put(out.active_bytes[p], st.active_bytes[p]);
+      put(out.allocated_bytes[p], st.allocated_bytes[p], own.allocated_bytes[p]);
+      put(out.reserved_bytes[p], st.reserved_bytes[p], own.reserved_bytes[p]);
+      put(out.active_bytes[p], st.active_bytes[p], own.active_bytes[p]);
       put(out.inactive_split_bytes[p], st.inactive_split_bytes[p]);
-      put(out.requested_bytes[p], st.requested_bytes[p]);
+      put(out.requested_bytes[p], st.requested_bytes[p], own.requested_bytes[p]);
     }
     // Counts of allocations and frees are kept; totals of bytes are not.
     out.allocation[0].allocated = static_cast<int64_t>(st.num_allocs);
@@ -344,6 +411,12 @@ public:
   void resetPeakStats(c10::DeviceIndex device) override {
     TORCH_CHECK(tide_reset_peak_stats(allocator_of(device)) == TIDE_OK,
                 msg("tidalloc: ", last_error()));
+    Device &d = devices[device];
+    std::lock_guard<std::mutex> lock(d.mutex);
+    for (tide_stat *s :
+         {d.own.allocations, d.own.segments, d.own.active_blocks, d.own.allocated_bytes,
+          d.own.reserved_bytes, d.own.active_bytes, d.own.requested_bytes})
+      for (int p = 0; p < TIDE_POOL_KINDS; p++) s[p].peak = s[p].current;
   }
 
 #if TIDE_TORCH_AT_LEAST(10)
@@ -360,7 +433,10 @@ public:
     cca::SnapshotInfo info{};
     int count = std::min<int>(c10::cuda::device_count(), kMaxDevices);
     for (int d = 0; d < count; d++) {
-      if (devices[d].alloc.load()) add_segments(info, static_cast<c10::DeviceIndex>(d), mempool_id);
+      if (devices[d].alloc.load()) {
+        add_segments(info, static_cast<c10::DeviceIndex>(d), mempool_id);
+        add_own_segments(info, static_cast<c10::DeviceIndex>(d), mempool_id);
+      }
       info.device_traces.emplace_back(); // no history is recorded
     }
     info.config_metadata.expandable_segments = true;
@@ -416,6 +492,10 @@ public:
     if (tide_pool_release(p.pool) != TIDE_OK && tide_last_status() != TIDE_ERR_NOT_READY)
       TORCH_WARN(msg("tidalloc: releasePool: ", last_error()));
     if (--p.uses == 0) {
+      // Its own memory goes back; a segment with pieces still alive goes
+      // back when the last of them is freed.
+      own_poll_locked(d, /*wait=*/true);
+      own_release_locked(d, p);
       d.ids.erase(tide_id);
       d.pools.erase(it);
     }
@@ -587,9 +667,12 @@ private:
   std::mutex observers_mutex_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
 
-  static void put(c10::CachingAllocator::Stat &to, const tide_stat &from) {
-    to.current = from.current;
-    to.peak = from.peak;
+  // Own memory's figures added: the peak of the sum is at most the sum of
+  // the peaks, which is what is reported.
+  static void put(c10::CachingAllocator::Stat &to, const tide_stat &from,
+                  const tide_stat &own = tide_stat{}) {
+    to.current = from.current + own.current;
+    to.peak = from.peak + own.peak;
   }
 
   tide_allocator *allocator_of(c10::DeviceIndex device) {
@@ -642,9 +725,7 @@ private:
       Pool &pool = d.pools.at(r.id);
       count(kPoolAllocations);
       if (pool.own_allocator) {
-        *out = pool.own_allocator->raw_alloc_with_stream(n, stream);
-        d.foreign[*out] = pool.own_allocator;
-        d.nforeign.store(static_cast<int>(d.foreign.size()));
+        *out = own_malloc(d, r.id, n, stream, lock);
         return true;
       }
       *out = tide_pool_malloc(pool.pool, n, reinterpret_cast<tide_stream>(stream));
@@ -668,9 +749,12 @@ private:
     Device &d = devices[device];
     {
       std::lock_guard<std::mutex> lock(d.mutex);
+      own_poll_locked(d, /*wait=*/false);
       for (auto &[id, pool] : d.pools) {
-        if (!pool.use_on_oom || pool.own_allocator) continue;
-        void *p = tide_pool_malloc(pool.pool, n, reinterpret_cast<tide_stream>(stream));
+        if (!pool.use_on_oom) continue;
+        void *p = pool.own_allocator
+                      ? own_take_locked(d, pool, n, stream)
+                      : tide_pool_malloc(pool.pool, n, reinterpret_cast<tide_stream>(stream));
         if (p) return p;
       }
     }
@@ -697,22 +781,280 @@ private:
     abort(); // not reached: TORCH_CHECK_WITH throws
   }
 
-  static bool is_foreign(Device &d, void *ptr) {
-    std::lock_guard<std::mutex> lock(d.mutex);
-    return d.foreign.count(ptr) != 0;
+  // ------------------------------------------------- pools' own memory
+
+  static constexpr size_t kOwnAlign = 512;     // pieces keep the device bits free
+  static constexpr size_t kOwnSmall = 1 << 20; // PyTorch's small requests
+  static constexpr size_t kOwnRoundLarge = 2 << 20;
+
+  static size_t own_round(size_t n) {
+    return std::max<size_t>(1, (n + kOwnAlign - 1) / kOwnAlign) * kOwnAlign;
   }
 
-  static bool free_foreign(Device &d, void *ptr) {
-    std::shared_ptr<cca::CUDAAllocator> owner;
-    {
-      std::lock_guard<std::mutex> lock(d.mutex);
-      auto it = d.foreign.find(ptr);
-      if (it == d.foreign.end()) return false;
-      owner = std::move(it->second);
-      d.foreign.erase(it);
-      d.nforeign.store(static_cast<int>(d.foreign.size()));
+  // The segment a request gets, sized as PyTorch's allocator sizes them.
+  static size_t own_segment_size(size_t rounded) {
+    if (rounded <= kOwnSmall) return 2 << 20;
+    if (rounded < (10 << 20)) return 20 << 20;
+    return (rounded + kOwnRoundLarge - 1) / kOwnRoundLarge * kOwnRoundLarge;
+  }
+
+  static c10::DeviceIndex index_of(const Device &d) {
+    return static_cast<c10::DeviceIndex>(&d - devices.data());
+  }
+
+  // A figure of all sizes and of the segment's kind moved by delta.
+  static void bump(tide_stat (&s)[TIDE_POOL_KINDS], bool large, int64_t delta) {
+    for (int k : {int{TIDE_POOL_ALL}, int{large ? TIDE_POOL_LARGE : TIDE_POOL_SMALL}}) {
+      s[k].current += delta;
+      s[k].peak = std::max(s[k].peak, s[k].current);
     }
-    owner->raw_delete(ptr);
+  }
+
+  // Under d.mutex: tidalloc's limit is the fraction's bytes less the own
+  // memory held, so that both together stay within the fraction. Untouched
+  // until PyTorch sets a fraction (TIDALLOC_CONF's then applies alone).
+  static tide_status apply_fraction_locked(Device &d) {
+    tide_allocator *a = d.alloc.load();
+    if (!a || !d.fraction_set) return TIDE_OK;
+    int64_t held = d.own.reserved_bytes[TIDE_POOL_ALL].current;
+    if (d.fraction >= 1.0 || held <= 0 || !d.total) return tide_set_memory_fraction(a, d.fraction);
+    double total = static_cast<double>(d.total);
+    size_t allowed = static_cast<size_t>(d.fraction * total); // as tidalloc computes it
+    size_t limit =
+        allowed > static_cast<size_t>(held) + 1 ? allowed - static_cast<size_t>(held) : 1;
+    double f = static_cast<double>(limit) / total;
+    while (static_cast<size_t>(f * total) < limit) f = std::nextafter(f, 1.0);
+    return tide_set_memory_fraction(a, f);
+  }
+
+  // Under d.mutex: whether `bytes` more of own memory stay within the
+  // fraction, as PyTorch's allocator checks a pool allocator's segments.
+  static bool own_fits_locked(Device &d, size_t bytes, std::string *why) {
+    if (!d.fraction_set || d.fraction >= 1.0 || !d.total) return true;
+    tide_stats st;
+    if (tide_get_stats(d.alloc.load(), &st) != TIDE_OK) return true;
+    size_t allowed = static_cast<size_t>(d.fraction * static_cast<double>(d.total));
+    size_t used = static_cast<size_t>(st.reserved_bytes[TIDE_POOL_ALL].current) +
+                  static_cast<size_t>(d.own.reserved_bytes[TIDE_POOL_ALL].current);
+    if (used + bytes <= allowed) return true;
+    *why = msg("The pool's allocator would pass the memory fraction (", d.fraction, " of ", d.total,
+               " bytes: ", allowed, "): tidalloc reserves ",
+               st.reserved_bytes[TIDE_POOL_ALL].current, " bytes, pools' own allocators hold ",
+               d.own.reserved_bytes[TIDE_POOL_ALL].current, ", a new segment needs ", bytes, ".");
+    return false;
+  }
+
+  static std::map<uintptr_t, OwnSegment>::iterator own_segment_of(Device &d, uintptr_t addr) {
+    auto it = d.own_segments.upper_bound(addr);
+    return std::prev(it); // a piece lies in a segment
+  }
+
+  // Under d.mutex: the best fitting free piece of the pool on `stream`,
+  // split when the rest is worth keeping (PyTorch's rule), handed out; null
+  // if none fits.
+  static void *own_take_locked(Device &d, Pool &pool, size_t n, cudaStream_t stream) {
+    size_t want = own_round(n);
+    auto best = pool.free_pieces.end();
+    for (auto it = pool.free_pieces.begin(); it != pool.free_pieces.end(); ++it)
+      if (it->second >= want && (best == pool.free_pieces.end() || it->second < best->second) &&
+          own_segment_of(d, it->first)->second.stream == stream)
+        best = it;
+    if (best == pool.free_pieces.end()) return nullptr;
+    uintptr_t addr = best->first;
+    size_t size = best->second, rest = size - want;
+    pool.free_pieces.erase(best);
+    if (want <= kOwnSmall ? rest >= kOwnAlign : rest > kOwnSmall) {
+      pool.free_pieces.emplace(addr + want, rest);
+      size = want;
+    }
+    OwnSegment &seg = own_segment_of(d, addr)->second;
+    seg.pieces++;
+    d.foreign.emplace(reinterpret_cast<void *>(addr), OwnPiece{size, n, {}});
+    d.nforeign.store(static_cast<int>(d.foreign.size()));
+    bump(d.own.allocations, seg.large, 1);
+    bump(d.own.active_blocks, seg.large, 1);
+    bump(d.own.allocated_bytes, seg.large, static_cast<int64_t>(size));
+    bump(d.own.active_bytes, seg.large, static_cast<int64_t>(size));
+    bump(d.own.requested_bytes, seg.large, static_cast<int64_t>(n));
+    return reinterpret_cast<void *>(addr);
+  }
+
+  // An allocation of a pool with its own allocator (d.mutex held by `lock`):
+  // a cached piece, else a new segment of the allocator within the
+  // fraction, after giving back the pool's free segments if it must.
+  static void *own_malloc(Device &d, MempoolId_t id, size_t n, cudaStream_t stream,
+                          std::unique_lock<std::mutex> &lock) {
+    Pool &pool = d.pools.at(id);
+    if (void *p = own_take_locked(d, pool, n, stream)) return p;
+    size_t want = own_round(n), bytes = own_segment_size(want);
+    std::string why;
+    if (!own_fits_locked(d, bytes, &why)) {
+      own_release_locked(d, pool);
+      if (!own_fits_locked(d, bytes, &why)) {
+        lock.unlock();
+        throw_oom(n, why);
+      }
+    }
+    void *base = pool.own_allocator->raw_alloc_with_stream(bytes, stream);
+    if (!base) {
+      lock.unlock();
+      throw_oom(n, "The pool's allocator returned no memory.");
+    }
+    uintptr_t addr = reinterpret_cast<uintptr_t>(base);
+    if (addr & kDeviceBits) {
+      give_back(pool.own_allocator, base);
+      lock.unlock();
+      TORCH_CHECK(false, msg("tidalloc: the pool's allocator returned ", base,
+                             ", not aligned to 64 bytes"));
+    }
+    d.own_segments.emplace(addr,
+                           OwnSegment{pool.own_allocator, id, bytes, stream, want > kOwnSmall});
+    bump(d.own.segments, want > kOwnSmall, 1);
+    bump(d.own.reserved_bytes, want > kOwnSmall, static_cast<int64_t>(bytes));
+    if (apply_fraction_locked(d) != TIDE_OK)
+      TORCH_WARN(msg("tidalloc: memory fraction: ", last_error()));
+    pool.free_pieces.emplace(addr, bytes);
+    return own_take_locked(d, pool, n, stream);
+  }
+
+  static void give_back(const std::shared_ptr<cca::CUDAAllocator> &owner, void *ptr) {
+    try {
+      owner->raw_delete(ptr);
+    } catch (const std::exception &e) {
+      TORCH_WARN(msg("tidalloc: giving ", ptr, " back to its pool's allocator failed: ", e.what()));
+    }
+  }
+
+  // Under d.mutex: a wholly free segment back to its allocator.
+  static void own_give_back_locked(Device &d, std::map<uintptr_t, OwnSegment>::iterator seg) {
+    void *base = reinterpret_cast<void *>(seg->first);
+    OwnSegment s = std::move(seg->second);
+    d.own_segments.erase(seg);
+    bump(d.own.segments, s.large, -1);
+    bump(d.own.reserved_bytes, s.large, -static_cast<int64_t>(s.size));
+    if (apply_fraction_locked(d) != TIDE_OK)
+      TORCH_WARN(msg("tidalloc: memory fraction: ", last_error()));
+    give_back(s.owner, base);
+  }
+
+  // Under d.mutex: the pool's wholly free segments back to its allocator.
+  static void own_release_locked(Device &d, Pool &pool) {
+    for (auto it = pool.free_pieces.begin(); it != pool.free_pieces.end();) {
+      auto seg = d.own_segments.find(it->first);
+      if (seg == d.own_segments.end() || seg->second.size != it->second) {
+        ++it;
+        continue;
+      }
+      it = pool.free_pieces.erase(it);
+      own_give_back_locked(d, seg);
+    }
+  }
+
+  // Under d.mutex: a freed piece no stream uses any more back among its
+  // pool's free pieces, merged with its free neighbours in the segment; its
+  // segment back to the allocator when the pool is gone and no piece is left.
+  static void own_complete_locked(Device &d, uintptr_t addr, size_t size) {
+    auto seg = own_segment_of(d, addr);
+    OwnSegment &s = seg->second;
+    bump(d.own.active_blocks, s.large, -1);
+    bump(d.own.active_bytes, s.large, -static_cast<int64_t>(size));
+    s.pieces--;
+    auto pool = d.pools.find(s.pool);
+    if (pool == d.pools.end() || pool->second.own_allocator != s.owner) { // released
+      if (s.pieces == 0) own_give_back_locked(d, seg);
+      return;
+    }
+    auto &free = pool->second.free_pieces;
+    uintptr_t end = seg->first + s.size;
+    auto next = free.lower_bound(addr);
+    if (next != free.end() && next->first == addr + size && next->first < end) {
+      size += next->second;
+      next = free.erase(next);
+    }
+    if (next != free.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first >= seg->first && prev->first + prev->second == addr) {
+        prev->second += size;
+        return;
+      }
+    }
+    free.emplace(addr, size);
+  }
+
+  // Under d.mutex: freed pieces whose other streams are done complete; with
+  // wait, they are waited for. While a route is open (a capture, or
+  // use_mem_pool) no event is recorded or queried, as in PyTorch's allocator.
+  static void own_poll_locked(Device &d, bool wait) {
+    if (d.own_pending.empty() || !d.routes.empty()) return;
+    c10::cuda::CUDAGuard guard(index_of(d));
+    for (size_t i = 0; i < d.own_pending.size();) {
+      OwnPending &w = d.own_pending[i];
+      for (cudaStream_t s : w.streams) {
+        cudaEvent_t e = nullptr;
+        if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess &&
+            cudaEventRecord(e, s) == cudaSuccess) {
+          w.events.push_back(e);
+        } else {
+          if (e) (void)cudaEventDestroy(e);
+          (void)cudaGetLastError();
+          TORCH_WARN(msg("tidalloc: recording an event for a freed piece of a pool's own memory "
+                         "failed; it waits for the device instead"));
+          (void)cudaDeviceSynchronize();
+        }
+      }
+      w.streams.clear();
+      bool done = true;
+      for (cudaEvent_t e : w.events) {
+        if ((wait ? cudaEventSynchronize(e) : cudaEventQuery(e)) != cudaSuccess) {
+          (void)cudaGetLastError(); // not ready
+          done = false;
+          break;
+        }
+      }
+      if (!done) {
+        i++;
+        continue;
+      }
+      for (cudaEvent_t e : w.events) (void)cudaEventDestroy(e);
+      uintptr_t addr = w.addr;
+      size_t size = w.size;
+      d.own_pending.erase(d.own_pending.begin() + static_cast<std::ptrdiff_t>(i));
+      own_complete_locked(d, addr, size);
+    }
+  }
+
+  // Whether ptr is a piece of own memory; if so it is freed: back to its
+  // pool at once, or once the other streams it was used on are done.
+  static bool free_foreign(Device &d, void *ptr) {
+    std::lock_guard<std::mutex> lock(d.mutex);
+    auto it = d.foreign.find(ptr);
+    if (it == d.foreign.end()) return false;
+    OwnPiece piece = std::move(it->second);
+    d.foreign.erase(it);
+    d.nforeign.store(static_cast<int>(d.foreign.size()));
+    uintptr_t addr = reinterpret_cast<uintptr_t>(ptr);
+    bool large = own_segment_of(d, addr)->second.large;
+    bump(d.own.allocations, large, -1);
+    bump(d.own.allocated_bytes, large, -static_cast<int64_t>(piece.size));
+    bump(d.own.requested_bytes, large, -static_cast<int64_t>(piece.requested));
+    if (piece.streams.empty()) {
+      own_complete_locked(d, addr, piece.size);
+    } else {
+      d.own_pending.push_back({addr, piece.size, std::move(piece.streams), {}});
+      own_poll_locked(d, /*wait=*/false);
+    }
+    return true;
+  }
+
+  // Whether ptr is a piece of own memory; if so `stream` is noted for its free.
+  static bool record_foreign(Device &d, void *ptr, cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(d.mutex);
+    auto it = d.foreign.find(ptr);
+    if (it == d.foreign.end()) return false;
+    auto &streams = it->second.streams;
+    if (stream != own_segment_of(d, reinterpret_cast<uintptr_t>(ptr))->second.stream &&
+        std::find(streams.begin(), streams.end(), stream) == streams.end())
+      streams.push_back(stream);
     return true;
   }
 
@@ -770,6 +1112,56 @@ private:
       add_runs(info, device, s, l.blocks, owner);
     }
     tide_layout_free(&l);
+  }
+
+  // The own memory of `device`'s pools: each segment one SegmentInfo, its
+  // pieces in address order and free blocks between them.
+  static void add_own_segments(cca::SnapshotInfo &info, c10::DeviceIndex device, MempoolId_t only) {
+    Device &d = devices[device];
+    std::lock_guard<std::mutex> lock(d.mutex);
+    for (auto &[base, seg] : d.own_segments) {
+      if (only != MempoolId_t{0, 0} && seg.pool != only) continue;
+      uintptr_t end = base + seg.size;
+      std::map<uintptr_t, cca::BlockInfo> used;
+      for (auto &[ptr, piece] : d.foreign) {
+        uintptr_t at = reinterpret_cast<uintptr_t>(ptr);
+        if (at < base || at >= end) continue;
+        cca::BlockInfo &b = used[at];
+        b.size = piece.size;
+        b.requested_size = piece.requested;
+        b.allocated = b.active = true;
+      }
+      for (const OwnPending &w : d.own_pending) {
+        if (w.addr < base || w.addr >= end) continue;
+        cca::BlockInfo &b = used[w.addr];
+        b.size = w.size;
+        b.active = true;
+      }
+      info.segments.emplace_back();
+      cca::SegmentInfo &out = info.segments.back();
+      out.device = device;
+      out.address = base;
+      out.total_size = seg.size;
+      out.stream = reinterpret_cast<decltype(out.stream)>(seg.stream);
+      out.is_large = seg.large;
+      out.owner_private_pool_id = seg.pool;
+      uintptr_t at = base;
+      auto add_free = [&](uintptr_t to) {
+        if (to <= at) return;
+        cca::BlockInfo b;
+        b.size = to - at;
+        out.blocks.push_back(std::move(b));
+      };
+      for (auto &[addr, b] : used) {
+        add_free(addr);
+        out.requested_size += b.requested_size;
+        if (b.allocated) out.allocated_size += b.size;
+        out.active_size += b.size;
+        at = addr + b.size;
+        out.blocks.push_back(std::move(b));
+      }
+      add_free(end);
+    }
   }
 
   static void add_runs(cca::SnapshotInfo &info, c10::DeviceIndex device, const tide_segment_view &s,
