@@ -533,6 +533,16 @@ TIDE_API void *tide_pool_malloc(tide_pool *pool, size_t size, tide_stream stream
 TIDE_API tide_status tide_capture_watch_begin(tide_allocator *alloc);
 /* TIDE_ERR_STATE without a begin to end. */
 TIDE_API tide_status tide_capture_watch_end(tide_allocator *alloc);
+/* graph_capture_record_stream_reuse (the option sets it at creation; this
+ * switches it at run time, as PyTorch's setting may change between
+ * captures): while on (nonzero), a capture pool's block freed during a
+ * capture after use on other streams (tide_record_stream, or a free on
+ * another stream) is taken again by allocations on its own stream in the
+ * same capture as soon as the capture's graph orders every such use before
+ * that stream's next work (the streams joined), not only after the capture
+ * ends. It asks the driver for the graph's dependencies while such a free
+ * waits. Frees made while it is off wait for the capture's end. */
+TIDE_API tide_status tide_capture_reuse_set(tide_allocator *alloc, int on);
 /* The addresses of the blocks allocated in `pool` now: up to `cap` of them
  * into `out` (may be NULL with cap 0), their number into *count (which may
  * be more than cap: call again with room for them). What PyTorch's
@@ -756,8 +766,9 @@ typedef enum tide_backend_op {
   TIDE_OP_HOST_FREE,
   TIDE_OP_COPY,
   TIDE_OP_CAPTURE_STATUS,
-  TIDE_OP_EXPORT, /* a memory handle to a file descriptor (sharing) */
-  TIDE_OP_IMPORT, /* a file descriptor to a memory handle */
+  TIDE_OP_EXPORT,        /* a memory handle to a file descriptor (sharing) */
+  TIDE_OP_IMPORT,        /* a file descriptor to a memory handle */
+  TIDE_OP_CAPTURE_GRAPH, /* the dependencies of a stream or node in a capture's graph */
   TIDE_OP_COUNT
 } tide_backend_op;
 
@@ -780,6 +791,16 @@ TIDE_API tide_status tide_host_capture_begin(tide_allocator *alloc, tide_stream 
 TIDE_API tide_status tide_host_capture_join(tide_allocator *alloc, tide_stream stream,
                                             tide_stream capturing);
 TIDE_API tide_status tide_host_capture_end(tide_allocator *alloc, tide_stream stream);
+/* The emulated capture's graph, for graph_capture_record_stream_reuse: _work
+ * captures a node of work on `stream` (being captured), after the nodes its
+ * work had reached; _wait makes `stream` wait for what `other` (being
+ * captured) reached, as an event recorded on `other` and waited for on
+ * `stream` (joining `stream` to the capture if it is in none). _begin
+ * starts a stream with no dependencies and _join copies those of
+ * `capturing`. */
+TIDE_API tide_status tide_host_capture_work(tide_allocator *alloc, tide_stream stream);
+TIDE_API tide_status tide_host_capture_wait(tide_allocator *alloc, tide_stream stream,
+                                            tide_stream other);
 /* Make the n-th call (n >= 1, counted from now) of `op` fail; TIDE_OP_ANY
  * counts calls of every operation. n = 0 disarms. One arming per op. */
 TIDE_API tide_status tide_host_fail_call(tide_allocator *alloc, tide_backend_op op, uint64_t n);

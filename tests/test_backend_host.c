@@ -807,6 +807,13 @@ static int call_op_once(op_fixture *x, tide_backend_op op) {
     if (rc == TIDE_OK) assert_true(!capturing && id == 0);
     break;
   }
+  case TIDE_OP_CAPTURE_GRAPH: {
+    uint64_t id = 1;
+    size_t n = 1;
+    rc = o->capture_deps(c, x->stream, &id, NULL, 0, &n);
+    if (rc == TIDE_OK) assert_true(id == 0 && n == 0);
+    break;
+  }
   case TIDE_OP_ANY:
   case TIDE_OP_COUNT: break;
   }

@@ -67,6 +67,7 @@ static const char *const all_keys[] = {
     "wait_limit",
     "peer_access",
     "capture_detection",
+    "graph_capture_record_stream_reuse",
     "trace",
     "host_capacity",
     "host_granularity",
@@ -93,6 +94,7 @@ static void test_defaults(void **state) {
   assert_true(v->release_holes);
   assert_true(v->load_handles);
   assert_false(v->capture_detection);
+  assert_false(v->graph_reuse);
   assert_int_equal(v->trace_capacity, 0);
   assert_int_equal(v->host_capacity, 24 * TIDE_GiB);
   assert_int_equal(v->host_granularity, 2 * TIDE_MiB);
@@ -285,7 +287,8 @@ static void test_values_reach_the_struct(void **state) {
                         "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
                         "load_handles:False,release_slack:0.05,release_limit:0.25,wait_limit:0.3,"
                         "peer_access:False,capture_detection:True,"
-                        "trace:100,host_capacity:8GiB,host_granularity:64KiB,"
+                        "graph_capture_record_stream_reuse:True,trace:100,host_capacity:8GiB,host_"
+                        "granularity:64KiB,"
                         "host_devices:4,host_queue_depth:3,roundup_power2_divisions:8"),
       TIDE_OK);
   const _tide_conf_values *v = _tide_config_values(config);
@@ -305,6 +308,7 @@ static void test_values_reach_the_struct(void **state) {
   assert_true(v->wait_limit == 0.3);
   assert_false(v->peer_access);
   assert_true(v->capture_detection);
+  assert_true(v->graph_reuse);
   assert_int_equal(v->trace_capacity, 100);
   assert_int_equal(v->host_capacity, 8 * TIDE_GiB);
   assert_int_equal(v->host_granularity, 64 * TIDE_KiB);

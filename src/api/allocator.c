@@ -386,6 +386,9 @@ void *tide_pool_malloc(tide_pool *pool, size_t size, tide_stream stream) {
     _tide_error_prefix("tide_pool_malloc(%zu bytes) on stream %p", size, (void *)stream);
     return NULL;
   }
+  /* A free the capture's graph now orders before this allocation. */
+  if (TIDE_UNLIKELY(atomic_load_explicit(&a->reuse_marked, memory_order_relaxed)))
+    _tide_capture_reuse(a, stream);
   size_t rounded = rounded_size(a, size);
   _tide_lock_acquire(&arena->lock);
   return malloc_in_arena(a, arena, size, rounded, stream);
@@ -780,6 +783,18 @@ tide_status tide_host_capture_end(tide_allocator *a, tide_stream stream) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   int rc = need_host(a, __func__);
   return (tide_status)(rc ? rc : _tide_host_capture_end(&a->backend, stream));
+}
+
+tide_status tide_host_capture_work(tide_allocator *a, tide_stream stream) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  int rc = need_host(a, __func__);
+  return (tide_status)(rc ? rc : _tide_host_capture_work(&a->backend, stream));
+}
+
+tide_status tide_host_capture_wait(tide_allocator *a, tide_stream stream, tide_stream other) {
+  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  int rc = need_host(a, __func__);
+  return (tide_status)(rc ? rc : _tide_host_capture_wait(&a->backend, stream, other));
 }
 
 tide_status tide_host_fail_call(tide_allocator *a, tide_backend_op op, uint64_t n) {

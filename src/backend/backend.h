@@ -48,7 +48,15 @@
  * - stream_capture_status: whether `stream` is being captured into a graph
  *   now, and the id of its capture (never 0 while capturing; streams forked
  *   into a capture share its id). Legal during a capture. The default stream
- *   is never being captured. */
+ *   is never being captured.
+ * - capture_deps (optional, NULL where the device cannot tell): the capture
+ *   id of `stream` (0: not being captured) and the graph nodes the next work
+ *   captured on it will depend on (its capture's terminal nodes on that
+ *   stream; none while nothing was captured on it since it joined).
+ *   node_deps: the nodes a node of a capture under way depends on. Both put
+ *   up to `cap` nodes into `out` (may be NULL with cap 0) and their number
+ *   into *n, which may be more than cap (ask again with room). Queries,
+ *   legal during a capture. */
 #ifndef TIDE_BACKEND_H
 #define TIDE_BACKEND_H
 
@@ -60,6 +68,7 @@
 
 typedef uint64_t _tide_handle; /* physical memory: never 0 */
 typedef void *_tide_event;
+typedef uint64_t _tide_node; /* a node of a graph being captured: never 0 */
 
 typedef struct _tide_backend_ops {
   const char *name;
@@ -92,6 +101,9 @@ typedef struct _tide_backend_ops {
   int (*stream_check)(void *ctx, tide_stream stream);
   int (*stream_capture_status)(void *ctx, tide_stream stream, bool *capturing,
                                uint64_t *capture_id);
+  int (*capture_deps)(void *ctx, tide_stream stream, uint64_t *capture_id, _tide_node *out,
+                      size_t cap, size_t *n);
+  int (*node_deps)(void *ctx, _tide_node node, _tide_node *out, size_t cap, size_t *n);
   int (*event_create)(void *ctx, _tide_event *out);
   int (*event_destroy)(void *ctx, _tide_event event);
   int (*event_record)(void *ctx, _tide_event event, tide_stream stream);
@@ -125,6 +137,8 @@ int _tide_host_stream_release(_tide_backend *b, tide_stream stream);
 int _tide_host_capture_begin(_tide_backend *b, tide_stream stream);
 int _tide_host_capture_join(_tide_backend *b, tide_stream stream, tide_stream capturing);
 int _tide_host_capture_end(_tide_backend *b, tide_stream stream);
+int _tide_host_capture_work(_tide_backend *b, tide_stream stream);
+int _tide_host_capture_wait(_tide_backend *b, tide_stream stream, tide_stream other);
 int _tide_host_fail_call(_tide_backend *b, tide_backend_op op, uint64_t n);
 uint64_t _tide_host_call_count(_tide_backend *b, tide_backend_op op);
 uint64_t _tide_host_bytes_in_use(_tide_backend *b);

@@ -21,10 +21,12 @@
  * - Pinned host memory: cuMemHostAlloc (portable and device-mapped, as
  *   PyTorch's host allocator asks) / cuMemFreeHost. Copies: cuMemcpyAsync,
  *   which with unified addressing finds the direction from the pointers.
- *   These entry points, cuDeviceCanAccessPeer and cuStreamGetCaptureInfo are
- *   optional: a driver without them still serves device memory, and the
- *   call that needs one says that the driver lacks it (without the last, no
- *   stream is seen being captured).
+ *   These entry points, cuDeviceCanAccessPeer, cuStreamGetCaptureInfo and
+ *   cuGraphNodeGetDependencies are optional: a driver without them still
+ *   serves device memory, and the call that needs one says that the driver
+ *   lacks it (without cuStreamGetCaptureInfo no stream is seen being
+ *   captured; the two graph queries serve graph_capture_record_stream_reuse,
+ *   at the ABI of 12.0, without edge data).
  * - Context: the device's primary context, retained while the backend is
  *   open, so that memory and streams are shared with the CUDA runtime (and
  *   PyTorch). A call makes it current only if the calling thread has another
@@ -193,6 +195,9 @@ typedef struct cuda_driver {
    * asked for (12.0, or the driver's, at least 11.3) gets. */
   CUresult (*stream_get_capture_info)(CUstream, CUstreamCaptureStatus *, cuuint64_t *, CUgraph *,
                                       const CUgraphNode **, size_t *);
+  /* The signature of 12.0, without edge data (a graph with edges that carry
+   * data answers CUDA_ERROR_LOSSY_QUERY, and no reuse is proven there). */
+  CUresult (*graph_node_get_dependencies)(CUgraphNode, CUgraphNode *, size_t *);
   CUresult (*mem_export)(void *, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
                          unsigned long long);
   CUresult (*mem_import)(CUmemGenericAllocationHandle *, void *, CUmemAllocationHandleType);
@@ -242,6 +247,7 @@ static const driver_symbol optional_symbols[] = {
     SYMBOL("cuMemHostAlloc", mem_host_alloc),
     SYMBOL("cuMemFreeHost", mem_free_host),
     SYMBOL("cuStreamGetCaptureInfo", stream_get_capture_info),
+    SYMBOL("cuGraphNodeGetDependencies", graph_node_get_dependencies),
     SYMBOL("cuMemExportToShareableHandle", mem_export),
     SYMBOL("cuMemImportFromShareableHandle", mem_import),
 };
@@ -1107,6 +1113,84 @@ static int cuda_stream_capture_status(void *ctx, tide_stream stream, bool *captu
   return TIDE_OK;
 }
 
+/* Up to cap of the n nodes into out; *count gets n. */
+static void give_nodes(const CUgraphNode *nodes, size_t n, _tide_node *out, size_t cap,
+                       size_t *count) {
+  for (size_t i = 0; i < n && i < cap && out; i++) out[i] = (_tide_node)(uintptr_t)nodes[i];
+  *count = n;
+}
+
+/* The graph nodes the next work captured on `stream` will depend on: the
+ * dependencies cuStreamGetCaptureInfo gives (valid until the next call on
+ * the stream, so copied at once). */
+static int cuda_capture_deps(void *ctx, tide_stream stream, uint64_t *capture_id, _tide_node *out,
+                             size_t cap, size_t *n) {
+  cuda_device *d = ctx;
+  if (!capture_id || !n || (cap && !out))
+    return _tide_error_set(TIDE_ERR_INVALID, "capture_deps: NULL output");
+  *capture_id = 0;
+  *n = 0;
+  if (!stream || !d->drv.stream_get_capture_info) return TIDE_OK;
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  cuuint64_t id = 0;
+  const CUgraphNode *deps = NULL;
+  size_t ndeps = 0;
+  char text[48];
+  scope s;
+  int rc = enter(d, &s, "asking what a captured stream's next work depends on");
+  if (rc) return rc;
+  CUresult r = d->drv.stream_get_capture_info(cu_stream(stream), &status, &id, NULL, &deps, &ndeps);
+  if (r == CUDA_SUCCESS && status == CU_STREAM_CAPTURE_STATUS_ACTIVE) {
+    *capture_id = id ? (uint64_t)id : UINT64_MAX; /* ids are never 0 */
+    give_nodes(deps, ndeps, out, cap, n);
+  }
+  leave(d, &s);
+  if (r != CUDA_SUCCESS)
+    return fail(d, r, "cuStreamGetCaptureInfo", "asking what %s's captured work depends on",
+                stream_text(stream, text, sizeof text));
+  return TIDE_OK;
+}
+
+/* The driver fills at most the room it is given and says no more, so a
+ * full first answer asks for the count (NULL array) before the rest. */
+static CUresult node_deps_query(const cuda_device *d, CUgraphNode node, _tide_node *out, size_t cap,
+                                size_t *n) {
+  CUgraphNode found[16];
+  size_t count = sizeof found / sizeof found[0], total = 0;
+  CUresult r = d->drv.graph_node_get_dependencies(node, found, &count);
+  if (r == CUDA_SUCCESS && count == sizeof found / sizeof found[0])
+    r = d->drv.graph_node_get_dependencies(node, NULL, &total);
+  if (r != CUDA_SUCCESS || total <= count) {
+    if (r == CUDA_SUCCESS) give_nodes(found, count, out, cap, n);
+    return r;
+  }
+  *n = total;
+  if (cap < total) return CUDA_SUCCESS; /* the caller asks again with room */
+  CUgraphNode *all = malloc(total * sizeof *all);
+  if (!all) return CUDA_ERROR_OUT_OF_MEMORY;
+  r = d->drv.graph_node_get_dependencies(node, all, &total);
+  if (r == CUDA_SUCCESS) give_nodes(all, total, out, cap, n);
+  free(all);
+  return r;
+}
+
+static int cuda_node_deps(void *ctx, _tide_node node, _tide_node *out, size_t cap, size_t *n) {
+  cuda_device *d = ctx;
+  if (!n || (cap && !out)) return _tide_error_set(TIDE_ERR_INVALID, "node_deps: NULL output");
+  if (!d->drv.graph_node_get_dependencies)
+    return _tide_error_set(TIDE_ERR_UNAVAILABLE,
+                           "CUDA device %d: the driver has no cuGraphNodeGetDependencies",
+                           d->ordinal);
+  scope s;
+  int rc = enter(d, &s, "asking what a graph node depends on");
+  if (rc) return rc;
+  CUresult r = node_deps_query(d, (CUgraphNode)(uintptr_t)node, out, cap, n);
+  leave(d, &s);
+  if (r != CUDA_SUCCESS)
+    return fail(d, r, "cuGraphNodeGetDependencies", "asking what a captured graph node depends on");
+  return TIDE_OK;
+}
+
 static int cuda_event_create(void *ctx, _tide_event *out) {
   cuda_device *d = ctx;
   if (!out) return _tide_error_set(TIDE_ERR_INVALID, "event_create: NULL output");
@@ -1224,6 +1308,8 @@ static const _tide_backend_ops cuda_ops = {
     .stream_synchronize = cuda_stream_synchronize,
     .stream_check = cuda_stream_check,
     .stream_capture_status = cuda_stream_capture_status,
+    .capture_deps = cuda_capture_deps,
+    .node_deps = cuda_node_deps,
     .event_create = cuda_event_create,
     .event_destroy = cuda_event_destroy,
     .event_record = cuda_event_record,

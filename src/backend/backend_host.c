@@ -23,7 +23,11 @@
  *   has a capture id, which streams joined to it share; waiting for it is
  *   refused as the driver refuses it, and an event recorded on it belongs to
  *   the graph: it never completes until it is recorded again outside a
- *   capture (the driver answers CUDA_ERROR_CAPTURED_EVENT).
+ *   capture (the driver answers CUDA_ERROR_CAPTURED_EVENT). Its graph is
+ *   kept as far as the allocator asks of it: each stream's dependencies
+ *   (what its next captured work follows), nodes of work (captured on a
+ *   stream with tide_host_capture_work), forks and joins (_join, _wait);
+ *   the nodes go when their capture ends.
  * - Pinned host memory (host_alloc) is plain page-aligned anonymous memory,
  *   counted against nothing: the emulated device's capacity is device memory.
  *   Its ranges are remembered, so host_free knows their sizes.
@@ -91,6 +95,7 @@ static const char *const op_names[TIDE_OP_COUNT] = {
     [TIDE_OP_CAPTURE_STATUS] = "capture_status",
     [TIDE_OP_EXPORT] = "export",
     [TIDE_OP_IMPORT] = "import",
+    [TIDE_OP_CAPTURE_GRAPH] = "capture_graph",
 };
 
 const char *tide_backend_op_name(tide_backend_op op) {
@@ -134,7 +139,10 @@ typedef struct host_stream {
   bool alive; /* created and not destroyed (slot 0, the default stream, always) */
   bool held;
   uint64_t capture_id; /* being captured into a graph (0: not) */
-  uint64_t submitted;  /* tickets handed out; never reset, even when the slot is reused */
+  /* While captured: the nodes its next captured work will depend on. */
+  uint64_t *deps;
+  size_t ndeps, deps_cap;
+  uint64_t submitted; /* tickets handed out; never reset, even when the slot is reused */
   uint64_t completed;
 } host_stream;
 
@@ -147,6 +155,14 @@ typedef struct host_event {
   uint64_t ticket;
   uint64_t queries; /* since it was recorded, while not done */
 } host_event;
+
+/* A node of a graph being captured: work captured on a stream, after the
+ * nodes that stream's captured work had reached. */
+typedef struct host_node {
+  uint64_t capture_id; /* 0 once its capture ended */
+  uint64_t *deps;      /* node ids */
+  size_t ndeps;
+} host_node;
 
 /* Slots freed for reuse. */
 typedef struct index_stack {
@@ -194,6 +210,11 @@ typedef struct host_device {
   size_t event_count, event_cap;
   index_stack free_events;
   uint64_t next_capture_id;
+  /* Nodes of the captures under way; node id = node_base + index + 1, so
+   * ids stay unique after the table is emptied (when no capture is left). */
+  host_node *nodes;
+  size_t node_count, node_cap;
+  uint64_t node_base;
 
   _Atomic uint64_t calls[TIDE_OP_COUNT];
   _Atomic uint64_t fail_at[TIDE_OP_COUNT];          /* the call number that fails; 0: none */
@@ -918,6 +939,7 @@ static int host_stream_create(void *ctx, tide_stream *out) {
   d->streams[slot].alive = true;
   d->streams[slot].held = false;
   d->streams[slot].capture_id = 0;
+  d->streams[slot].ndeps = 0;
   *out = stream_id(d, slot);
   unlock(d);
   return TIDE_OK;
@@ -1001,6 +1023,92 @@ static int host_stream_capture_status(void *ctx, tide_stream stream, bool *captu
   *capturing = *capture_id != 0;
   unlock(d);
   return TIDE_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Emulated capture graphs                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* Up to cap of the n ids into out; *count gets n. */
+static void give_nodes(const uint64_t *ids, size_t n, _tide_node *out, size_t cap, size_t *count) {
+  if (out && n) memcpy(out, ids, (n < cap ? n : cap) * sizeof *ids);
+  *count = n;
+}
+
+/* The node of an id whose capture is under way, else NULL. Under the lock. */
+static const host_node *node_find(const host_device *d, _tide_node id) {
+  if (id <= d->node_base || id - d->node_base > d->node_count) return NULL;
+  const host_node *node = &d->nodes[id - d->node_base - 1];
+  return node->capture_id ? node : NULL;
+}
+
+static int host_capture_deps(void *ctx, tide_stream stream, uint64_t *capture_id, _tide_node *out,
+                             size_t cap, size_t *n) {
+  host_device *d = ctx;
+  int rc = ENTER(d, TIDE_OP_CAPTURE_GRAPH);
+  if (rc) return rc;
+  if (!capture_id || !n || (cap && !out))
+    return _tide_error_set(TIDE_ERR_INVALID, "capture_deps: NULL output");
+  lock(d);
+  uint32_t slot;
+  if (!stream_find(d, stream, "capture_deps", false, &slot)) {
+    unlock(d);
+    return TIDE_ERR_INVALID;
+  }
+  const host_stream *s = &d->streams[slot];
+  *capture_id = s->capture_id;
+  give_nodes(s->deps, s->capture_id ? s->ndeps : 0, out, cap, n);
+  unlock(d);
+  return TIDE_OK;
+}
+
+static int host_node_deps(void *ctx, _tide_node node, _tide_node *out, size_t cap, size_t *n) {
+  host_device *d = ctx;
+  int rc = ENTER(d, TIDE_OP_CAPTURE_GRAPH);
+  if (rc) return rc;
+  if (!n || (cap && !out)) return _tide_error_set(TIDE_ERR_INVALID, "node_deps: NULL output");
+  lock(d);
+  const host_node *x = node_find(d, node);
+  if (x) give_nodes(x->deps, x->ndeps, out, cap, n);
+  unlock(d);
+  if (!x)
+    return _tide_error_set(TIDE_ERR_INVALID,
+                           "node_deps: unknown graph node %llu, or its capture ended",
+                           (unsigned long long)node);
+  return TIDE_OK;
+}
+
+/* Room in s's dependencies for `more` ids; false (nothing changed) without
+ * host memory, so that a control that fails changes nothing. */
+static bool deps_room(host_stream *s, size_t more) {
+  return _tide_grow_array((void **)&s->deps, &s->deps_cap, s->ndeps + more, sizeof *s->deps);
+}
+
+/* Add ids to s's dependencies, each once; deps_room made room. */
+static void deps_add(host_stream *s, const uint64_t *ids, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    bool seen = false;
+    for (size_t j = 0; j < s->ndeps && !seen; j++) seen = s->deps[j] == ids[i];
+    if (!seen) s->deps[s->ndeps++] = ids[i];
+  }
+}
+
+/* The nodes of capture `id` end with it; once no capture has nodes left,
+ * the table empties (ids go on from where they were). Under the lock. */
+static void nodes_end(host_device *d, uint64_t id) {
+  bool left = false;
+  for (size_t i = 0; i < d->node_count; i++) {
+    host_node *x = &d->nodes[i];
+    if (x->capture_id == id) {
+      free(x->deps);
+      *x = (host_node){0};
+    }
+    left |= x->capture_id != 0;
+  }
+  if (!left) {
+    d->node_base += d->node_count;
+    d->node_count = 0;
+  }
 }
 
 /* Event ids: (generation << 32) | (slot + 1), never NULL. */
@@ -1271,6 +1379,9 @@ static void host_destroy(void *ctx) {
   if (d->memfd >= 0) close(d->memfd);
   for (size_t i = 0; i < d->handle_count; i++)
     if (d->handles[i].live && d->handles[i].fd >= 0) close(d->handles[i].fd);
+  for (size_t i = 0; i < d->node_count; i++) free(d->nodes[i].deps);
+  free(d->nodes);
+  for (size_t i = 0; i < d->stream_count; i++) free(d->streams[i].deps);
   free(d->unit_bits);
   free(d->handles);
   free(d->free_handles.items);
@@ -1310,6 +1421,8 @@ static const _tide_backend_ops host_ops = {
     .stream_synchronize = host_stream_synchronize,
     .stream_check = host_stream_check,
     .stream_capture_status = host_stream_capture_status,
+    .capture_deps = host_capture_deps,
+    .node_deps = host_node_deps,
     .event_create = host_event_create,
     .event_destroy = host_event_destroy,
     .event_record = host_event_record,
@@ -1462,8 +1575,10 @@ int _tide_host_capture_begin(_tide_backend *b, tide_stream stream) {
   else if (d->streams[slot].capture_id)
     rc = _tide_error_set(TIDE_ERR_INVALID, "capture begin: stream %p is already being captured",
                          (void *)stream);
-  else
+  else {
     d->streams[slot].capture_id = ++d->next_capture_id;
+    d->streams[slot].ndeps = 0;
+  }
   unlock(d);
   return rc;
 }
@@ -1481,8 +1596,14 @@ int _tide_host_capture_join(_tide_backend *b, tide_stream stream, tide_stream ca
     rc = _tide_error_set(TIDE_ERR_INVALID,
                          "capture join: stream %p must be being captured and stream %p not",
                          (void *)capturing, (void *)stream);
-  else
+  else if (!deps_room(&d->streams[slot], d->streams[from].ndeps))
+    rc = oom_tables("stream dependency");
+  else {
+    /* A fork: the joined stream's work follows what the capture reached. */
     d->streams[slot].capture_id = d->streams[from].capture_id;
+    d->streams[slot].ndeps = 0;
+    deps_add(&d->streams[slot], d->streams[from].deps, d->streams[from].ndeps);
+  }
   unlock(d);
   return rc;
 }
@@ -1501,7 +1622,73 @@ int _tide_host_capture_end(_tide_backend *b, tide_stream stream) {
   } else {
     uint64_t id = d->streams[slot].capture_id;
     for (size_t i = 1; i < d->stream_count; i++)
-      if (d->streams[i].capture_id == id) d->streams[i].capture_id = 0;
+      if (d->streams[i].capture_id == id) {
+        d->streams[i].capture_id = 0;
+        d->streams[i].ndeps = 0;
+      }
+    nodes_end(d, id);
+  }
+  unlock(d);
+  return rc;
+}
+
+/* Work captured on `stream`: a node after the stream's dependencies, which
+ * it then replaces. Under the lock. */
+static int capture_work(host_device *d, host_stream *s) {
+  uint64_t *deps = s->ndeps ? malloc(s->ndeps * sizeof *deps) : NULL;
+  if ((s->ndeps && !deps) || !deps_room(s, 1) ||
+      !_tide_grow_array((void **)&d->nodes, &d->node_cap, d->node_count + 1, sizeof *d->nodes)) {
+    free(deps);
+    return oom_tables("graph node");
+  }
+  if (deps) memcpy(deps, s->deps, s->ndeps * sizeof *deps);
+  d->nodes[d->node_count] =
+      (host_node){.capture_id = s->capture_id, .deps = deps, .ndeps = s->ndeps};
+  s->deps[0] = d->node_base + ++d->node_count;
+  s->ndeps = 1;
+  return TIDE_OK;
+}
+
+int _tide_host_capture_work(_tide_backend *b, tide_stream stream) {
+  host_device *d = host_of(b);
+  if (!d) return not_host("capture work");
+  lock(d);
+  uint32_t slot;
+  int rc = TIDE_OK;
+  if (!capturable(d, stream, "capture work", &slot))
+    rc = TIDE_ERR_INVALID;
+  else if (!d->streams[slot].capture_id)
+    rc = _tide_error_set(TIDE_ERR_INVALID, "capture work: stream %p is not being captured",
+                         (void *)stream);
+  else
+    rc = capture_work(d, &d->streams[slot]);
+  unlock(d);
+  return rc;
+}
+
+int _tide_host_capture_wait(_tide_backend *b, tide_stream stream, tide_stream other) {
+  host_device *d = host_of(b);
+  if (!d) return not_host("capture wait");
+  lock(d);
+  uint32_t slot, from;
+  int rc = TIDE_OK;
+  if (!capturable(d, stream, "capture wait", &slot) ||
+      !capturable(d, other, "capture wait", &from)) {
+    rc = TIDE_ERR_INVALID;
+  } else {
+    host_stream *s = &d->streams[slot], *o = &d->streams[from];
+    if (slot == from || !o->capture_id || (s->capture_id && s->capture_id != o->capture_id))
+      rc = _tide_error_set(TIDE_ERR_INVALID,
+                           "capture wait: stream %p must be another stream being captured, and "
+                           "stream %p in its capture or in none",
+                           (void *)other, (void *)stream);
+    else if (!deps_room(s, o->ndeps))
+      rc = oom_tables("stream dependency");
+    else {
+      if (!s->capture_id) s->ndeps = 0; /* joins the capture */
+      s->capture_id = o->capture_id;
+      deps_add(s, o->deps, o->ndeps);
+    }
   }
   unlock(d);
   return rc;

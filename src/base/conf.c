@@ -652,6 +652,14 @@ static void format_capture_detection(const _tide_conf_values *v, char *buf, size
   format_bool(v->capture_detection, buf, len);
 }
 
+static bool parse_graph_reuse(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  return parse_bool(s, &v->graph_reuse, why, why_len);
+}
+
+static void format_graph_reuse(const _tide_conf_values *v, char *buf, size_t len) {
+  format_bool(v->graph_reuse, buf, len);
+}
+
 static const option options[] = {
     {"backend", "auto",
      "device backend: cuda, host (an emulated device in host memory), or auto (cuda where a "
@@ -736,6 +744,12 @@ static const option options[] = {
      "allocations from a stream being captured into a CUDA graph go to a private pool of that "
      "capture even without tide_capture_begin (costs a driver query per allocation and free)",
      "True or False (also true/false/1/0)", parse_capture_detection, format_capture_detection},
+    {"graph_capture_record_stream_reuse", "False",
+     "a capture pool's block freed during a capture after use on other streams "
+     "(tide_record_stream) is reused in the same capture once the graph orders those uses "
+     "before the allocating stream's next work, instead of at the capture's end (graph queries "
+     "per allocation while such a free waits; tide_capture_reuse_set changes it at run time)",
+     "True or False (also true/false/1/0)", parse_graph_reuse, format_graph_reuse},
     {"trace", "0", "events kept in the trace ring, read with tide_trace_read (0: off)",
      "a whole number from 0 to 16777216", parse_trace, format_trace},
     {"host_capacity", "24GiB", "memory of each emulated device of the host backend",
@@ -772,7 +786,6 @@ static const struct {
     {"pinned_use_background_threads", PINNED},
     {"pinned_reserve_segment_size_mb", PINNED},
     {"pinned_free_catch_all", PINNED},
-    {"graph_capture_record_stream_reuse", "; remove it"},
     {"throw_on_cudamalloc_oom", "; remove it"},
 };
 

@@ -145,6 +145,7 @@ typedef struct _tide_conf_values {
   unsigned host_queue_depth; /* events a host stream's completion lags behind, 0: none */
   bool peer_access;          /* CUDA: every GPU that can reach ours may use it */
   bool capture_detection;    /* every allocation asks whether its stream is being captured */
+  bool graph_reuse;          /* graph_capture_record_stream_reuse: the initial switch */
 } _tide_conf_values;
 
 /* The values of a config (tide_config is opaque outside conf.c). */

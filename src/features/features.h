@@ -44,6 +44,12 @@ typedef struct _tide_deferred {
   tide_stream stream; /* the free's */
   uintptr_t addr;     /* the block's, and its arena's pool, read without the arena's lock */
   uint64_t pool_id;
+  /* graph_capture_record_stream_reuse: the capture all its streams were in
+   * at the free and the graph nodes that ended their use of the block (free
+   * markers; NULL: it waits for the capture's end). */
+  uint64_t capture_id;
+  _tide_node *markers;
+  size_t nmarkers;
   /* Its captures ended, but the free could not be ordered after its
    * streams (an event refused and the stream not waitable now): the status
    * of that last try, else 0. */
@@ -69,6 +75,25 @@ void _tide_capture_retry_deferred(struct tide_allocator *a);
  * cannot be waited for now); TIDE_OK if none, or if a capture allocates to
  * the pool (the restore's first refusal). */
 int _tide_capture_deferred_stuck(struct tide_allocator *a, const struct tide_pool *pool);
+/* Recount what watches captures (under the capture mutex). */
+void _tide_captures_update_watch(struct tide_allocator *a);
+
+/* graph_capture_record_stream_reuse (graph_reuse.c). Under the arena lock,
+ * for a free `d` of b just deferred: its free markers, when it may be
+ * reused in its capture (a capture pool's block, every stream it involves
+ * in one capture); else none. Never fails: without markers it waits for
+ * the capture's end, as any deferred free. */
+void _tide_reuse_mark(struct tide_allocator *a, const _tide_arena *arena, const _tide_block *b,
+                      _tide_deferred *d);
+/* The markers of a deferred free that goes (any way): freed, uncounted. */
+void _tide_reuse_unmark(struct tide_allocator *a, _tide_deferred *d);
+/* Before an allocation on `stream`: complete the marked frees of its arenas
+ * whose markers the capture's graph orders before the stream's next work.
+ * Holding no lock; never fails (a failed query proves nothing). */
+void _tide_capture_reuse(struct tide_allocator *a, tide_stream stream);
+/* Under the capture mutex: forget every walk (no capture is watched). */
+void _tide_reuse_forget(struct tide_allocator *a);
+
 /* A handle that looks like a pool (for its allocator to be reached). */
 bool _tide_capture_pool_valid(const struct tide_pool *pool);
 /* TIDE_OK if the pool has users, else TIDE_ERR_STATE naming `op`. Under

@@ -52,7 +52,10 @@ static void update_watch(tide_allocator *a) {
   watch += a->captures.watchers;
   atomic_store_explicit(&a->capture_watch, watch, memory_order_release);
   _tide_fast_paths_update(a, watch != 0 || a->conf.capture_detection);
+  if (watch == 0) _tide_reuse_forget(a); /* no capture left to walk */
 }
+
+void _tide_captures_update_watch(tide_allocator *a) { update_watch(a); }
 
 void _tide_captures_init(tide_allocator *a) {
   pthread_mutex_init(&a->captures.mutex, NULL);
@@ -60,7 +63,10 @@ void _tide_captures_init(tide_allocator *a) {
   a->captures.pools = NULL;
   a->captures.deferred = NULL;
   a->captures.watchers = 0;
+  a->captures.reach = NULL;
   atomic_init(&a->capture_watch, 0);
+  atomic_init(&a->capture_reuse, a->conf.graph_reuse);
+  atomic_init(&a->reuse_marked, 0);
 }
 
 void _tide_captures_destroy(tide_allocator *a) {
@@ -72,8 +78,10 @@ void _tide_captures_destroy(tide_allocator *a) {
   while (a->captures.deferred) {
     _tide_deferred *d = a->captures.deferred;
     a->captures.deferred = d->next;
+    _tide_reuse_unmark(a, d);
     free(d);
   }
+  _tide_reuse_forget(a);
   while (a->captures.pools) {
     tide_pool *p = a->captures.pools;
     a->captures.pools = p->next;
@@ -369,6 +377,7 @@ static int pool_of_stream(tide_allocator *a, tide_stream stream, tide_pool **out
 int _tide_capture_route(tide_allocator *a, tide_stream stream, _tide_arena **out) {
   *out = NULL;
   retry_deferred(a);
+  _tide_capture_reuse(a, stream);
   /* Routing on a capture whose end could not be learned would guess. */
   int ended = a->conf.capture_detection ? _tide_capture_prune(a) : TIDE_OK;
   if (ended) return ended;
@@ -574,6 +583,7 @@ static void retry_deferred(tide_allocator *a) {
     if (d->stuck) snprintf(d->why, sizeof d->why, "%s", tide_last_error());
     _tide_lock_release(&d->arena->lock);
     if (done) {
+      _tide_reuse_unmark(a, d);
       free(d);
       continue;
     }
@@ -630,6 +640,7 @@ int _tide_capture_free(tide_allocator *a, uintptr_t addr, size_t size, bool size
                                    .addr = b->addr,
                                    .pool_id = arena->pool_id};
         deferred = rc == TIDE_OK;
+        if (deferred) _tide_reuse_mark(a, arena, b, node);
       } else {
         rc = _tide_arena_free(arena, b, stream);
       }

@@ -1152,6 +1152,12 @@ int _tide_arena_finish_deferred(_tide_arena *arena, _tide_block *b, tide_stream 
   return TIDE_OK;
 }
 
+void _tide_arena_finish_ordered(_tide_arena *arena, _tide_block *b) {
+  forget_streams(b);
+  count_pending(arena, b, -1);
+  _tide_arena_free_block(arena, b);
+}
+
 void _tide_arena_count_restored(_tide_arena *arena, _tide_block *b, size_t requested) {
   b->state = _TIDE_ALLOCATED;
   b->requested = requested;

@@ -456,6 +456,10 @@ int _tide_arena_explain_pointer(_tide_arena *arena, uintptr_t addr);
  * A free on a stream that does not exist is refused, the block unchanged. */
 int _tide_arena_defer_free(_tide_arena *arena, _tide_block *b, tide_stream stream);
 int _tide_arena_finish_deferred(_tide_arena *arena, _tide_block *b, tide_stream stream);
+/* A deferred free whose every use the capture's graph orders before the
+ * arena's stream's next work: free now, with no event (one recorded on a
+ * capturing stream would join the graph and never complete). */
+void _tide_arena_finish_ordered(_tide_arena *arena, _tide_block *b);
 /* Count block b, linked in its segment, as allocated (restored by a
  * checkpoint) or as freed (released by one); the live map is the caller's. */
 void _tide_arena_count_restored(_tide_arena *arena, _tide_block *b, size_t requested);
@@ -531,6 +535,7 @@ typedef struct _tide_captures {
   int unlisted; /* deferrals and retries in progress: their frees may be off the list */
   int watchers; /* tide_capture_watch_begin calls not yet ended: captures routed elsewhere */
   uint64_t next_pool_id;
+  struct _tide_reach *reach; /* graph nodes reached per capture and stream (graph_reuse.c) */
 } _tide_captures;
 
 /* Whether `stream` is being captured now, and the id of its capture (the
@@ -580,6 +585,8 @@ struct tide_allocator {
   atomic_bool shared_peak;   /* several arenas: keep `allocated` (read under arena locks) */
   atomic_bool hit_extras;    /* shared_peak or tracing: quick hits have more to do (quick.h) */
   _Atomic int capture_watch; /* captures to route or frees deferred: see pool.c */
+  atomic_bool capture_reuse; /* graph_capture_record_stream_reuse, switchable at run time */
+  _Atomic int reuse_marked;  /* deferred frees with free markers (graph_reuse.c) */
 
   /* The own arena of each stream, by a hash of its handle with linear
    * probing. A stream keeps its arena as long as the allocator lives, so a

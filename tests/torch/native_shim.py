@@ -19,7 +19,10 @@ trees checkpoint and restore the pool (the case fails if they never do);
 dynamic shapes that re-record; 1000 compiled steps with no growth; the
 statistics and snapshot; MemPools with their own allocator under a memory
 fraction (PyTorch's test_mempool_limited_memory_with_allocator), and a
-tensor that outlives its pool and the pool's allocator. Exit status 1 if a
+tensor that outlives its pool and the pool's allocator; with
+graph_capture_record_stream_reuse, a block freed after record_stream reused
+in the same capture once its streams joined, not before (PyTorch's
+test_graph_capture_reclaim_2_streams and _4_streams). Exit status 1 if a
 case failed."""
 import argparse
 import gc
@@ -577,9 +580,59 @@ def case_mempool_allocator_deleted(torch, out):
     out["mempool_allocator_deleted"] = "ok"
 
 
+def reclaim_streams(torch, nside):
+    """One capture on s1; data1 read on nside other streams (record_stream)
+    and freed; s1 joins them one by one: an allocation before the last join
+    must not take data1's block, one after it must."""
+    s1 = torch.cuda.Stream()
+    side = [torch.cuda.Stream() for _ in range(nside)]
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s1):
+        g.capture_begin()
+        sink1 = torch.empty(8, device="cuda")
+        data1 = torch.ones(8, device="cuda")
+        data1_ptr = data1.data_ptr()
+        bufs = []
+        for i, s in enumerate(side):
+            s.wait_stream(s1)
+            with torch.cuda.stream(s):
+                bufs.append(torch.add(data1, float(i + 2)))
+                data1.record_stream(s)
+        del data1
+        for s in side[:-1]:
+            s1.wait_stream(s)
+        sink1.fill_(1.0)
+        data2 = torch.empty(8, device="cuda")  # before the last join
+        s1.wait_stream(side[-1])
+        sink1.add_(1.0)
+        data3 = torch.empty(8, device="cuda")  # after it
+        g.capture_end()
+    torch.cuda.synchronize()
+    check(data2.data_ptr() != data1_ptr, "%d streams: reused before the join" % (nside + 1))
+    check(data3.data_ptr() == data1_ptr, "%d streams: not reused after the join" % (nside + 1))
+    del g, bufs, sink1, data2, data3
+
+
+def case_graph_reclaim(torch, out):
+    """PyTorch's test_graph_capture_reclaim_2_streams and _4_streams."""
+    try:
+        torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:True")
+    except RuntimeError as e:
+        out["graph_reclaim"] = "skipped: %s" % e
+        return
+    try:
+        torch.cuda.empty_cache()
+        reclaim_streams(torch, 1)
+        reclaim_streams(torch, 3)
+    finally:
+        torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:False")
+    out["graph_reclaim"] = "ok"
+
+
 CASES = ["graph_replay", "shared_pool", "graphed_callables", "mempool", "nested_mempool",
          "pool_freed", "compile_train", "compile_kv", "dynamic_shapes", "steady", "stats", "oom",
-         "mempool_limited", "mempool_allocator_deleted"]
+         "mempool_limited", "mempool_allocator_deleted", "graph_reclaim"]
 
 
 def run(args):

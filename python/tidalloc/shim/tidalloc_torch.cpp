@@ -459,6 +459,10 @@ public:
     incref_locked(d, a, mempool_id, nullptr);
     d.routes.push_back({mempool_id, std::move(filter)});
     d.nroutes.store(static_cast<int>(d.routes.size()), std::memory_order_release);
+#if TIDE_TORCH_AT_LEAST(10)
+    // PyTorch's setting may change between captures (_set_allocator_settings).
+    tide_capture_reuse_set(a, cca::CUDAAllocatorConfig::graph_capture_record_stream_reuse());
+#endif
     TORCH_CHECK(tide_capture_watch_begin(a) == TIDE_OK, msg("tidalloc: ", last_error()));
   }
 
