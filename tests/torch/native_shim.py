@@ -19,7 +19,8 @@ trees checkpoint and restore the pool (the case fails if they never do);
 dynamic shapes that re-record; 1000 compiled steps with no growth; the
 statistics and snapshot; MemPools with their own allocator under a memory
 fraction (PyTorch's test_mempool_limited_memory_with_allocator), and a
-tensor that outlives its pool and the pool's allocator; with
+tensor that outlives its pool and the pool's allocator, and such a pool's
+memory split, waiting on streams and in the figures; with
 graph_capture_record_stream_reuse, a block freed after record_stream reused
 in the same capture once its streams joined, not before (PyTorch's
 test_graph_capture_reclaim_2_streams and _4_streams). Exit status 1 if a
@@ -580,6 +581,85 @@ def case_mempool_allocator_deleted(torch, out):
     out["mempool_allocator_deleted"] = "ok"
 
 
+def case_mempool_own_memory(torch, out):
+    """More of a pool's own memory, as PyTorch's allocator keeps it: under a
+    fraction of 40 MiB, pools made and deleted in turn give their memory back
+    and the last one's free 40 MiB serves two 20 MiB usual allocations
+    (test_deleted_mempool_not_used_on_oom); a piece used on another stream is
+    not reused before that stream is done; the figures and the snapshot
+    count the pool's segment."""
+    if not hasattr(torch.cuda, "MemPool"):
+        out["mempool_own_memory"] = "skipped: no torch.cuda.MemPool"
+        return
+    allocator, _ = own_allocator(torch)
+    nelem_1mb = MiB // 4
+    init_fraction = torch.cuda.get_per_process_memory_fraction()
+    torch.cuda.empty_cache()
+    _, all_memory = torch.cuda.mem_get_info()
+    torch.cuda.set_per_process_memory_fraction(
+        (40 * MiB + torch.cuda.memory_reserved()) / all_memory)
+    try:
+        for _ in range(10):
+            pool = torch.cuda.MemPool(allocator.allocator(), use_on_oom=True)
+            with torch.cuda.use_mem_pool(pool):
+                a = torch.randn(40 * nelem_1mb, device="cuda")
+            del a, pool
+        pool = torch.cuda.MemPool(allocator.allocator(), use_on_oom=True)
+        with torch.cuda.use_mem_pool(pool):
+            a = torch.randn(40 * nelem_1mb, device="cuda")
+        del a
+        b = torch.randn(20 * nelem_1mb, device="cuda")
+        c = torch.randn(20 * nelem_1mb, device="cuda")
+        del b, c, pool
+    finally:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(init_fraction)
+
+    pool = torch.cuda.MemPool(allocator.allocator())
+    s = torch.cuda.Stream()
+    with torch.cuda.use_mem_pool(pool):
+        x = torch.ones(4 * nelem_1mb, device="cuda")
+    x_ptr = x.data_ptr()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(100_000_000)
+        y = x * 2
+    x.record_stream(s)
+    del x
+    with torch.cuda.use_mem_pool(pool):
+        z = torch.empty(4 * nelem_1mb, device="cuda")
+    check(z.data_ptr() != x_ptr, "a piece still used by another stream was reused")
+    torch.cuda.synchronize()
+    del y, z
+    torch.cuda.empty_cache()
+    with torch.cuda.use_mem_pool(pool):
+        w = torch.empty(4 * nelem_1mb, device="cuda")
+    check(w.data_ptr() == x_ptr, "the piece is reused once the other stream is done")
+    del w, pool
+    gc.collect()
+
+    torch.cuda.empty_cache()
+    pool = torch.cuda.MemPool(allocator.allocator())
+    r0, a0 = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    with torch.cuda.use_mem_pool(pool):
+        x = torch.empty(3 * nelem_1mb, device="cuda")
+    check(torch.cuda.memory_reserved() - r0 == 20 * MiB, "a 3 MiB request reserves 20 MiB (%d)"
+          % (torch.cuda.memory_reserved() - r0))
+    check(torch.cuda.memory_allocated() - a0 == 3 * MiB, "and allocates 3 MiB (%d)"
+          % (torch.cuda.memory_allocated() - a0))
+    segs = torch.cuda.memory._snapshot()["segments"]
+    reserved = torch.cuda.memory_stats()["reserved_bytes.all.current"]
+    check(sum(sg["total_size"] for sg in segs) == reserved, "the snapshot adds up to reserved")
+    mine = [sg for sg in segs if tuple(sg["segment_pool_id"]) == tuple(pool.id)]
+    check(len(mine) == 1 and mine[0]["allocated_size"] == 3 * MiB,
+          "the snapshot shows the pool's segment: %s" % mine)
+    del x
+    check(torch.cuda.memory_reserved() - r0 == 20 * MiB, "freed, it stays in its pool")
+    del pool
+    gc.collect()
+    check(torch.cuda.memory_reserved() == r0, "the deleted pool gave it back")
+    out["mempool_own_memory"] = "ok"
+
+
 def reclaim_streams(torch, nside):
     """One capture on s1; data1 read on nside other streams (record_stream)
     and freed; s1 joins them one by one: an allocation before the last join
@@ -632,7 +712,7 @@ def case_graph_reclaim(torch, out):
 
 CASES = ["graph_replay", "shared_pool", "graphed_callables", "mempool", "nested_mempool",
          "pool_freed", "compile_train", "compile_kv", "dynamic_shapes", "steady", "stats", "oom",
-         "mempool_limited", "mempool_allocator_deleted", "graph_reclaim"]
+         "mempool_limited", "mempool_allocator_deleted", "mempool_own_memory", "graph_reclaim"]
 
 
 def run(args):
