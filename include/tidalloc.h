@@ -417,6 +417,13 @@ TIDE_API tide_status tide_buf_create(tide_allocator *alloc, const tide_buf_optio
  * buffer is kept as it was. Work queued that still reads the buffer must be
  * done first, as with any free. */
 TIDE_API tide_status tide_buf_destroy(tide_buf *buf);
+/* tide_buf_destroy once the work queued on `stream` (the stream of the
+ * buffer's last use) is done: waits for it, and if that wait fails (the
+ * stream is being captured, or a held host stream) the buffer is kept as it
+ * was. A shrink lets go only the pages past what it keeps mapped ahead, and a
+ * ring never shrinks, so this is how a buffer goes safely while work that
+ * reads it may still be queued. */
+TIDE_API tide_status tide_buf_destroy_after(tide_buf *buf, tide_stream stream);
 /* Set the length. Growing maps the pages missing, giving the allocator's
  * cached memory back first if memory runs out (TIDE_ERR_OOM past the device
  * or memory limit even then, with a message; the length then stays as it

@@ -60,6 +60,47 @@ static int64_t reserved(tide_allocator *a) {
   return st.reserved_bytes[TIDE_POOL_ALL].current;
 }
 
+/* A shrink to nothing keeps the pages it maps ahead and records no event,
+ * and a ring never shrinks: destroying either while queued work still reads
+ * it would unmap under that work. destroy_after waits for the stream, and a
+ * stream that cannot be waited for keeps the buffer whole. */
+static void destroy_after_waits(tide_buf *(*build)(tide_allocator *), bool shrink) {
+  tide_allocator *a = tu_create(NULL);
+  tide_stream s;
+  tu_assert_ok(tide_stream_create(a, &s));
+  tide_buf *b = build(a);
+  size_t used = tide_buf_capacity(b) / 4;
+  if (shrink) tu_assert_ok(tide_buf_resize(b, used, s));
+  fill(tide_buf_data(b), 0, used, 5);
+  tu_assert_ok(tide_host_stream_hold(a, s)); /* queued work still reads it */
+  if (shrink) tu_assert_ok(tide_buf_resize(b, 0, s));
+  size_t mapped = tide_buf_mapped(b);
+  assert_true(mapped >= used);
+  tu_assert_status(tide_buf_destroy_after(b, s), TIDE_ERR_NOT_READY);
+  tu_assert_last_error(TIDE_ERR_NOT_READY, "kept");
+  assert_int_equal(tide_buf_mapped(b), mapped);
+  check(tide_buf_data(b), 0, used, 5);
+  tu_assert_ok(tide_host_stream_release(a, s));
+  tu_assert_ok(tide_buf_destroy_after(b, s));
+  assert_int_equal(tide_host_bytes_in_use(a), 0);
+  tu_assert_status(tide_buf_destroy_after(NULL, s), TIDE_ERR_INVALID);
+  tu_assert_ok(tide_stream_destroy(a, s));
+  tu_assert_ok(tide_destroy(a));
+}
+
+static tide_buf *ahead_buffer(tide_allocator *a) { return make(a, 64 * TU_MiB, 8 * TU_MiB, 0, 0); }
+static tide_buf *ring_buffer(tide_allocator *a) { return make(a, 8 * TU_MiB, 0, 0, 1); }
+
+static void test_destroy_after_waits_for_pages_kept_ahead(void **state) {
+  (void)state;
+  destroy_after_waits(ahead_buffer, true);
+}
+
+static void test_destroy_after_waits_for_a_ring(void **state) {
+  (void)state;
+  destroy_after_waits(ring_buffer, false);
+}
+
 static void test_growth_keeps_address_and_data(void **state) {
   (void)state;
   tide_allocator *a = tu_create(NULL);
@@ -721,6 +762,8 @@ int main(void) {
       cmocka_unit_test(test_limit_and_capacity),
       cmocka_unit_test(test_bad_input),
       cmocka_unit_test(test_destroy_takes_buffers_left),
+      cmocka_unit_test(test_destroy_after_waits_for_pages_kept_ahead),
+      cmocka_unit_test(test_destroy_after_waits_for_a_ring),
       cmocka_unit_test(test_faults_at_every_call),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

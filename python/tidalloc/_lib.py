@@ -118,6 +118,8 @@ def lib():
         l.tide_buf_create.argtypes = [ctypes.c_void_p, ctypes.POINTER(BufOptions),
                                       ctypes.POINTER(ctypes.c_void_p)]
         l.tide_buf_destroy.argtypes = [ctypes.c_void_p]
+        if hasattr(l, "tide_buf_destroy_after"):  # a library older than it has only destroy
+            l.tide_buf_destroy_after.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         l.tide_buf_resize.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         l.tide_buf_reserve_ahead.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         l.tide_buf_data.restype = ctypes.c_void_p

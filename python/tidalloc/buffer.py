@@ -56,11 +56,16 @@ class Buffer:
     def close(self):
         if getattr(self, "_handle", None):  # absent when __init__ failed
             lib = _lib.lib()
-            # A shrink records an event on the stream and destroy waits for it:
-            # pages are not unmapped under kernels still queued to read them.
-            if not self._ring and lib.tide_buf_length(self._handle):
-                self.resize(0, self.release_stream)
-            _lib.check(lib.tide_buf_destroy(self._handle), "tide_buf_destroy")
+            # Pages are not unmapped under kernels still queued to read them:
+            # destroy_after waits for the release stream first. (A shrink would
+            # not do: it keeps the pages it maps ahead, and rings never shrink.)
+            if hasattr(lib, "tide_buf_destroy_after"):
+                _lib.check(lib.tide_buf_destroy_after(self._handle, self.release_stream),
+                           "tide_buf_destroy_after")
+            else:
+                if not self._ring and lib.tide_buf_length(self._handle):
+                    self.resize(0, self.release_stream)
+                _lib.check(lib.tide_buf_destroy(self._handle), "tide_buf_destroy")
             self._handle = None
 
     def __del__(self):

@@ -507,6 +507,23 @@ tide_status tide_buf_destroy(tide_buf *b) {
   return (tide_status)teardown(b, true);
 }
 
+/* A shrink records an event only when it lets pages go; pages it keeps
+ * mapped ahead, and every page of a ring, may still be read by work queued
+ * before the last use, so the stream of that use is waited for here. */
+tide_status tide_buf_destroy_after(tide_buf *b, tide_stream stream) {
+  if (!b)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_buf_destroy_after: NULL buffer");
+  const _tide_backend *be = backend(b);
+  _tide_note_stream_wait(b->alloc);
+  int rc = be->ops->stream_synchronize(be->ctx, stream);
+  if (rc) {
+    _tide_error_prefix("tide_buf_destroy_after: the buffer is kept, the work queued on its "
+                       "stream may still use it");
+    return (tide_status)rc;
+  }
+  return tide_buf_destroy(b);
+}
+
 size_t _tide_bufs_destroy_all(tide_allocator *a) {
   size_t n = 0;
   while (a->bufs) {

@@ -112,6 +112,35 @@ def test_growable_buffer_keeps_address_and_data():
     assert tidalloc.memory_stats(0)["allocated_bytes.all.current"] == before - 3 * MiB
 
 
+@pytest.mark.parametrize("ring", [False, True])
+def test_growable_buffer_close_waits_for_its_stream(ring):
+    # Closing must not unmap under work still queued on the release stream:
+    # a shrink to nothing keeps the pages mapped ahead (no event to wait
+    # for) and a ring never shrinks. A held stream of the host backend is
+    # work that does not end: close refuses and keeps the buffer whole.
+    lib = _lib.lib()
+    lib.tide_host_stream_hold.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.tide_host_stream_release.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    alloc = lib.tide_device(0)
+    stream = ctypes.c_void_p()
+    lib.tide_stream_create.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
+    lib.tide_stream_destroy.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    assert lib.tide_stream_create(alloc, ctypes.byref(stream)) == 0, _lib.last_error()
+    b = tidalloc.Buffer(8 * MiB, ring=ring, map_ahead=0 if ring else 4 * MiB,
+                        release_stream=stream.value)
+    if not ring:
+        b.resize(2 * MiB, stream.value)
+    ctypes.memset(b.data, 0x5C, 2 * MiB)
+    mapped = b.mapped
+    assert lib.tide_host_stream_hold(alloc, stream) == 0
+    with pytest.raises(tidalloc.TidallocError, match="kept"):
+        b.close()
+    assert b.mapped == mapped and ctypes.string_at(b.data, 8) == b"\x5c" * 8
+    assert lib.tide_host_stream_release(alloc, stream) == 0
+    b.close()
+    assert lib.tide_stream_destroy(alloc, stream) == 0
+
+
 def test_growable_buffer_maps_ahead_by_bytes():
     """map_ahead is bytes: the next page is mapped once the length comes within
     that much of it, by the buffer's worker thread."""

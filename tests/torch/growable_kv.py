@@ -3,8 +3,9 @@ tidalloc GrowableTensor (appended in place: no copy of what it holds, data
 pointer fixed). For each dtype, checks that every step's attention output is
 bit-identical between the two and that the growable cache's data pointer never
 moves, and prints the bytes each variant copied to grow its cache and its time
-per step (median of the timed repeats, after one warm-up run each).
-Exits 1 if a check fails.
+per step (median of the timed repeats, after one warm-up run each). Then
+checks that a GrowableTensor dropped with a read of it still queued keeps its
+pages until the read ran. Exits 1 if a check fails.
 
     python tests/torch/growable_kv.py [STEPS] [--dtypes float32,bfloat16] [--repeats N]
     PYTHONPATH=python python -m tidalloc run tests/torch/growable_kv.py 64   (short, all tidalloc)
@@ -96,5 +97,25 @@ with torch.no_grad():
                   % (name, variant, steps, copied / 2**20, statistics.median(per_step),
                      len(per_step), min(per_step), max(per_step)))
         print("%s growable vs cat outputs: %s" % (name, "identical" if same else "DIFFERENT"))
+
+
+def closed_under_queued_work():
+    """A GrowableTensor dropped while a kernel that reads it is still queued
+    behind a long one: its pages must stay mapped until that kernel ran (a
+    GPU that lags behind the CPU, as when processes share it, made closing
+    unmap under queued reads)."""
+    g = tidalloc.GrowableTensor((D,), torch.float32, capacity_rows=64, map_ahead_rows=512)
+    g.append(torch.ones(8, D, device=dev))
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time queued before the read
+    total = g.tensor().sum()
+    del g  # closed when collected, with the read still queued
+    torch.cuda.synchronize()
+    return total.item() == 8 * D
+
+
+with torch.no_grad():
+    ok = closed_under_queued_work()
+    failures += not ok
+    print("closed under queued work: %s" % ("ok" if ok else "WRONG"))
 print("growable_kv: %s" % ("FAIL" if failures else "PASS"))
 sys.exit(1 if failures else 0)
