@@ -269,6 +269,17 @@ def test_pluggable_bridge_configuration(monkeypatch):
     assert allocator == "tidalloc" and env["TIDALLOC_TORCH_BRIDGE"] == "pluggable"
 
 
+def test_tidalloc_configurations_require_the_shim(monkeypatch):
+    # A shim that fails to build must fail the pairing, not fall back to the
+    # pluggable path and be timed as if it were the shim.
+    monkeypatch.delenv("TIDALLOC_TORCH_BRIDGE", raising=False)
+    for config in ("tidalloc", "tidalloc:release_slack:1", "tidalloc/build", "tidalloc-nodetect"):
+        assert paired_time.config_env(config)[1]["TIDALLOC_TORCH_BRIDGE"] == "shim", config
+    assert "TIDALLOC_TORCH_BRIDGE" not in paired_time.config_env("expandable")[1]
+    monkeypatch.setenv("TIDALLOC_TORCH_BRIDGE", "pluggable")  # the user's own choice stands
+    assert paired_time.config_env("tidalloc")[1]["TIDALLOC_TORCH_BRIDGE"] == "pluggable"
+
+
 def test_streaming_workers_start_each_run_cold_unless_told(monkeypatch, capsys):
     for argv, want in ((["stream_gct"], True), (["stream_gct", "--cache", "warm"], False),
                        (["gpt2"], False), (["gpt2", "--cache", "cold"], True)):

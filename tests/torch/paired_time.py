@@ -33,7 +33,8 @@ growing-KV decoder compiled so, --frames decoding steps per run).
 
 Configurations as in run_validation.sh: native, expandable
 (expandable_segments:True), tidalloc (tidalloc.torch.install(), capture
-detection on; PyTorch's own allocator through the shim where it builds),
+detection on; PyTorch's own allocator through the shim, and a worker whose
+shim does not build fails rather than time the other path),
 tidalloc-pluggable (the same through CUDAPluggableAllocator),
 tidalloc-nodetect; and tidalloc:KEY:VALUE,... (tidalloc with those options
 added to TIDALLOC_CONF), so that two settings of tidalloc can be paired
@@ -102,6 +103,9 @@ def config_env(config):
     if config == "tidalloc-pluggable":
         env["TIDALLOC_TORCH_BRIDGE"] = "pluggable"
         return "tidalloc", env
+    # Every other tidalloc configuration measures the shim: where it does not
+    # build, the worker fails instead of timing the pluggable path unnoticed.
+    env.setdefault("TIDALLOC_TORCH_BRIDGE", "shim")
     if config in ("tidalloc", "tidalloc-nodetect"):
         if config == "tidalloc-nodetect":
             conf = env.get("TIDALLOC_CONF", "")
