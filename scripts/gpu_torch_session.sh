@@ -96,6 +96,9 @@ fi
 # with UPSTREAM_JOBS workers), tidalloc installed in every process through
 # tests/torch/upstream/sitecustomize.py; upstream_compat.py lets test files
 # of a neighbouring torch version import.
+# Each allocator's run builds the tests' extensions in a folder of its own:
+# the two runs built different sources under one name at once, and one
+# loaded the other's.
 if want upstream; then
   for f in ${UPSTREAM_FILES:-test/inductor/test_cudagraph_trees.py test/test_cuda.py}; do
     [[ -f $upstream/$f ]] || { note "upstream: $f not in $upstream, skipped"; continue; }
@@ -106,6 +109,7 @@ if want upstream; then
     for alloc in native tidalloc; do
       (cd "$upstream/$(dirname "$f")" &&
         TIDALLOC_INSTALL=$([[ $alloc == tidalloc ]] && echo 1 || echo 0) \
+        TORCH_EXTENSIONS_DIR=$out/extensions_$alloc \
         PYTHONPATH=$OLDPWD/tests/torch/upstream:$PYTHONPATH \
         timeout -s INT -k 30 "${UPSTREAM_SECONDS:-400}" "$py" -m pytest -q -p no:cacheprovider -p upstream_compat \
           -n "${UPSTREAM_JOBS:-7}" "$(basename "$f")" "${sel[@]}" --junitxml="$out/${base}_$alloc.xml" \
