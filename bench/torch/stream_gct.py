@@ -316,7 +316,7 @@ class GrowableKVCache:
     nothing is rebuilt, and attention reads the buffer where it is (the
     order of keys does not change attention's result)."""
 
-    def __init__(self, shape, device, total_frames):
+    def __init__(self, shape, device, total_frames, map_ahead_frames=1):
         import tidalloc
         h, d, t = shape.heads, shape.head_dim, shape.tokens
         held = shape.scale_frames + shape.window
@@ -324,9 +324,9 @@ class GrowableKVCache:
         index = device_index(device)
         self.shape = shape
         self.k = tidalloc.GrowableTensor((h, d), torch.float32, rows, device=index,
-                                         map_ahead_rows=t)
+                                         map_ahead_rows=map_ahead_frames * t)
         self.v = tidalloc.GrowableTensor((h, d), COMPUTE_DTYPE, rows, device=index,
-                                         map_ahead_rows=t)
+                                         map_ahead_rows=map_ahead_frames * t)
         self.frames = 0       # frames held (scale frames and ring)
         self.appended = 0     # frames ever appended: the ring's clock
         self.special_tokens = 0
@@ -417,9 +417,10 @@ class GrowableCameraCache:
 class StreamState:
     """What a stream keeps across steps: the caches and the outputs."""
 
-    def __init__(self, shape, device, total_frames, growable=False):
+    def __init__(self, shape, device, total_frames, growable=False, map_ahead_frames=1):
         if growable:
-            kv = [GrowableKVCache(shape, device, total_frames) for _ in range(shape.layers)]
+            kv = [GrowableKVCache(shape, device, total_frames, map_ahead_frames)
+                  for _ in range(shape.layers)]
             cam = [GrowableCameraCache(shape, device, total_frames)
                    for _ in range(shape.camera_blocks * shape.camera_iterations)]
         else:
@@ -808,7 +809,7 @@ def run_frames(model, frames, args, frame_rows):
            "peak_reserved_gib": "", "error": ""}
     state = None
     try:
-        state = StreamState(model.shape, device, frames, args.growable)
+        state = StreamState(model.shape, device, frames, args.growable, args.map_ahead_frames)
         log = FrameLog(device, frames, state) if args.per_frame_csv else None
         synchronize(device)
         start = time.perf_counter()
@@ -853,7 +854,7 @@ def warm_up(model, args):
     for _ in range(2 if args.compile else 1):
         if frames <= 0:
             return
-        state = StreamState(model.shape, args.device, frames, args.growable)
+        state = StreamState(model.shape, args.device, frames, args.growable, args.map_ahead_frames)
         generator = torch.Generator(device=args.device).manual_seed(args.seed)
         try:
             stream(model, state, frames, args.device, generator, args.compile)
@@ -928,6 +929,10 @@ def parse_args(argv=None):
                    "process for `tidalloc replay` (gzip'd CSV; needs TIDALLOC_CONF=trace:N)")
     p.add_argument("--growable", action="store_true",
                    help="KV and camera caches in tidalloc.GrowableTensor instead of torch.cat")
+    p.add_argument("--map-ahead-frames", type=int, default=1, metavar="N",
+                   help="with --growable, the rows of N frames each KV cache keeps mapped ahead, "
+                   "mapped by a worker thread of its own (default 1; 0: none, each append maps "
+                   "what it needs)")
     p.add_argument("--compile", action="store_true",
                    help='hot modules under torch.compile(mode="reduce-overhead")')
     p.add_argument("--device", default="cuda")
@@ -943,6 +948,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if any(n < 1 for n in args.frame_counts):
         p.error("--frame-counts must be positive")
+    if args.map_ahead_frames < 0:
+        p.error("--map-ahead-frames must be 0 or more")
     return args
 
 
