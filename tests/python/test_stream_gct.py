@@ -167,6 +167,12 @@ def test_command_writes_its_csvs(tmp_path, growable):
         assert (int(r["cache_frames"]), int(r["special_tokens"])) == (held, special)
 
 
+def test_map_ahead_frames_must_not_be_negative():
+    r = subprocess.run([sys.executable, SCRIPT, "--tiny", "--device", "cpu",
+                        "--map-ahead-frames", "-1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--map-ahead-frames must be 0 or more" in r.stderr
+
+
 GROWABLE_CHECK = r"""
 import sys, torch
 sys.path.insert(0, %(root)r + "/python")
@@ -180,7 +186,7 @@ model = sg.build_model(shape, "cpu")
 held_max, t = shape.scale_frames + shape.window, shape.tokens
 outputs = {}
 for growable in (False, True):
-    state = sg.StreamState(shape, "cpu", %(frames)d, growable)
+    state = sg.StreamState(shape, "cpu", %(frames)d, growable, %(map_ahead)d)
     ptrs = [c.k.data_ptr for c in state.kv] if growable else None
 
     def check(batch):
@@ -207,10 +213,12 @@ print("growable ok")
 """
 
 
-def test_growable_buffers_follow_the_rule_in_place():
+@pytest.mark.parametrize("map_ahead", [1, 0], ids=["map-ahead", "no-map-ahead"])
+def test_growable_buffers_follow_the_rule_in_place(map_ahead):
     if not library_found():
         pytest.skip("--growable needs libtidalloc.so (make build, or set TIDALLOC_LIB)")
-    code = GROWABLE_CHECK % {"root": ROOT, "script": SCRIPT, "frames": FRAMES}
+    code = GROWABLE_CHECK % {"root": ROOT, "script": SCRIPT, "frames": FRAMES,
+                             "map_ahead": map_ahead}
     env = dict(os.environ, OMP_NUM_THREADS="1", TIDALLOC_CONF="backend:host")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=600)
