@@ -26,7 +26,9 @@
 # at what is left of SESSION_SECONDS since the start, and not begun with
 # less than a minute left. PAIR_FRESH_EVERY=N starts new workers every N
 # rounds (paired_time.py --fresh-every), so that what sets one process
-# apart from another is resampled too.
+# apart from another is resampled too. PAIR_WARMUP_FRAMES=N makes each
+# worker's untimed first run N frames (--warmup-frames; eager stream_gct
+# pairings only).
 #
 #   OUT=dir LANES="eager compile upstream gputest" FRAMES=128 \
 #     PAIRED="stream_gct:128:10:expandable+tidalloc" scripts/gpu_stream_session.sh
@@ -145,7 +147,7 @@ for spec in ${PAIRED:-}; do
   # Pairs begin until 3/4 of the limit, so that the last one can end in it.
   timeout -k 10 "$limit" "$py" tests/torch/paired_time.py "$program" --frames "$frames" \
     --configs "${config_list[@]}" --pairs "$pairs" --budget-s $((limit * 3 / 4)) \
-    --fresh-every "${PAIR_FRESH_EVERY:-0}" \
+    --fresh-every "${PAIR_FRESH_EVERY:-0}" ${PAIR_WARMUP_FRAMES:+--warmup-frames "$PAIR_WARMUP_FRAMES"} \
     >"$out/paired_$i.csv" 2>"$out/paired_$i.txt"
   rc=$?
   note "== paired $i: $program, $frames frames, ${config_list[*]}: exit $rc ($((SECONDS - t0)) s)"

@@ -1004,14 +1004,14 @@ def main(argv=None):
 # ---------------------------------------------------------------------------
 
 def paired_runner(device, frames, growable=False, tiny=False, seed=0, compiled=False):
-    """A function run(digest) that streams `frames` frames through one model
-    built here, with fresh caches every call, and adds the outputs (every
-    pose, the last depth and confidence) to `digest`. compiled: the hot
+    """A function run(digest, frames=frames) that streams `frames` frames
+    through one model built here, with fresh caches every call, and adds the
+    outputs (every pose, the last depth and confidence) to `digest`. compiled: the hot
     modules under torch.compile(mode="reduce-overhead"), as --compile."""
     shape = make_shape(tiny)
     model = build_model(shape, device, seed, compile_hot=compiled)
 
-    def run(digest):
+    def run(digest, frames=frames):
         generator = torch.Generator(device=device).manual_seed(seed + 1)
         state = StreamState(shape, device, frames, growable)
         try:

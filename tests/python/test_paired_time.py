@@ -218,6 +218,24 @@ def test_stream_gct_workers_get_the_frame_count(monkeypatch, capsys):
     assert len([line for line in out.splitlines() if line.startswith("stream_gct,")]) == 4
 
 
+def test_warmup_frames_reach_eager_streaming_workers_only(monkeypatch, capsys):
+    import pytest
+    FakeProcess.started, FakeProcess.args = [], []
+    monkeypatch.setattr(paired_time, "Worker", FakeProcess)
+    monkeypatch.setattr("sys.argv", ["paired_time.py", "stream_gct", "--frames", "1024",
+                                     "--warmup-frames", "16", "--pairs", "1", "--configs",
+                                     "expandable", "tidalloc@stream_gct_growable"])
+    assert paired_time.main() == 0
+    assert FakeProcess.args == [["--frames", "1024", "--warmup-frames", "16", "--cold"]] * 2
+    capsys.readouterr()
+    for configs in (["native", "tidalloc@stream_gct_compile"], ["expandable", "tidalloc"]):
+        warmup = "0" if configs[1] == "tidalloc" else "16"
+        monkeypatch.setattr("sys.argv", ["paired_time.py", "stream_gct", "--warmup-frames",
+                                         warmup, "--pairs", "1", "--configs"] + configs)
+        with pytest.raises(SystemExit, match="--warmup-frames"):
+            paired_time.main()
+
+
 def test_tidalloc_with_options(monkeypatch):
     monkeypatch.setenv("TIDALLOC_CONF", "trace:10")
     allocator, env = paired_time.config_env("tidalloc:load_handles:False,release_slack:0.02")
@@ -288,6 +306,17 @@ def test_streaming_workers_start_each_run_cold_unless_told(monkeypatch, capsys):
         monkeypatch.setattr("sys.argv", ["paired_time.py"] + argv + ["--pairs", "1"])
         assert paired_time.main() == 0
         assert all(("--cold" in a) == want for a in FakeProcess.args), (argv, FakeProcess.args)
+    capsys.readouterr()
+
+
+def test_serve_warms_up_with_its_own_run(monkeypatch, capsys):
+    import io
+    validate = load_validate()
+    calls = []
+    monkeypatch.setattr("sys.stdin", io.StringIO("run\nquit\n"))
+    assert validate.serve(FakeTorch(), lambda digest: calls.append("run"),
+                          warm_run=lambda digest: calls.append("warm-up")) == 0
+    assert calls == ["warm-up", "run"]
     capsys.readouterr()
 
 

@@ -50,6 +50,10 @@ another order, so sums round differently). Naming the same program again
 two workers, whose outputs are compared: whether a program's outputs differ
 between processes at all.
 
+--warmup-frames N makes each worker's untimed first run a stream of N
+frames instead of --frames (eager stream_gct programs): at 1024 frames a
+full first run per worker takes minutes of the pairing's time.
+
 For the compiled programs (compile_kv, stream_gct_compile) the first
 configuration's worker starts alone and the others once it is ready: inductor
 times some kernels' configurations the first time they run and caches the
@@ -336,6 +340,9 @@ def main():
     parser.add_argument("--pairs", type=int, default=40,
                         help="pairs (rounds, with more than two configurations; default 40)")
     parser.add_argument("--budget-s", type=float, help="begin no pair after this many seconds")
+    parser.add_argument("--warmup-frames", type=int, metavar="N",
+                        help="the eager stream_gct programs: each worker's untimed first run "
+                        "streams N frames, not --frames (at 1024 frames a full one is minutes)")
     parser.add_argument("--fresh-every", type=int, default=0, metavar="N",
                         help="a new pair of worker processes every N pairs, each set begun by a "
                         "'# run' line, so that the summary can resample the processes too")
@@ -344,6 +351,11 @@ def main():
         sys.exit("paired_time.py: --pairs must be at least 1 and --fresh-every at least 0")
     if len(args.configs) < 2 or len(set(args.configs)) != len(args.configs):
         sys.exit("paired_time.py: --configs needs two or more different configurations")
+    if args.warmup_frames is not None and (args.warmup_frames < 1 or any(
+            split_config(c, args.program)[1] not in ("stream_gct", "stream_gct_growable")
+            for c in args.configs)):
+        sys.exit("paired_time.py: --warmup-frames takes a positive count, and only eager "
+                 "stream_gct programs (a compiled program's first runs record its graphs)")
 
     print("program,pair,position,config,seconds,digest,maps,unmaps", flush=True)
 
@@ -403,6 +415,8 @@ def run_set(args, rounds, budget_s, emit):
     programs = [split_config(c, args.program)[1] for c in args.configs]
     streaming = any(p.startswith("stream_gct") or p == "compile_kv" for p in programs)
     extra = ["--frames", str(args.frames)] if streaming else []
+    if args.warmup_frames:
+        extra += ["--warmup-frames", str(args.warmup_frames)]
     if (args.cache or ("cold" if streaming else "warm")) == "cold":
         extra.append("--cold")
     compiled = any(p in COMPILED_PROGRAMS for p in programs)

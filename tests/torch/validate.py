@@ -47,12 +47,14 @@ line "SECONDS DIGEST MAPS UNMAPS" (-1 where the allocator does not count
 mappings), until "quit" or the end of its input; then a line "peaks
 ALLOCATED_MIB RESERVED_MIB" (the largest peaks of any of its runs; each
 run's own go to stderr, marked with --label). --cold empties the cache
-before each timed run.
+before each timed run; --warmup-frames N makes the eager streaming
+programs' first run a stream of N frames.
 
     python tests/torch/validate.py gpt2|vit|stream_gct[_growable|_compile]|compile_kv native|tidalloc
                                    [--repeats N] [--frames N] [--trace-csv FILE.csv.gz]
-                                   [--serve [--cold] [--label NAME]]"""
+                                   [--serve [--cold] [--label NAME] [--warmup-frames N]]"""
 import argparse
+import functools
 import hashlib
 import os
 import statistics
@@ -196,7 +198,7 @@ def report_peaks(label, what, peaks):
           flush=True)
 
 
-def serve(torch, run, warmups=1, cold=False, label="worker", by_pool=False):
+def serve(torch, run, warmups=1, cold=False, label="worker", by_pool=False, warm_run=None):
     """The first run (`warmups` of them), then one timed run per "run"
     command on stdin. The process sits idle between commands, so two of
     them (one per allocator) can take turns on one machine, each run next
@@ -205,9 +207,10 @@ def serve(torch, run, warmups=1, cold=False, label="worker", by_pool=False):
     mapped. The peaks are reset before each timed run and reported on stderr
     run by run (the first runs together), so that a peak shows which run set
     it; "peaks" at the end gives the largest of them. by_pool: at the end,
-    where the reserved memory sits, pool by pool."""
+    where the reserved memory sits, pool by pool. warm_run: what the first
+    runs run instead of `run` (a shorter stream: --warmup-frames)."""
     for _ in range(warmups):
-        _, first = timed_run(torch, run)
+        _, first = timed_run(torch, warm_run or run)
     overall = run_peaks(torch)
     report_peaks(label, "first run%s" % ("s" if warmups > 1 else ""), overall)
     runs = 0
@@ -275,9 +278,16 @@ def main():
                         "per 'run' line on stdin (for paired_time.py)")
     parser.add_argument("--label", help="with --serve: the name its reports on stderr carry "
                         "(paired_time.py passes the configuration)")
+    parser.add_argument("--warmup-frames", type=int, metavar="N",
+                        help="with --serve, for the eager stream_gct programs: the first run "
+                        "streams N frames, not --frames (a 1024-frame warm-up is minutes)")
     args = parser.parse_args()
     if args.repeats < 1:
         sys.exit("validate.py: --repeats must be at least 1")
+    if args.warmup_frames is not None and (
+            args.warmup_frames < 1 or args.program not in ("stream_gct", "stream_gct_growable")):
+        sys.exit("validate.py: --warmup-frames takes a positive count, for stream_gct and "
+                 "stream_gct_growable (a compiled program's first runs record its graphs)")
     if args.allocator == "tidalloc":
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                         "python"))
@@ -299,8 +309,11 @@ def main():
     if args.serve:
         # Compiled: the second run still records CUDA graphs the first only warmed up.
         compiled = "compile" in args.program
+        warm_run = None
+        if args.warmup_frames:
+            warm_run = functools.partial(run, frames=args.warmup_frames)
         sys.exit(serve(torch, run, warmups=2 if compiled else 1, cold=args.cold,
-                       label=args.label or args.allocator, by_pool=compiled))
+                       label=args.label or args.allocator, by_pool=compiled, warm_run=warm_run))
     digests, seconds, mappings = [], [], []
     for i in range(1 + args.repeats):
         t, d = timed_run(torch, run)
