@@ -106,16 +106,18 @@ if want upstream; then
     sel=()
     [[ $base == test_cuda ]] && sel=(-k "graph or Graph or mem_pool or MemPool")
     t0=$SECONDS
+    extensions=$(mktemp -d) # built fresh each run, and kept out of $out's archive
     for alloc in native tidalloc; do
       (cd "$upstream/$(dirname "$f")" &&
         TIDALLOC_INSTALL=$([[ $alloc == tidalloc ]] && echo 1 || echo 0) \
-        TORCH_EXTENSIONS_DIR=$out/extensions_$alloc \
+        TORCH_EXTENSIONS_DIR=$extensions/$alloc \
         PYTHONPATH=$OLDPWD/tests/torch/upstream:$PYTHONPATH \
         timeout -s INT -k 30 "${UPSTREAM_SECONDS:-400}" "$py" -m pytest -q -p no:cacheprovider -p upstream_compat \
           -n "${UPSTREAM_JOBS:-7}" "$(basename "$f")" "${sel[@]}" --junitxml="$out/${base}_$alloc.xml" \
           >"$out/${base}_$alloc.log" 2>&1; echo $? >"$out/${base}_$alloc.rc") &
     done
     wait
+    rm -rf "$extensions"
     for alloc in native tidalloc; do
       note "upstream $base $alloc: exit $(cat "$out/${base}_$alloc.rc") ($((SECONDS - t0)) s): $(grep -m1 '^allocator:' "$out/${base}_$alloc.log"); $(tail -1 "$out/${base}_$alloc.log")"
     done
