@@ -90,7 +90,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from validate import PROGRAMS  # noqa: E402: the programs the workers serve
+from validate import PROGRAMS, SHORT_WARMUP_PROGRAMS  # noqa: E402: the workers' programs
 
 
 def config_env(config):
@@ -352,7 +352,7 @@ def main():
     if len(args.configs) < 2 or len(set(args.configs)) != len(args.configs):
         sys.exit("paired_time.py: --configs needs two or more different configurations")
     if args.warmup_frames is not None and (args.warmup_frames < 1 or any(
-            split_config(c, args.program)[1] not in ("stream_gct", "stream_gct_growable")
+            split_config(c, args.program)[1] not in SHORT_WARMUP_PROGRAMS
             for c in args.configs)):
         sys.exit("paired_time.py: --warmup-frames takes a positive count, and only eager "
                  "stream_gct programs (a compiled program's first runs record its graphs)")

@@ -122,6 +122,9 @@ def compile_kv(torch, dev, steps, layers=16, width=1024, batch=8):
 
 PROGRAMS = ("gpt2", "vit", "stream_gct", "stream_gct_growable", "stream_gct_compile",
             "compile_kv")
+# The programs whose first run may be a shorter stream (--warmup-frames): a
+# compiled program's first runs record the graphs its timed runs replay.
+SHORT_WARMUP_PROGRAMS = ("stream_gct", "stream_gct_growable")
 
 
 def make_program(name, torch, dev, frames):
@@ -285,7 +288,7 @@ def main():
     if args.repeats < 1:
         sys.exit("validate.py: --repeats must be at least 1")
     if args.warmup_frames is not None and (
-            args.warmup_frames < 1 or args.program not in ("stream_gct", "stream_gct_growable")):
+            args.warmup_frames < 1 or args.program not in SHORT_WARMUP_PROGRAMS):
         sys.exit("validate.py: --warmup-frames takes a positive count, for stream_gct and "
                  "stream_gct_growable (a compiled program's first runs record its graphs)")
     if args.allocator == "tidalloc":
