@@ -140,6 +140,27 @@ def test_serve_fails_when_a_run_gives_other_outputs(monkeypatch, capsys):
     assert validate.serve(FakeTorch(), lambda digest: digest.update(next(outputs))) == 1
 
 
+def test_serve_checks_timed_runs_against_each_other_after_a_shorter_warm_run(monkeypatch,
+                                                                          capsys):
+    """A shorter first stream (--warmup-frames) has other outputs than the
+    timed runs: the first timed run is the reference, and a later one that
+    differs from it still fails."""
+    import io
+    validate = load_validate()
+
+    def run(digest, frames=1024):
+        digest.update(b"%d" % frames)
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("run\nrun\nquit\n"))
+    warm = lambda digest: run(digest, frames=16)  # noqa: E731
+    assert validate.serve(FakeTorch(), run, warm_run=warm) == 0
+    outputs = iter([b"x", b"y"])
+    monkeypatch.setattr("sys.stdin", io.StringIO("run\nrun\nquit\n"))
+    assert validate.serve(FakeTorch(), lambda digest: digest.update(next(outputs)),
+                          warm_run=lambda digest: digest.update(b"w")) == 1
+    assert "other outputs than the first" in capsys.readouterr().err
+
+
 def test_read_pairs_keeps_runs_apart_and_drops_cut_pairs():
     rows = """# run 1: ...
 program,pair,position,config,seconds,digest,maps,unmaps
