@@ -13,7 +13,7 @@ out=${1:-bench/results/host/stream_release_sweep.csv}
 bin=${TIDALLOC_BIN:-build/tidalloc}
 [ -x "$bin" ] || { echo "stream_release_sweep: no $bin (make build)" >&2; exit 1; }
 settings=(defaults= wait_limit:0.025 wait_limit:0.03 wait_limit:1
-          release_slack:0.025 release_slack:0.03 release_slack:0.05 release_slack:0.1)
+          release_slack:0.02 release_slack:0.025 release_slack:0.03 release_slack:0.05 release_slack:0.1)
 tmp=$(mktemp)
 trap 'rm -f "$tmp"' EXIT
 echo "setting,frames,reserved_over_allocated,max_running_ratio,max_running_ratio_frame,mappings,unmappings,stream_waits" >"$out"
