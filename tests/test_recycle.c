@@ -342,8 +342,7 @@ static tide_stats small_growth_beside_a_busy_handle(const char *wait_limit, uint
 static void test_release_of_other_handles_is_not_deferred(void **state) {
   (void)state;
   uint64_t syncs;
-  tide_stats st =
-      small_growth_beside_a_busy_handle("0.019", &syncs); /* the default: 34 MiB is past it */
+  tide_stats st = small_growth_beside_a_busy_handle("0.019", &syncs); /* 34 MiB is past it */
   assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].peak, 32 * TU_MiB);
   assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].current, 30 * TU_MiB);
   assert_int_equal(syncs, 1);

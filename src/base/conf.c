@@ -559,9 +559,9 @@ static void format_wait_limit(const _tide_conf_values *v, char *buf, size_t len)
   format_follower(v->wait_limit, buf, len);
 }
 
-/* The proportions measured best at the default slack of 0.017 (release_limit
- * 0.0175, wait_limit 0.019): whole handles past 35/34 of the slack, busy
- * pages passed over up to 19/17 of it. */
+/* The proportions measured best at a slack of 0.017 (release_limit 0.0175,
+ * wait_limit 0.019), kept at every slack: whole handles past 35/34 of it,
+ * busy pages passed over up to 19/17 of it. */
 void _tide_conf_derive(_tide_conf_values *v) {
   if (v->release_limit < 0) v->release_limit = v->release_slack * 35.0 / 34.0;
   if (v->wait_limit < 0) v->wait_limit = v->release_slack * 19.0 / 17.0;
@@ -717,24 +717,24 @@ static const option options[] = {
      "expandable segment for large requests maps its pages as one physical handle: far fewer "
      "driver calls for memory that is kept, and freed, if ever, whole",
      "True or False (also true/false/1/0)", parse_load_handles, format_load_handles},
-    {"release_slack", "0.017",
+    {"release_slack", "0.025",
      "with release_holes, free pages stay cached (no unmap, no stream synchronization) while "
      "reserved memory stays within this fraction above the allocated peak; larger trades "
      "memory for fewer page operations; release_limit and wait_limit follow it",
-     "a fraction from 0 to 1, such as 0.017", parse_release_slack, format_release_slack},
+     "a fraction from 0 to 1, such as 0.025", parse_release_slack, format_release_slack},
     {"release_limit", "auto",
      "with release_holes, when growth would take reserved memory past this fraction above the "
      "allocated peak, the free pages unmapped to make room come in whole physical handles, "
      "even where that is more than the growth needs, so that handles larger than a page do "
-     "not let reserved memory creep upward (auto: 35/34 of release_slack, 0.0175 by default)",
-     "auto, or a fraction from 0 to 1, such as 0.0175", parse_release_limit, format_release_limit},
+     "not let reserved memory creep upward (auto: 35/34 of release_slack, 0.0257 by default)",
+     "auto, or a fraction from 0 to 1, such as 0.03", parse_release_limit, format_release_limit},
     {"wait_limit", "auto",
      "with release_holes, growth that must unmap a page of another physical handle size (or "
      "a growable buffer making room), which work queued on the stream may still read, passes "
      "it over for others, without waiting for the stream, while reserved memory stays within "
      "this fraction above the allocated peak; past it, it waits for that work and unmaps the "
-     "page. 0 always waits (auto: 19/17 of release_slack, 0.019 by default)",
-     "auto, or a fraction from 0 to 1, such as 0.019", parse_wait_limit, format_wait_limit},
+     "page. 0 always waits (auto: 19/17 of release_slack, 0.0279 by default)",
+     "auto, or a fraction from 0 to 1, such as 0.03", parse_wait_limit, format_wait_limit},
     {"peer_access", "True",
      "CUDA: every other GPU that can access this one's memory (cuDeviceCanAccessPeer) may read "
      "and write the allocator's blocks, so kernels on several GPUs can share them; the host "
