@@ -4,6 +4,8 @@ import csv
 import importlib.util
 import os
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 spec = importlib.util.spec_from_file_location(
     "paired_time", os.path.join(HERE, "..", "torch", "paired_time.py"))
@@ -240,7 +242,6 @@ def test_stream_gct_workers_get_the_frame_count(monkeypatch, capsys):
 
 
 def test_warmup_frames_reach_eager_streaming_workers_only(monkeypatch, capsys):
-    import pytest
     FakeProcess.started, FakeProcess.args = [], []
     monkeypatch.setattr(paired_time, "Worker", FakeProcess)
     monkeypatch.setattr("sys.argv", ["paired_time.py", "stream_gct", "--frames", "1024",
@@ -306,6 +307,19 @@ def test_outputs_are_compared_only_between_runs_of_one_program(monkeypatch, caps
 def test_pluggable_bridge_configuration(monkeypatch):
     allocator, env = paired_time.config_env("tidalloc-pluggable")
     assert allocator == "tidalloc" and env["TIDALLOC_TORCH_BRIDGE"] == "pluggable"
+
+
+def test_another_build_with_options(monkeypatch):
+    monkeypatch.setenv("TIDALLOC_CONF", "trace:10")
+    allocator, env = paired_time.config_env("tidalloc/ab-new:release_slack:0.017,wait_limit:1")
+    assert allocator == "tidalloc"
+    assert env["TIDALLOC_LIB"].endswith(os.path.join("ab-new", "libtidalloc.so"))
+    assert env["TIDALLOC_CONF"] == "trace:10,release_slack:0.017,wait_limit:1"
+    allocator, env = paired_time.config_env("tidalloc/ab-new")  # no options: the conf as it is
+    assert env["TIDALLOC_CONF"] == "trace:10"
+    for bad in ("tidalloc/:release_slack:1", "tidalloc/ab-new:"):
+        with pytest.raises(ValueError):
+            paired_time.config_env(bad)
 
 
 def test_tidalloc_configurations_require_the_shim(monkeypatch):

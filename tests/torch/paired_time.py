@@ -39,8 +39,9 @@ tidalloc-pluggable (the same through CUDAPluggableAllocator),
 tidalloc-nodetect; and tidalloc:KEY:VALUE,... (tidalloc with those options
 added to TIDALLOC_CONF), so that two settings of tidalloc can be paired
 (--configs tidalloc:load_handles:False tidalloc), and tidalloc/DIR (tidalloc
-with the library built in DIR, from the repository root), so that two
-versions of the library can be paired. A configuration may name
+with the library built in DIR, from the repository root;
+tidalloc/DIR:KEY:VALUE,... adds options), so that two versions of the library
+can be paired. A configuration may name
 its own program after an @, so that two programs can be paired:
 --configs expandable tidalloc@stream_gct_growable times the torch.cat
 caches under expandable segments against the growable ones under tidalloc
@@ -117,9 +118,15 @@ def config_env(config):
         return "tidalloc", env
     if config.startswith("tidalloc/") and len(config) > len("tidalloc/"):
         # Another build of the library (a folder holding libtidalloc.so, from
-        # the repository root): two versions of it paired on one machine.
-        env["TIDALLOC_LIB"] = os.path.join(HERE, "..", "..", config[len("tidalloc/"):],
-                                           "libtidalloc.so")
+        # the repository root), with options after a colon: two versions of
+        # it paired on one machine, each at the setting it is to be judged by.
+        folder, _, options = config[len("tidalloc/"):].partition(":")
+        if not folder or (_ and not options):
+            raise ValueError("unknown configuration %r" % config)
+        env["TIDALLOC_LIB"] = os.path.join(HERE, "..", "..", folder, "libtidalloc.so")
+        if options:
+            conf = env.get("TIDALLOC_CONF", "")
+            env["TIDALLOC_CONF"] = (conf + "," if conf else "") + options
         return "tidalloc", env
     if config.startswith("tidalloc:") and len(config) > len("tidalloc:"):
         conf = env.get("TIDALLOC_CONF", "")
