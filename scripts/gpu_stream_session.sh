@@ -28,7 +28,8 @@
 # rounds (paired_time.py --fresh-every), so that what sets one process
 # apart from another is resampled too. PAIR_WARMUP_FRAMES=N makes each
 # worker's untimed first run N frames (--warmup-frames; eager stream_gct
-# pairings only).
+# pairings only). ALT_BUILDS="DIR ..." builds other versions of the library
+# (source folders, carried) into DIR/build for tidalloc/DIR/build configs.
 #
 #   OUT=dir LANES="eager compile upstream gputest" FRAMES=128 \
 #     PAIRED="stream_gct:128:10:expandable+tidalloc" scripts/gpu_stream_session.sh
@@ -64,6 +65,18 @@ if ! { cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DTIDE_BUILD_TESTS=OFF \
        cmake --build build -j"$(nproc)" >>"$out/build.log" 2>&1; }; then
   note "build: FAILED (build.log)"
 fi
+# Other versions of the library to pair (ALT_BUILDS: source folders from the
+# repository root, such as a worktree of another branch, carried): each is
+# built into FOLDER/build, for paired_time's tidalloc/FOLDER/build configs.
+for alt in ${ALT_BUILDS:-}; do
+  if cmake -S "$alt" -B "$alt/build" -DCMAKE_BUILD_TYPE=Release -DTIDE_BUILD_TESTS=OFF \
+       -DTIDE_BUILD_EXAMPLES=OFF >"$out/build_${alt//\//_}.log" 2>&1 &&
+     cmake --build "$alt/build" -j"$(nproc)" >>"$out/build_${alt//\//_}.log" 2>&1; then
+    note "build of $alt: done ($(git -C "$alt" rev-parse --short HEAD 2>/dev/null || echo unknown))"
+  else
+    note "build of $alt: FAILED (build_${alt//\//_}.log)"
+  fi
+done
 if "$py" -c 'import tidalloc.shim as s; print(s.build(verbose=True))' >"$out/shim_build.log" 2>&1; then
   note "shim: built ($((SECONDS - start)) s with the library)"
 else
