@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # stream_1024_replay.sh [OUT.csv]: the streaming model in PyTorch at 1024
-# frames, on the host: bench/traces/stream_gct_96.csv.gz carried on to 1024
-# frames (scripts/extend_stream_trace.py) and replayed (`tidalloc replay`,
+# frames (and at 128 and 512 under the default and 0.017), on the host:
+# bench/traces/stream_gct_96.csv.gz carried on (scripts/extend_stream_trace.py)
+# and replayed (`tidalloc replay`,
 # host backend, an emulated H200, work completing eight events behind as on
 # a GPU) under the default and other release settings (keys joined by '+'),
 # one row each:
@@ -21,12 +22,18 @@ settings=(defaults release_slack:0.017 release_slack:0.018 release_slack:0.019 r
           release_slack:0.017+wait_limit:1 wait_limit:1)
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-"$py" scripts/extend_stream_trace.py bench/traces/stream_gct_96.csv.gz "$dir/t.csv.gz" 1024 >&2
-echo "setting,reserved_over_live,mappings,unmappings,stream_waits" >"$out"
-for s in "${settings[@]}"; do
-  conf=backend:host,host_capacity:141GiB,host_queue_depth:8
-  [[ $s == defaults ]] || conf+=",${s//+/,}"
-  env -u TIDALLOC_CONF "$bin" replay "$dir/t.csv.gz" --conf "$conf" >"$dir/r.txt"
-  awk -v s="$s" '{ v[$1] = $2 } END { OFS = ","; print s, v["reserved_over_live"], v["mappings"], v["unmappings"], v["stream_waits"] }' "$dir/r.txt" >>"$out"
+echo "frames,setting,reserved_over_live,mappings,unmappings,stream_waits" >"$out"
+replay() { # frames setting
+  local conf=backend:host,host_capacity:141GiB,host_queue_depth:8
+  [[ $2 == defaults ]] || conf+=",${2//+/,}"
+  env -u TIDALLOC_CONF "$bin" replay "$dir/t$1.csv.gz" --conf "$conf" >"$dir/r.txt"
+  awk -v f="$1" -v s="$2" '{ v[$1] = $2 } END { OFS = ","; print f, s, v["reserved_over_live"], v["mappings"], v["unmappings"], v["stream_waits"] }' "$dir/r.txt" >>"$out"
+}
+# Shorter runs at the default and at 0.017, for the 128- and 512-frame pairings.
+for frames in 128 512; do
+  "$py" scripts/extend_stream_trace.py bench/traces/stream_gct_96.csv.gz "$dir/t$frames.csv.gz" "$frames" >&2
+  for s in defaults release_slack:0.017; do replay "$frames" "$s"; done
 done
+"$py" scripts/extend_stream_trace.py bench/traces/stream_gct_96.csv.gz "$dir/t1024.csv.gz" 1024 >&2
+for s in "${settings[@]}"; do replay 1024 "$s"; done
 column -s, -t "$out"
