@@ -13,11 +13,8 @@ bin=${1:?usage: replay_traces.sh path/to/tidalloc}
 traces=$(cd "$(dirname "$0")/../bench/traces" && pwd) || exit 1
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT INT TERM
-default_slack=$(env -u TIDALLOC_CONF "$bin" info | awk '$1 == "release_slack" { print $2 }')
-case $default_slack in
-  0.* | 1*) ;;
-  *) echo "FAIL: no release_slack default in \`tidalloc info\`: '$default_slack'" >&2; exit 1 ;;
-esac
+. "$(dirname "$0")/lib/slack.sh"
+default_slack=$(default_slack "$bin") || exit 1
 failures=0
 count=0
 for trace in "$traces"/*.csv.gz; do
@@ -25,7 +22,7 @@ for trace in "$traces"/*.csv.gz; do
   count=$((count + 1))
   name=$(basename "$trace")
   for slack in "$default_slack" 0.017; do
-    limit=$(awk -v s="$slack" 'BEGIN { printf "%.4f", 1.003 + s }')
+    limit=$(slack_limit "$slack")
     if ! env -u TIDALLOC_CONF "$bin" replay "$trace" --conf "backend:host,release_slack:$slack" \
       >"$out" 2>&1; then
       echo "FAIL: $name, slack $slack: replay failed: $(tail -3 "$out")" >&2

@@ -25,13 +25,8 @@ bin=${1:?usage: stream_ratio.sh path/to/tidalloc}
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT INT TERM
 failures=0
-# The default slack as the library reports it (`tidalloc info`: name,
-# default, current, ...), with TIDALLOC_CONF out of the way.
-DEFAULT_SLACK=$(env -u TIDALLOC_CONF "$bin" info | awk '$1 == "release_slack" { print $2 }')
-case $DEFAULT_SLACK in
-  0.* | 1*) ;;
-  *) echo "FAIL: no release_slack default in \`tidalloc info\`: '$DEFAULT_SLACK'" >&2; exit 1 ;;
-esac
+. "$(dirname "$0")/lib/slack.sh"
+DEFAULT_SLACK=$(default_slack "$bin") || exit 1
 RUNNING_MARGIN=${RUNNING_MARGIN:-0.0015}
 for run in cat:0:: grow:0:: cat:8:: grow:8:: cat:0::0.017 grow:0::0.017 cat:8::0.017 \
   grow:8::0.017 cat:0:4:0.017 grow:0:4:0.017 cat:8:4:0.017 grow:8:4:0.017; do
@@ -40,7 +35,7 @@ $run
 RUN
   conf=backend:host,host_queue_depth:$depth${handles:+,handle_size_mb:$handles}
   conf=$conf${slack:+,release_slack:$slack}
-  limit=$(awk -v s="${slack:-$DEFAULT_SLACK}" 'BEGIN { printf "%.4f", 1.003 + s }')
+  limit=$(slack_limit "${slack:-$DEFAULT_SLACK}")
   running_limit=$limit
   [ -z "$handles" ] && running_limit=$(awk -v l="$limit" -v m="$RUNNING_MARGIN" 'BEGIN { printf "%.4f", l + m }')
   size="default"

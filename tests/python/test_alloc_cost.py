@@ -1,16 +1,13 @@
 """test_alloc_cost.py: the trace reading and the summary of
 tests/torch/alloc_cost.py (no torch, no GPU)."""
 import gzip
-import importlib.util
 import os
 
 import pytest
+from repo_module import load
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-spec = importlib.util.spec_from_file_location(
-    "alloc_cost", os.path.join(HERE, "..", "torch", "alloc_cost.py"))
-alloc_cost = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(alloc_cost)
+alloc_cost = load("tests/torch/alloc_cost.py")
 
 
 def write_trace(path, rows):

@@ -4,21 +4,15 @@ GPU): the added frames repeat the last one with each size moved by its step,
 every free is of a live allocation, and a trace that is not steady is
 refused."""
 import gzip
-import importlib.util
-import os
 
 import pytest
+from repo_module import load
 
 MARKER = 1175040
 
 
 def load_script():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts",
-                        "extend_stream_trace.py")
-    spec = importlib.util.spec_from_file_location("extend_stream_trace", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("scripts/extend_stream_trace.py")
 
 
 def made_up_trace(frames, bad_frame=None):

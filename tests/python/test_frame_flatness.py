@@ -1,17 +1,11 @@
 """test_frame_flatness.py: scripts/frame_flatness.py, which says whether the
 streaming model's time per frame stays flat once its window is full, on
 made-up per-frame rows (no torch, no GPU)."""
-import importlib.util
-import os
+from repo_module import load
 
 
 def load_flatness():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts",
-                        "frame_flatness.py")
-    spec = importlib.util.spec_from_file_location("frame_flatness", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("scripts/frame_flatness.py")
 
 
 def test_frame_flatness_takes_the_steps_after_the_window_is_full(tmp_path, capsys):

@@ -1,16 +1,12 @@
 """test_paired_time.py: the pairing and the summary of tests/torch/paired_time.py,
 with stand-in workers (no torch, no GPU)."""
 import csv
-import importlib.util
 import os
 
 import pytest
+from repo_module import load
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-spec = importlib.util.spec_from_file_location(
-    "paired_time", os.path.join(HERE, "..", "torch", "paired_time.py"))
-paired_time = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(paired_time)
+paired_time = load("tests/torch/paired_time.py")
 
 
 class FakeWorker:
@@ -60,11 +56,7 @@ def test_bootstrap_interval_contains_the_mean_and_narrows_with_more_pairs():
 
 
 def load_validate():
-    spec = importlib.util.spec_from_file_location(
-        "validate", os.path.join(HERE, "..", "torch", "validate.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("tests/torch/validate.py")
 
 
 class FakeCuda:

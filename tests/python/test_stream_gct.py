@@ -5,21 +5,17 @@ tokens kept, camera caches grown every frame), with torch.cat and with
 --growable (tidalloc's host backend). Skipped without torch."""
 import csv
 import hashlib
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
+from repo_module import ROOT, load
 
 torch = pytest.importorskip("torch", reason="stream_gct.py needs torch (not installed here)")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.join(HERE, "..", "..")
 SCRIPT = os.path.join(ROOT, "bench", "torch", "stream_gct.py")
-spec = importlib.util.spec_from_file_location("stream_gct", SCRIPT)
-sg = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sg)
+sg = load("bench/torch/stream_gct.py")
 
 FRAMES = 9  # tiny: 2 scale frames + a window of 4, so the last 3 frames evict one each
 
