@@ -60,21 +60,23 @@ export TIDALLOC_CACHE=$PWD/build/shim-cache TIDALLOC_LIB=$PWD/build/libtidalloc.
   echo "cpus: $(nproc)"
 } | tee -a "$summary" >"$out/machine.txt"
 
-if ! { cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DTIDE_BUILD_TESTS=OFF \
-         -DTIDE_BUILD_EXAMPLES=OFF >"$out/build.log" 2>&1 &&
-       cmake --build build -j"$(nproc)" >>"$out/build.log" 2>&1; }; then
-  note "build: FAILED (build.log)"
-fi
+# The library (Release, with the tidalloc command) from source folder $1
+# into $1/build, its log in $out/$2.
+build_library() {
+  cmake -S "$1" -B "$1/build" -DCMAKE_BUILD_TYPE=Release -DTIDE_BUILD_TESTS=OFF \
+    -DTIDE_BUILD_EXAMPLES=OFF >"$out/$2" 2>&1 &&
+    cmake --build "$1/build" -j"$(nproc)" >>"$out/$2" 2>&1
+}
+build_library . build.log || note "build: FAILED (build.log)"
 # Other versions of the library to pair (ALT_BUILDS: source folders from the
 # repository root, such as a worktree of another branch, carried): each is
 # built into FOLDER/build, for paired_time's tidalloc/FOLDER/build configs.
 for alt in ${ALT_BUILDS:-}; do
-  if cmake -S "$alt" -B "$alt/build" -DCMAKE_BUILD_TYPE=Release -DTIDE_BUILD_TESTS=OFF \
-       -DTIDE_BUILD_EXAMPLES=OFF >"$out/build_${alt//\//_}.log" 2>&1 &&
-     cmake --build "$alt/build" -j"$(nproc)" >>"$out/build_${alt//\//_}.log" 2>&1; then
+  log=build_${alt//\//_}.log
+  if build_library "$alt" "$log"; then
     note "build of $alt: done ($(git -C "$alt" rev-parse --short HEAD 2>/dev/null || echo unknown))"
   else
-    note "build of $alt: FAILED (build_${alt//\//_}.log)"
+    note "build of $alt: FAILED ($log)"
   fi
 done
 if "$py" -c 'import tidalloc.shim as s; print(s.build(verbose=True))' >"$out/shim_build.log" 2>&1; then
