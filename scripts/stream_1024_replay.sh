@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# stream_1024_replay.sh [OUT.csv]: the streaming model in PyTorch at 1024
-# frames (and at 128 and 512 under the default and 0.017), on the host:
+# stream_1024_replay.sh [OUT.csv]: the streaming model in PyTorch on the host,
+# at 1024 frames (and at 128 and 512 under the default and 0.017):
 # bench/traces/stream_gct_96.csv.gz carried on (scripts/extend_stream_trace.py)
-# and replayed (`tidalloc replay`,
-# host backend, an emulated H200, work completing eight events behind as on
-# a GPU) under the default and other release settings (keys joined by '+'),
-# one row each:
-# reserved over the trace's live peak, mappings, unmappings, stream waits.
-# Counts, not times: what the GPU pays for. The H100's own counts for the
-# same settings are in bench/results/h100/stream_gct_1024_paired.csv.
+# and replayed (`tidalloc replay`, host backend, an emulated H200, work
+# completing eight events behind as on a GPU) under the default and other
+# release settings (keys joined by '+'), one row each: reserved over the
+# trace's live peak, mappings, unmappings, stream waits. Counts, not times:
+# what the GPU pays for. The H100's own counts for the same settings are in
+# bench/results/h100/stream_gct_1024_paired.csv.
 # Default OUT: bench/results/host/stream_1024_replay.csv. Needs build/tidalloc.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
