@@ -81,10 +81,12 @@ static void give(range *r, uint64_t a, uint64_t s) {
     r->n--;
   }
 }
+/* Records of live blocks, their slots reused once freed: a trace's live
+ * blocks are few, its allocations many (4 million at 1024 frames). */
 #define MAXL 4000000
 static uint64_t pa[MAXL], ps[MAXL];
 static int pr[MAXL];
-static size_t nl;
+static size_t nl, freed[MAXL], nfreed;
 int main(int argc, char **argv) {
   policy = argc > 1 ? atoi(argv[1]) : 0;
   range R[2] = {{0}};
@@ -105,13 +107,18 @@ int main(int argc, char **argv) {
       uint64_t s = (size + 511) / 512 * 512;
       int k = s > (1 << 20);
       uint64_t a = take(&R[k], s);
-      while (hk[h]) h = (h + 1) & (H - 1);
+      /* The first empty or freed slot: an address is live once at most. */
+      while (hk[h] && hk[h] != (uint64_t)-1) h = (h + 1) & (H - 1);
+      size_t rec = nfreed ? freed[--nfreed] : nl++;
+      if (rec >= MAXL) {
+        fprintf(stderr, "placement_floor: more than %d blocks live at once\n", MAXL);
+        return 1;
+      }
       hk[h] = addr + 1;
-      hv[h] = nl;
-      pa[nl] = a;
-      ps[nl] = s;
-      pr[nl] = k;
-      nl++;
+      hv[h] = rec;
+      pa[rec] = a;
+      ps[rec] = s;
+      pr[rec] = k;
       live += s;
       if (live > peak) peak = live;
       uint64_t hw = 0;
@@ -122,6 +129,7 @@ int main(int argc, char **argv) {
       if (!hk[h]) continue;
       size_t i = hv[h];
       hk[h] = (uint64_t)-1; /* tombstone */
+      freed[nfreed++] = i;
       give(&R[pr[i]], pa[i], ps[i]);
       live -= ps[i];
     }
