@@ -94,6 +94,12 @@ sys.path.insert(0, HERE)
 from validate import PROGRAMS, SHORT_WARMUP_PROGRAMS  # noqa: E402: the workers' programs
 
 
+def add_conf(env, options):
+    """Append tidalloc options ("KEY:VALUE,...") to env's TIDALLOC_CONF."""
+    conf = env.get("TIDALLOC_CONF", "")
+    env["TIDALLOC_CONF"] = (conf + "," if conf else "") + options
+
+
 def config_env(config):
     """(allocator argument for validate.py, environment) of a configuration."""
     env = dict(os.environ)
@@ -113,24 +119,21 @@ def config_env(config):
     env.setdefault("TIDALLOC_TORCH_BRIDGE", "shim")
     if config in ("tidalloc", "tidalloc-nodetect"):
         if config == "tidalloc-nodetect":
-            conf = env.get("TIDALLOC_CONF", "")
-            env["TIDALLOC_CONF"] = (conf + "," if conf else "") + "capture_detection:False"
+            add_conf(env, "capture_detection:False")
         return "tidalloc", env
     if config.startswith("tidalloc/") and len(config) > len("tidalloc/"):
         # Another build of the library (a folder holding libtidalloc.so, from
         # the repository root), with options after a colon: two versions of
         # it paired on one machine, each at the setting it is to be judged by.
-        folder, _, options = config[len("tidalloc/"):].partition(":")
-        if not folder or (_ and not options):
+        folder, colon, options = config[len("tidalloc/"):].partition(":")
+        if not folder or (colon and not options):
             raise ValueError("unknown configuration %r" % config)
         env["TIDALLOC_LIB"] = os.path.join(HERE, "..", "..", folder, "libtidalloc.so")
         if options:
-            conf = env.get("TIDALLOC_CONF", "")
-            env["TIDALLOC_CONF"] = (conf + "," if conf else "") + options
+            add_conf(env, options)
         return "tidalloc", env
     if config.startswith("tidalloc:") and len(config) > len("tidalloc:"):
-        conf = env.get("TIDALLOC_CONF", "")
-        env["TIDALLOC_CONF"] = (conf + "," if conf else "") + config[len("tidalloc:"):]
+        add_conf(env, config[len("tidalloc:"):])
         return "tidalloc", env
     raise ValueError("unknown configuration %r" % config)
 
