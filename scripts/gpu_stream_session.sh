@@ -28,7 +28,8 @@
 # rounds (paired_time.py --fresh-every), so that what sets one process
 # apart from another is resampled too. PAIR_WARMUP_FRAMES=N makes each
 # worker's untimed first run N frames (--warmup-frames; eager stream_gct
-# pairings only). ALT_BUILDS="DIR ..." builds other versions of the library
+# pairings only). PAIR_SEGMENT_FRAMES=N makes a round's runs take turns
+# every N frames (--segment-frames; stream_gct pairings). ALT_BUILDS="DIR ..." builds other versions of the library
 # (source folders, carried) into DIR/build for tidalloc/DIR/build configs.
 #
 #   OUT=dir LANES="eager compile upstream gputest" FRAMES=128 \
@@ -163,7 +164,7 @@ for spec in ${PAIRED:-}; do
   timeout -k 10 "$limit" "$py" tests/torch/paired_time.py "$program" --frames "$frames" \
     --configs "${config_list[@]}" --pairs "$pairs" --budget-s $((limit * 3 / 4)) \
     --fresh-every "${PAIR_FRESH_EVERY:-0}" ${PAIR_WARMUP_FRAMES:+--warmup-frames "$PAIR_WARMUP_FRAMES"} \
-    >"$out/paired_$i.csv" 2>"$out/paired_$i.txt"
+    ${PAIR_SEGMENT_FRAMES:+--segment-frames "$PAIR_SEGMENT_FRAMES"} >"$out/paired_$i.csv" 2>"$out/paired_$i.txt"
   rc=$?
   note "== paired $i: $program, $frames frames, ${config_list[*]}: exit $rc ($((SECONDS - t0)) s)"
   grep -v '^W\|^  warnings\|^$' "$out/paired_$i.txt" | tail -12 | tee -a "$summary" >/dev/null

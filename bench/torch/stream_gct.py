@@ -706,18 +706,25 @@ def step_batches(frames, scale_frames):
     return ([first] if first else []) + [1] * (frames - first)
 
 
-def stream(model, state, frames, device, generator, compiled=False, on_step=None):
-    """Stream `frames` frames of random images through the model."""
+def stream_steps(model, state, frames, device, generator, compiled=False):
+    """Stream `frames` frames of random images through the model, yielding
+    each step's frame count once the step is queued."""
     h, w = model.shape.effective()
-    with torch.no_grad():
-        for batch in step_batches(frames, model.shape.scale_frames):
+    for batch in step_batches(frames, model.shape.scale_frames):
+        with torch.no_grad():
             if compiled:
                 torch.compiler.cudagraph_mark_step_begin()
             images = torch.randn(batch, 3, h, w, device=device, generator=generator)
             model.step(images, state)
             del images
-            if on_step is not None:
-                on_step(batch)
+        yield batch
+
+
+def stream(model, state, frames, device, generator, compiled=False, on_step=None):
+    """Stream `frames` frames of random images through the model."""
+    for batch in stream_steps(model, state, frames, device, generator, compiled):
+        if on_step is not None:
+            on_step(batch)
 
 
 def memory_figures(device):
@@ -1007,21 +1014,37 @@ def paired_runner(device, frames, growable=False, tiny=False, seed=0, compiled=F
     """A function run(digest, frames=frames) that streams `frames` frames
     through one model built here, with fresh caches every call, and adds the
     outputs (every pose, the last depth and confidence) to `digest`. compiled: the hot
-    modules under torch.compile(mode="reduce-overhead"), as --compile."""
+    modules under torch.compile(mode="reduce-overhead"), as --compile.
+    run.segments(digest, every, frames=frames) is the same run as a
+    generator that pauses after each `every` frames (at the first step
+    boundary past them), so that a pairing can interleave two processes'
+    runs segment by segment; the outputs go to `digest` in its last one."""
     shape = make_shape(tiny)
     model = build_model(shape, device, seed, compile_hot=compiled)
 
-    def run(digest, frames=frames):
+    def segments(digest, every, frames=frames):
+        if every < 1:
+            raise ValueError("segments of %d frames" % every)
         generator = torch.Generator(device=device).manual_seed(seed + 1)
         state = StreamState(shape, device, frames, growable)
         try:
-            stream(model, state, frames, device, generator, compiled)
+            done, since = 0, 0
+            for batch in stream_steps(model, state, frames, device, generator, compiled):
+                done, since = done + batch, since + batch
+                if since >= every and done < frames:
+                    since = 0
+                    yield done
             depth, confidence, _ = state.outputs[-1]
             poses = torch.cat([o[2] for o in state.outputs])
             for t in (poses, depth, confidence):
                 digest.update(t.float().cpu().numpy().tobytes())
         finally:
             state.close()
+
+    def run(digest, frames=frames):
+        for _ in segments(digest, frames, frames):
+            pass
+    run.segments = segments
     return run
 
 

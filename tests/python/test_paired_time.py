@@ -466,3 +466,119 @@ def test_one_allocator_twice_compares_two_processes(monkeypatch, capsys):
     assert "native and native@stream_gct_compile gave different outputs" in err
     assert paired_time.config_env(paired_time.split_config(
         "native@stream_gct_compile", "stream_gct_compile")[0])[0] == "native"
+
+
+class FakeSegmentWorker:
+    """A run of `segments` segments of `base` seconds each, times a factor
+    that grows with every segment run on either worker (a machine that
+    slows steadily over minutes)."""
+
+    def __init__(self, config, base, machine, segments=8):
+        self.config, self.base, self.machine, self.segments = config, base, machine, segments
+        self.left, self.total = None, 0.0
+
+    def begin(self):
+        assert self.left is None, "a run begun twice"
+        self.left, self.total = self.segments, 0.0
+
+    def segment(self):
+        self.machine["segments"] += 1
+        self.machine.setdefault("order", []).append(self.config)
+        seconds = self.base * (1 + 0.01 * self.machine["segments"])
+        self.left -= 1
+        self.total += seconds
+        if self.left:
+            return seconds, None
+        self.left = None
+        return seconds, (self.total, "same", 0, 0)
+
+    def run(self):
+        self.begin()
+        while True:
+            _, result = self.segment()
+            if result:
+                return result
+
+
+def test_segments_take_turns_so_a_steady_drift_reaches_both_alike():
+    for segmented, close in ((False, False), (True, True)):
+        machine = {"segments": 0}
+        a = FakeSegmentWorker("expandable", 1.0, machine)
+        b = FakeSegmentWorker("tidalloc", 1.01, machine)
+        rounds = paired_time.run_rounds([a, b], 2, segmented=segmented)
+        ratios = [results["tidalloc"][0] / results["expandable"][0] for _, _, results in rounds]
+        # Whole runs one after the other: the second run of each pair pays the
+        # drift over the first (about 8% here); in segments, A B then B A
+        # segment by segment, the drift falls on both alike and each ratio is 1.01.
+        assert all(abs(r - 1.01) < 1e-9 for r in ratios) == close
+    assert machine["order"][:4] == ["expandable", "tidalloc", "tidalloc", "expandable"]
+    assert machine["order"][16:18] == ["tidalloc", "expandable"]  # round 2 begins with B
+
+
+def test_segmented_runs_that_end_apart_are_an_error():
+    machine = {"segments": 0}
+    a = FakeSegmentWorker("a", 1.0, machine, segments=4)
+    b = FakeSegmentWorker("b", 1.0, machine, segments=5)
+    with pytest.raises(RuntimeError, match="different numbers of segments"):
+        paired_time.run_rounds([a, b], 1, segmented=True)
+
+
+def segmented_run():
+    """A run(digest) of four frames whose run.segments pauses every `every`."""
+    def segments(digest, every, frames=4):
+        done = 0
+        for _ in range(frames):
+            done += 1
+            if done % every == 0 and done < frames:
+                yield done
+        digest.update(b"four frames")
+
+    def run(digest):
+        for _ in segments(digest, 4):
+            pass
+    run.segments = segments
+    return run
+
+
+def test_serve_streams_a_run_in_segments_with_the_whole_runs_outputs(monkeypatch, capsys):
+    import io
+    validate = load_validate()
+    monkeypatch.setattr("sys.stdin", io.StringIO("run\nbegin\nsegment\nsegment\nquit\n"))
+    assert validate.serve(FakeTorch(), segmented_run(), segment_frames=2) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "ready"
+    whole = lines[1].split()
+    assert lines[2] == "begun"
+    first, last = lines[3].split(), lines[4].split()
+    assert first[0] == "segment" and len(first) == 2
+    assert last[0] == "end" and len(last) == 6
+    assert last[3] == whole[1]  # the digest of the run in segments is the whole run's
+    assert float(last[2]) >= float(last[1])  # the run's seconds hold its last segment's
+    assert lines[5] == "peaks 100.0 102.0"
+
+
+def test_serve_refuses_segments_unless_told(monkeypatch, capsys):
+    import io
+    validate = load_validate()
+    monkeypatch.setattr("sys.stdin", io.StringIO("begin\n"))
+    assert validate.serve(FakeTorch(), segmented_run()) == 2
+    monkeypatch.setattr("sys.stdin", io.StringIO("segment\n"))
+    assert validate.serve(FakeTorch(), segmented_run(), segment_frames=2) == 2
+
+
+def test_segment_frames_reach_streaming_workers_only(monkeypatch, capsys):
+    FakeProcess.started, FakeProcess.args = [], []
+    monkeypatch.setattr(paired_time, "Worker", FakeProcess)
+    monkeypatch.setattr(paired_time, "run_rounds",
+                        lambda workers, rounds, budget_s, emit, segmented:
+                        FakeProcess.args.append(("segmented", segmented)) or [])
+    monkeypatch.setattr("sys.argv", ["paired_time.py", "stream_gct", "--frames", "1024",
+                                     "--segment-frames", "64", "--pairs", "1"])
+    paired_time.main()
+    assert FakeProcess.args[:2] == [["--frames", "1024", "--segment-frames", "64", "--cold"]] * 2
+    assert FakeProcess.args[2] == ("segmented", True)
+    capsys.readouterr()
+    for program, frames in (("gpt2", "64"), ("stream_gct", "0")):
+        monkeypatch.setattr("sys.argv", ["paired_time.py", program, "--segment-frames", frames])
+        with pytest.raises(SystemExit, match="--segment-frames"):
+            paired_time.main()

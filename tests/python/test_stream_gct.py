@@ -130,6 +130,19 @@ def test_paired_runner_repeats_its_outputs():
     assert short.hexdigest() != digests[0] and again.hexdigest() == digests[0]
 
 
+def test_paired_runner_in_segments_gives_the_whole_runs_outputs():
+    torch.set_num_threads(1)
+    run = sg.paired_runner("cpu", frames=FRAMES, tiny=True)
+    whole = hashlib.sha256()
+    run(whole)
+    pieces = hashlib.sha256()
+    # The scale frames come as one step, so the first pause is past them;
+    # then one every 3 frames, never after the last step.
+    assert list(run.segments(pieces, 3)) == [3, 6]
+    assert pieces.hexdigest() == whole.hexdigest()
+    assert list(run.segments(hashlib.sha256(), FRAMES)) == []
+
+
 def library_found():
     sys.path.insert(0, os.path.join(ROOT, "python"))
     try:

@@ -55,6 +55,15 @@ between processes at all.
 frames instead of --frames (eager stream_gct programs): at 1024 frames a
 full first run per worker takes minutes of the pairing's time.
 
+--segment-frames N (stream_gct programs) makes the runs of a round take
+turns every N frames: each worker begins its run, then streams N frames
+while the others wait, the order rotated by one each segment, and a run's
+time is that of its segments together (each timed from an idle device to
+an idle device). A 1024-frame run takes two minutes, and on one machine
+single rounds of whole runs spread by 5-6%, more than the allocators
+differ; within a round taken in segments the machine's drift falls on
+every configuration alike.
+
 For the compiled programs (compile_kv, stream_gct_compile) the first
 configuration's worker starts alone and the others once it is ready: inductor
 times some kernels' configurations the first time they run and caches the
@@ -172,6 +181,27 @@ class Worker:
             raise RuntimeError("%s: worker failed during a run" % self.config)
         return float(line[0]), line[1], int(line[2]), int(line[3])
 
+    def _ask(self, command):
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().split()
+
+    def begin(self):
+        """Starts a run in segments (the worker serves --segment-frames), untimed."""
+        if self._ask("begin") != ["begun"]:
+            raise RuntimeError("%s: worker could not begin a run" % self.config)
+
+    def segment(self):
+        """The next segment of the run begun: (seconds, None), or after its
+        last one (seconds, the run's result as run() gives it, its seconds
+        those of every segment together)."""
+        words = self._ask("segment")
+        if len(words) == 2 and words[0] == "segment":
+            return float(words[1]), None
+        if len(words) == 6 and words[0] == "end":
+            return float(words[1]), (float(words[2]), words[3], int(words[4]), int(words[5]))
+        raise RuntimeError("%s: worker failed during a segment" % self.config)
+
     def close(self):
         """Ends the worker; returns (exit status, its "peaks" line's words or None)."""
         peaks = None
@@ -187,24 +217,52 @@ class Worker:
         return self.proc.wait(), peaks
 
 
-def run_rounds(workers, rounds, budget_s=None, clock=time.monotonic, emit=None):
+def rotated(items, k):
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+def run_in_segments(order):
+    """One round whose runs take turns segment by segment: every worker's
+    run begun (untimed), then its segments, the workers' order rotated by
+    one each segment, so that a drift of the machine longer than a few
+    segments reaches every configuration alike. {configuration: result},
+    each run's seconds those of its segments together."""
+    for worker in order:
+        worker.begin()
+    results, j = {}, 0
+    while len(results) < len(order):
+        for worker in rotated(order, j):
+            _, result = worker.segment()
+            if result is not None:
+                results[worker.config] = result
+        if results and len(results) < len(order):
+            raise RuntimeError("the runs ended after different numbers of segments (%s first)"
+                               % ", ".join(sorted(results)))
+        j += 1
+    return results
+
+
+def run_rounds(workers, rounds, budget_s=None, clock=time.monotonic, emit=None,
+               segmented=False):
     """Rounds of runs, one run of each worker per round, the order rotated by
     one each round (two workers: A B, then B A; three: A B C, B C A, C A B),
     so that every configuration takes every place equally often and a drift
-    within a round favours none. Stops when `rounds` are done or `budget_s`
-    has passed (no round is begun after it). Returns a list of
+    within a round favours none. segmented: the runs of a round take turns
+    segment by segment (run_in_segments). Stops when `rounds` are done or
+    `budget_s` has passed (no round is begun after it). Returns a list of
     (round, order of the configurations, {configuration: result})."""
     start = clock()
     done = []
     for i in range(rounds):
         if budget_s is not None and clock() - start > budget_s:
             break
-        k = i % len(workers)
-        order = workers[k:] + workers[:k]
-        results = {}
+        order = rotated(workers, i)
+        results = run_in_segments(order) if segmented else {}
         for position, worker in enumerate(order):
-            results[worker.config] = worker.run()
-            if emit:
+            if not segmented:
+                results[worker.config] = worker.run()
+            if emit:  # each run's row as soon as it is known, in case the pairing is cut
                 emit(i, position, worker.config, results[worker.config])
         done.append((i, [w.config for w in order], results))
     return done
@@ -353,6 +411,10 @@ def main():
     parser.add_argument("--warmup-frames", type=int, metavar="N",
                         help="the eager stream_gct programs: each worker's untimed first run "
                         "streams N frames, not --frames (at 1024 frames a full one is minutes)")
+    parser.add_argument("--segment-frames", type=int, metavar="N",
+                        help="the stream_gct programs: the runs of a round take turns every N "
+                        "frames instead of run after run, so that the machine's drift over "
+                        "a long run reaches every configuration alike")
     parser.add_argument("--fresh-every", type=int, default=0, metavar="N",
                         help="a new pair of worker processes every N pairs, each set begun by a "
                         "'# run' line, so that the summary can resample the processes too")
@@ -366,6 +428,12 @@ def main():
             for c in args.configs)):
         sys.exit("paired_time.py: --warmup-frames takes a positive count, and only eager "
                  "stream_gct programs (a compiled program's first runs record its graphs)")
+
+    if args.segment_frames is not None and (args.segment_frames < 1 or any(
+            not split_config(c, args.program)[1].startswith("stream_gct")
+            for c in args.configs)):
+        sys.exit("paired_time.py: --segment-frames takes a positive count, and only the "
+                 "stream_gct programs")
 
     print("program,pair,position,config,seconds,digest,maps,unmaps", flush=True)
 
@@ -427,6 +495,8 @@ def run_set(args, rounds, budget_s, emit):
     extra = ["--frames", str(args.frames)] if streaming else []
     if args.warmup_frames:
         extra += ["--warmup-frames", str(args.warmup_frames)]
+    if args.segment_frames:
+        extra += ["--segment-frames", str(args.segment_frames)]
     if (args.cache or ("cold" if streaming else "warm")) == "cold":
         extra.append("--cold")
     compiled = any(p in COMPILED_PROGRAMS for p in programs)
@@ -443,7 +513,8 @@ def run_set(args, rounds, budget_s, emit):
         workers += [Worker(args.program, c, program_args=extra) for c in args.configs[len(workers):]]
         for w in workers[1 if compiled else 0:]:
             w.wait_ready()
-        done = run_rounds(workers, rounds, budget_s, emit=emit)
+        done = run_rounds(workers, rounds, budget_s, emit=emit,
+                          segmented=bool(args.segment_frames))
     except RuntimeError as e:
         print("paired_time: %s" % e, file=sys.stderr)
         status = 1

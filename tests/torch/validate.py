@@ -48,11 +48,15 @@ mappings), until "quit" or the end of its input; then a line "peaks
 ALLOCATED_MIB RESERVED_MIB" (the largest peaks of any of its runs; each
 run's own go to stderr, marked with --label). --cold empties the cache
 before each timed run; --warmup-frames N makes the eager streaming
-programs' first run a stream of N frames.
+programs' first run a stream of N frames. --segment-frames N (the
+streaming programs) also takes "begin", answered "begun", and then
+"segment" until the run ends: each streams the next N frames, answered
+"segment SECONDS", and the last "end SECONDS" and the run's line.
 
     python tests/torch/validate.py gpt2|vit|stream_gct[_growable|_compile]|compile_kv native|tidalloc
                                    [--repeats N] [--frames N] [--trace-csv FILE.csv.gz]
-                                   [--serve [--cold] [--label NAME] [--warmup-frames N]]"""
+                                   [--serve [--cold] [--label NAME] [--warmup-frames N]
+                                    [--segment-frames N]]"""
 import argparse
 import functools
 import hashlib
@@ -201,7 +205,72 @@ def report_peaks(label, what, peaks):
           flush=True)
 
 
-def serve(torch, run, warmups=1, cold=False, label="worker", by_pool=False, warm_run=None):
+class _TimedRuns:
+    """What serve() keeps between commands: the mapping counters, the peaks
+    over every run, the reference output, and a run begun in segments."""
+
+    def __init__(self, torch, label, cold, first, overall):
+        self.torch, self.label, self.cold = torch, label, cold
+        self.first, self.overall, self.runs = first, overall, 0
+        self.before = device_mappings(torch) or (0, 0)
+        self.costs = None
+        self.pieces = None  # a run begun in segments: (generator, digest, seconds so far)
+
+    def begin(self):
+        """Untimed: the cache emptied (cold), the peaks reset, the counters read."""
+        if self.cold:
+            empty_caches(self.torch)
+            self.before = device_mappings(self.torch) or self.before
+        self.torch.cuda.reset_peak_memory_stats()
+        self.costs = tidalloc_stats(self.torch)
+
+    def end(self, seconds, digest):
+        """The run's reports; its answer line, or None if its outputs differ from the first's."""
+        torch, label = self.torch, self.label
+        peaks = run_peaks(torch)
+        self.overall = (max(self.overall[0], peaks[0]), max(self.overall[1], peaks[1]))
+        report_peaks(label, "run %d" % self.runs, peaks)
+        if self.costs is not None:
+            now = tidalloc_stats(torch)
+            print("validate.py %s: run %d: %.1f ms in mapping calls, %d stream waits; %s"
+                  % (label, self.runs, (now.mapping_ns - self.costs.mapping_ns) / 1e6,
+                     now.stream_waits - self.costs.stream_waits, counter_deltas(self.costs, now)),
+                  file=sys.stderr, flush=True)
+        self.runs += 1
+        after = device_mappings(torch)
+        maps, unmaps = (after[0] - self.before[0], after[1] - self.before[1]) if after else (-1, -1)
+        self.before = after or self.before
+        self.first = self.first or digest
+        if digest != self.first:
+            print("validate.py: a run gave other outputs than the first (%s vs %s)"
+                  % (digest, self.first), file=sys.stderr)
+            return None
+        return "%.6f %s %d %d" % (seconds, digest, maps, unmaps)
+
+    def segment(self):
+        """The next segment of the run begun, timed from an idle device to an
+        idle device: "segment SECONDS", or after the last one "end SECONDS"
+        and the run's answer line; None if the outputs differ."""
+        generator, digest, total = self.pieces
+        self.torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            next(generator)
+            ended = False
+        except StopIteration:
+            ended = True
+        self.torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        if not ended:
+            self.pieces = (generator, digest, total + seconds)
+            return "segment %.6f" % seconds
+        self.pieces = None
+        line = self.end(total + seconds, digest.hexdigest()[:16])
+        return None if line is None else "end %.6f %s" % (seconds, line)
+
+
+def serve(torch, run, warmups=1, cold=False, label="worker", by_pool=False, warm_run=None,
+          segment_frames=None):
     """The first run (`warmups` of them), then one timed run per "run"
     command on stdin. The process sits idle between commands, so two of
     them (one per allocator) can take turns on one machine, each run next
@@ -211,48 +280,39 @@ def serve(torch, run, warmups=1, cold=False, label="worker", by_pool=False, warm
     run by run (the first runs together), so that a peak shows which run set
     it; "peaks" at the end gives the largest of them. by_pool: at the end,
     where the reserved memory sits, pool by pool. warm_run: what the first
-    runs run instead of `run` (a shorter stream: --warmup-frames)."""
+    runs run instead of `run` (a shorter stream: --warmup-frames).
+    segment_frames (a run with run.segments, the streaming programs): "begin"
+    starts a timed run, answered "begun", and each "segment" then streams
+    the next segment_frames frames of it, answered as _TimedRuns.segment
+    says, so that processes can take turns within a run."""
     for _ in range(warmups):
         _, first = timed_run(torch, warm_run or run)
     if warm_run is not None:
         first = None  # a shorter stream has other outputs: the first timed run is the reference
     overall = run_peaks(torch)
     report_peaks(label, "first run%s" % ("s" if warmups > 1 else ""), overall)
-    runs = 0
+    runs = _TimedRuns(torch, label, cold, first, overall)
     print("ready", flush=True)
-    before = device_mappings(torch) or (0, 0)
     for line in sys.stdin:
         command = line.strip()
         if command == "quit":
             break
-        if command != "run":
-            print("validate.py: unknown command %r" % command, file=sys.stderr)
+        if command == "run":
+            runs.begin()
+            answer = runs.end(*timed_run(torch, run))
+        elif command == "begin" and segment_frames and runs.pieces is None:
+            runs.begin()
+            digest = hashlib.sha256()
+            runs.pieces = (run.segments(digest, segment_frames), digest, 0.0)
+            answer = "begun"
+        elif command == "segment" and runs.pieces is not None:
+            answer = runs.segment()
+        else:
+            print("validate.py: unknown command %r here" % command, file=sys.stderr)
             return 2
-        if cold:
-            empty_caches(torch)
-            before = device_mappings(torch) or before
-        torch.cuda.reset_peak_memory_stats()
-        costs = tidalloc_stats(torch)
-        seconds, digest = timed_run(torch, run)
-        peaks = run_peaks(torch)
-        overall = (max(overall[0], peaks[0]), max(overall[1], peaks[1]))
-        report_peaks(label, "run %d" % runs, peaks)
-        if costs is not None:
-            now = tidalloc_stats(torch)
-            print("validate.py %s: run %d: %.1f ms in mapping calls, %d stream waits; %s"
-                  % (label, runs, (now.mapping_ns - costs.mapping_ns) / 1e6,
-                     now.stream_waits - costs.stream_waits, counter_deltas(costs, now)),
-                  file=sys.stderr, flush=True)
-        runs += 1
-        after = device_mappings(torch)
-        maps, unmaps = (after[0] - before[0], after[1] - before[1]) if after else (-1, -1)
-        before = after or before
-        print("%.6f %s %d %d" % (seconds, digest, maps, unmaps), flush=True)
-        first = first or digest
-        if digest != first:
-            print("validate.py: a run gave other outputs than the first (%s vs %s)"
-                  % (digest, first), file=sys.stderr)
+        if answer is None:
             return 1
+        print(answer, flush=True)
     if by_pool:
         # Where the reserved memory sits: the usual memory and each graph
         # pool, with (under tidalloc) each pool's allocated peak, so that a
@@ -262,7 +322,7 @@ def serve(torch, run, warmups=1, cold=False, label="worker", by_pool=False, warm
         from tidalloc.viz import pool_breakdown
         print("validate.py %s: by pool: %s" % (label, pool_breakdown(torch)), file=sys.stderr,
               flush=True)
-    print("peaks %.1f %.1f" % overall, flush=True)
+    print("peaks %.1f %.1f" % runs.overall, flush=True)
     return 0
 
 
@@ -287,6 +347,9 @@ def main():
     parser.add_argument("--warmup-frames", type=int, metavar="N",
                         help="with --serve, for the eager stream_gct programs: the first run "
                         "streams N frames, not --frames (a 1024-frame warm-up is minutes)")
+    parser.add_argument("--segment-frames", type=int, metavar="N",
+                        help="with --serve, for the stream_gct programs: take 'begin' and "
+                        "'segment' commands, a timed run streamed N frames at a time")
     args = parser.parse_args()
     if args.repeats < 1:
         sys.exit("validate.py: --repeats must be at least 1")
@@ -294,6 +357,10 @@ def main():
             args.warmup_frames < 1 or args.program not in SHORT_WARMUP_PROGRAMS):
         sys.exit("validate.py: --warmup-frames takes a positive count, for stream_gct and "
                  "stream_gct_growable (a compiled program's first runs record its graphs)")
+    if args.segment_frames is not None and (
+            args.segment_frames < 1 or not args.program.startswith("stream_gct")):
+        sys.exit("validate.py: --segment-frames takes a positive count, for the stream_gct "
+                 "programs")
     if args.allocator == "tidalloc":
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                         "python"))
@@ -319,7 +386,8 @@ def main():
         if args.warmup_frames:
             warm_run = functools.partial(run, frames=args.warmup_frames)
         sys.exit(serve(torch, run, warmups=2 if compiled else 1, cold=args.cold,
-                       label=args.label or args.allocator, by_pool=compiled, warm_run=warm_run))
+                       label=args.label or args.allocator, by_pool=compiled, warm_run=warm_run,
+                       segment_frames=args.segment_frames))
     digests, seconds, mappings = [], [], []
     for i in range(1 + args.repeats):
         t, d = timed_run(torch, run)
