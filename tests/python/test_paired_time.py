@@ -570,7 +570,7 @@ def test_segment_frames_reach_streaming_workers_only(monkeypatch, capsys):
     FakeProcess.started, FakeProcess.args = [], []
     monkeypatch.setattr(paired_time, "Worker", FakeProcess)
     monkeypatch.setattr(paired_time, "run_rounds",
-                        lambda workers, rounds, budget_s, emit, segmented:
+                        lambda workers, rounds, budget_s, emit, segmented, on_segment:
                         FakeProcess.args.append(("segmented", segmented)) or [])
     monkeypatch.setattr("sys.argv", ["paired_time.py", "stream_gct", "--frames", "1024",
                                      "--segment-frames", "64", "--pairs", "1"])
@@ -582,3 +582,36 @@ def test_segment_frames_reach_streaming_workers_only(monkeypatch, capsys):
         monkeypatch.setattr("sys.argv", ["paired_time.py", program, "--segment-frames", frames])
         with pytest.raises(SystemExit, match="--segment-frames"):
             paired_time.main()
+
+
+def test_segments_are_written_and_summarized_segment_by_segment(monkeypatch, capsys, tmp_path):
+    machine = {"segments": 0}
+
+    class Process(FakeSegmentWorker):
+        def __init__(self, program, config, program_args=()):
+            super().__init__(config, 1.0 if config == "expandable" else 1.01, machine, segments=4)
+
+        def wait_ready(self):
+            pass
+
+        def close(self):
+            return 0, (100.0, 101.0)
+
+    other = "tidalloc:release_slack:0.02,wait_limit:1"  # a name the rows must quote
+    monkeypatch.setattr(paired_time, "Worker", Process)
+    monkeypatch.setattr("sys.argv", ["paired_time.py", "stream_gct", "--segment-frames", "32",
+                                     "--pairs", "2", "--configs", "expandable", other])
+    assert paired_time.main() == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines(keepends=True)
+    assert len([line for line in lines if line.startswith("# segment ")]) == 16
+    ratios = paired_time.read_segments(lines, "expandable", other)
+    assert sorted(ratios) == [0, 1, 2, 3] and all(len(r) == 2 for r in ratios.values())
+    # In one segment the second of the two pays one step of the drift over the first.
+    assert all(abs(paired_time.geometric_mean(r) - 1.01) < 0.015 for r in ratios.values())
+    path = tmp_path / "rounds.csv"
+    path.write_text(out)
+    paired_time.summarize_file(str(path), "expandable", other)
+    summary = capsys.readouterr().out
+    assert "by segment (geometric mean over rounds): 0: 1.0" in summary
+    assert "2 pairs" in summary and "geometric mean 1.0100" in summary

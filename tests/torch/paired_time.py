@@ -62,7 +62,9 @@ time is that of its segments together (each timed from an idle device to
 an idle device). A 1024-frame run takes two minutes, and on one machine
 single rounds of whole runs spread by 5-6%, more than the allocators
 differ; within a round taken in segments the machine's drift falls on
-every configuration alike.
+every configuration alike. Each segment's time is written as a comment
+line, "# segment ROUND,INDEX,CONFIG,SECONDS", and --summarize gives the
+ratio segment by segment: where in the run a difference lies.
 
 For the compiled programs (compile_kv, stream_gct_compile) the first
 configuration's worker starts alone and the others once it is ready: inductor
@@ -222,18 +224,21 @@ def rotated(items, k):
     return items[k:] + items[:k]
 
 
-def run_in_segments(order):
+def run_in_segments(order, on_segment=None):
     """One round whose runs take turns segment by segment: every worker's
     run begun (untimed), then its segments, the workers' order rotated by
     one each segment, so that a drift of the machine longer than a few
     segments reaches every configuration alike. {configuration: result},
-    each run's seconds those of its segments together."""
+    each run's seconds those of its segments together; on_segment(config,
+    index, seconds) hears of each segment."""
     for worker in order:
         worker.begin()
     results, j = {}, 0
     while len(results) < len(order):
         for worker in rotated(order, j):
-            _, result = worker.segment()
+            seconds, result = worker.segment()
+            if on_segment:
+                on_segment(worker.config, j, seconds)
             if result is not None:
                 results[worker.config] = result
         if results and len(results) < len(order):
@@ -244,13 +249,14 @@ def run_in_segments(order):
 
 
 def run_rounds(workers, rounds, budget_s=None, clock=time.monotonic, emit=None,
-               segmented=False):
+               segmented=False, on_segment=None):
     """Rounds of runs, one run of each worker per round, the order rotated by
     one each round (two workers: A B, then B A; three: A B C, B C A, C A B),
     so that every configuration takes every place equally often and a drift
     within a round favours none. segmented: the runs of a round take turns
     segment by segment (run_in_segments). Stops when `rounds` are done or
-    `budget_s` has passed (no round is begun after it). Returns a list of
+    `budget_s` has passed (no round is begun after it); on_segment(round,
+    config, index, seconds) hears of each segment. Returns a list of
     (round, order of the configurations, {configuration: result})."""
     start = clock()
     done = []
@@ -258,7 +264,8 @@ def run_rounds(workers, rounds, budget_s=None, clock=time.monotonic, emit=None,
         if budget_s is not None and clock() - start > budget_s:
             break
         order = rotated(workers, i)
-        results = run_in_segments(order) if segmented else {}
+        hear = on_segment and (lambda config, j, seconds, i=i: on_segment(i, config, j, seconds))
+        results = run_in_segments(order, hear) if segmented else {}
         for position, worker in enumerate(order):
             if not segmented:
                 results[worker.config] = worker.run()
@@ -365,10 +372,37 @@ def read_pairs(lines, name_a, name_b):
     return out
 
 
+def read_segments(lines, name_a, name_b):
+    """From "# segment ROUND,INDEX,CONFIG,SECONDS" lines (runs in segments),
+    {index: [B's seconds over A's in each round that has both]}, the
+    rounds of several runs in one file kept apart."""
+    run, seconds = 0, {}
+    for line in lines:
+        if line.startswith("# run"):
+            run += 1
+        elif line.startswith("# segment "):
+            i, index, config, t = next(csv.reader([line[len("# segment "):].strip()]))
+            seconds[(run, int(i), int(index), config)] = float(t)
+    ratios = {}
+    for (run, i, index, config), t in sorted(seconds.items()):
+        other = seconds.get((run, i, index, name_a))
+        if config == name_b and other:
+            ratios.setdefault(index, []).append(t / other)
+    return ratios
+
+
 def summarize_file(path, name_a, name_b):
-    """Each program's pairs over all the runs in `path`, and run by run."""
+    """Each program's pairs over all the runs in `path`, and run by run;
+    for runs in segments, the ratio segment by segment (where in a run the
+    difference lies)."""
     with open(path) as f:
-        programs = read_pairs(f, name_a, name_b)
+        lines = f.readlines()
+    programs = read_pairs(lines, name_a, name_b)
+    by_segment = read_segments(lines, name_a, name_b)
+    if by_segment:
+        print("%s / %s by segment (geometric mean over rounds): %s" % (
+            name_b, name_a, ", ".join("%d: %.3f" % (index, geometric_mean(r))
+                                      for index, r in sorted(by_segment.items()))))
     for program, pairs in programs.items():
         print("%s, all runs:" % program)
         for line in summarize(pairs, name_a, name_b):
@@ -446,6 +480,11 @@ def main():
         rows.writerow([args.program, i, position, config, "%.6f" % seconds, digest, maps, unmaps])
         sys.stdout.flush()
 
+    def emit_segment(i, config, index, seconds):
+        # A comment line to the readers of the rows: "# segment ROUND,INDEX,CONFIG,SECONDS".
+        sys.stdout.write("# segment ")
+        rows.writerow([i, index, config, "%.6f" % seconds])
+
     start, sets, status, total = time.monotonic(), [], 0, 0
     while total < args.pairs:
         left = None if args.budget_s is None else args.budget_s - (time.monotonic() - start)
@@ -455,7 +494,7 @@ def main():
         if args.fresh_every:
             want = min(want, args.fresh_every)
             print("# run: workers %d" % (len(sets) + 1), flush=True)
-        rc, done = run_set(args, want, left, emit)
+        rc, done = run_set(args, want, left, emit, emit_segment)
         status |= rc
         sets.append(done)
         total += len(done)
@@ -487,7 +526,7 @@ def main():
 COMPILED_PROGRAMS = ("compile_kv", "stream_gct_compile")
 
 
-def run_set(args, rounds, budget_s, emit):
+def run_set(args, rounds, budget_s, emit, on_segment=None):
     """One set of worker processes, one per configuration, for up to `rounds`
     rounds; (status, rounds as run_rounds gives them)."""
     programs = [split_config(c, args.program)[1] for c in args.configs]
@@ -514,7 +553,7 @@ def run_set(args, rounds, budget_s, emit):
         for w in workers[1 if compiled else 0:]:
             w.wait_ready()
         done = run_rounds(workers, rounds, budget_s, emit=emit,
-                          segmented=bool(args.segment_frames))
+                          segmented=bool(args.segment_frames), on_segment=on_segment)
     except RuntimeError as e:
         print("paired_time: %s" % e, file=sys.stderr)
         status = 1
