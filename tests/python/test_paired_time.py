@@ -615,3 +615,60 @@ def test_segments_are_written_and_summarized_segment_by_segment(monkeypatch, cap
     summary = capsys.readouterr().out
     assert "by segment (geometric mean over rounds): 0: 1.0" in summary
     assert "2 pairs" in summary and "geometric mean 1.0100" in summary
+
+
+SERVED_WORKER = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from repo_module import load
+from test_paired_time import FakeTorch, segmented_run
+validate = load("tests/torch/validate.py")
+sys.exit(validate.serve(FakeTorch(), segmented_run(), segment_frames=int(sys.argv[2]),
+                        label="fake"))
+"""
+
+
+def served_worker(config, segment_frames):
+    """paired_time's Worker over a real pipe to validate.serve (a stand-in torch)."""
+    import subprocess
+    import sys
+    worker = paired_time.Worker.__new__(paired_time.Worker)
+    worker.config = config
+    worker.proc = subprocess.Popen(
+        [sys.executable, "-c", SERVED_WORKER, os.path.dirname(os.path.abspath(__file__)),
+         str(segment_frames)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        bufsize=1)
+    worker.wait_ready()
+    return worker
+
+
+def test_workers_and_serve_speak_the_same_segment_protocol():
+    a, b = served_worker("a", 2), served_worker("b", 1)
+    try:
+        rounds = paired_time.run_rounds([a, b], 1, segmented=False)
+        whole = rounds[0][2]
+        assert whole["a"][1] == whole["b"][1]
+        # b pauses after every frame (four segments), a every other (two): they end apart.
+        with pytest.raises(RuntimeError, match="different numbers of segments"):
+            paired_time.run_rounds([a, b], 1, segmented=True)
+    finally:
+        for w in (a, b):
+            w.proc.kill()
+            w.proc.wait()
+    a, b = served_worker("a", 2), served_worker("b", 2)
+    try:
+        heard = []
+        rounds = paired_time.run_rounds([a, b], 2, segmented=True,
+                                        on_segment=lambda *seg: heard.append(seg))
+        assert [(i, c, j) for i, c, j, _ in heard] == [
+            (0, "a", 0), (0, "b", 0), (0, "b", 1), (0, "a", 1),
+            (1, "b", 0), (1, "a", 0), (1, "a", 1), (1, "b", 1)]
+        for _, _, results in rounds:
+            assert results["a"][1] == results["b"][1] == whole["a"][1]  # the whole run's digest
+            assert results["a"][2:] == (-1, -1)
+        assert all(w.close() == (0, (100.0, 102.0)) for w in (a, b))
+    finally:
+        for w in (a, b):
+            if w.proc.poll() is None:
+                w.proc.kill()
+
