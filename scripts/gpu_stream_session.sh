@@ -29,8 +29,9 @@
 # apart from another is resampled too. PAIR_WARMUP_FRAMES=N makes each
 # worker's untimed first run N frames (--warmup-frames; eager stream_gct
 # pairings only). PAIR_SEGMENT_FRAMES=N makes a round's runs take turns
-# every N frames (--segment-frames; stream_gct pairings). ALT_BUILDS="DIR ..." builds other versions of the library
-# (source folders, carried) into DIR/build for tidalloc/DIR/build configs.
+# every N frames (--segment-frames; stream_gct pairings). ALT_BUILDS="DIR ..."
+# builds other versions of the library (source folders, carried) into
+# DIR/build for tidalloc/DIR/build configs.
 #
 #   OUT=dir LANES="eager compile upstream gputest" FRAMES=128 \
 #     PAIRED="stream_gct:128:10:expandable+tidalloc" scripts/gpu_stream_session.sh

@@ -175,18 +175,17 @@ class Worker:
         if line.strip() != "ready":
             raise RuntimeError("%s: worker did not start (%r)" % (self.config, line))
 
-    def run(self):
-        self.proc.stdin.write("run\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline().split()
-        if len(line) != 4:
-            raise RuntimeError("%s: worker failed during a run" % self.config)
-        return float(line[0]), line[1], int(line[2]), int(line[3])
-
     def _ask(self, command):
+        """Sends one command; the words of the worker's answer."""
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
         return self.proc.stdout.readline().split()
+
+    def run(self):
+        line = self._ask("run")
+        if len(line) != 4:
+            raise RuntimeError("%s: worker failed during a run" % self.config)
+        return float(line[0]), line[1], int(line[2]), int(line[3])
 
     def begin(self):
         """Starts a run in segments (the worker serves --segment-frames), untimed."""
@@ -484,6 +483,7 @@ def main():
         # A comment line to the readers of the rows: "# segment ROUND,INDEX,CONFIG,SECONDS".
         sys.stdout.write("# segment ")
         rows.writerow([i, index, config, "%.6f" % seconds])
+        sys.stdout.flush()
 
     start, sets, status, total = time.monotonic(), [], 0, 0
     while total < args.pairs:

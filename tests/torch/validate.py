@@ -174,14 +174,20 @@ def counter_deltas(before, after):
                     for name in RUN_COUNTERS)
 
 
+def idle_to_idle(torch, work):
+    """(seconds, work()'s result), timed from an idle device to an idle device."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = work()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, result
+
+
 def timed_run(torch, run):
     """One run, from an idle device to an idle device: (seconds, digest)."""
     digest = hashlib.sha256()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    run(digest)
-    torch.cuda.synchronize()
-    return time.perf_counter() - start, digest.hexdigest()[:16]
+    seconds, _ = idle_to_idle(torch, lambda: run(digest))
+    return seconds, digest.hexdigest()[:16]
 
 
 def empty_caches(torch):
@@ -252,15 +258,7 @@ class _TimedRuns:
         idle device: "segment SECONDS", or after the last one "end SECONDS"
         and the run's answer line; None if the outputs differ."""
         generator, digest, total = self.pieces
-        self.torch.cuda.synchronize()
-        start = time.perf_counter()
-        try:
-            next(generator)
-            ended = False
-        except StopIteration:
-            ended = True
-        self.torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        seconds, ended = idle_to_idle(self.torch, lambda: next(generator, None) is None)
         if not ended:
             self.pieces = (generator, digest, total + seconds)
             return "segment %.6f" % seconds
