@@ -605,16 +605,29 @@ def test_segments_are_written_and_summarized_segment_by_segment(monkeypatch, cap
     out = capsys.readouterr().out
     lines = out.splitlines(keepends=True)
     assert len([line for line in lines if line.startswith("# segment ")]) == 16
-    ratios = paired_time.read_segments(lines, "expandable", other)
-    assert sorted(ratios) == [0, 1, 2, 3] and all(len(r) == 2 for r in ratios.values())
+    times = paired_time.read_segments(lines, "expandable", other)
+    assert sorted(times) == [0, 1, 2, 3] and all(len(t) == 2 for t in times.values())
     # In one segment the second of the two pays one step of the drift over the first.
-    assert all(abs(paired_time.geometric_mean(r) - 1.01) < 0.015 for r in ratios.values())
+    assert all(abs(paired_time.geometric_mean([b / a for a, b in t]) - 1.01) < 0.015
+               for t in times.values())
     path = tmp_path / "rounds.csv"
     path.write_text(out)
     paired_time.summarize_file(str(path), "expandable", other)
     summary = capsys.readouterr().out
     assert "by segment (geometric mean over rounds): 0: 1.0" in summary
+    assert "summed segment times: 1.01" in summary and "over 8 segments" in summary
     assert "2 pairs" in summary and "geometric mean 1.0100" in summary
+
+
+def test_segment_sum_interval_covers_the_true_ratio_only_where_segments_agree():
+    """The ratio of summed segment times, and an interval that is narrow
+    where every segment says the same and wide where they scatter."""
+    steady = [(1.0 + 0.1 * i, 1.02 * (1.0 + 0.1 * i)) for i in range(16)]
+    ratio, lo, hi = paired_time.segment_sum_interval(steady)
+    assert abs(ratio - 1.02) < 1e-9 and hi - lo < 1e-9
+    scattered = [(1.0, 1.02 * (0.8 if i % 2 else 1.2)) for i in range(16)]
+    ratio, lo, hi = paired_time.segment_sum_interval(scattered)
+    assert abs(ratio - 1.02) < 1e-9 and lo < 0.98 and hi > 1.06
 
 
 SERVED_WORKER = r"""

@@ -64,7 +64,9 @@ single rounds of whole runs spread by 5-6%, more than the allocators
 differ; within a round taken in segments the machine's drift falls on
 every configuration alike. Each segment's time is written as a comment
 line, "# segment ROUND,INDEX,CONFIG,SECONDS", and --summarize gives the
-ratio segment by segment: where in the run a difference lies.
+ratio segment by segment (where in the run a difference lies) and the ratio of
+the summed segment times with an interval over the segments resampled, which a
+single round can give.
 
 For the compiled programs (compile_kv, stream_gct_compile) the first
 configuration's worker starts alone and the others once it is ready: inductor
@@ -373,7 +375,7 @@ def read_pairs(lines, name_a, name_b):
 
 def read_segments(lines, name_a, name_b):
     """From "# segment ROUND,INDEX,CONFIG,SECONDS" lines (runs in segments),
-    {index: [B's seconds over A's in each round that has both]}, the
+    {index: [(A's seconds, B's seconds) in each round that has both]}, the
     rounds of several runs in one file kept apart."""
     run, seconds = 0, {}
     for line in lines:
@@ -382,26 +384,44 @@ def read_segments(lines, name_a, name_b):
         elif line.startswith("# segment "):
             i, index, config, t = next(csv.reader([line[len("# segment "):].strip()]))
             seconds[(run, int(i), int(index), config)] = float(t)
-    ratios = {}
+    times = {}
     for (run, i, index, config), t in sorted(seconds.items()):
         other = seconds.get((run, i, index, name_a))
         if config == name_b and other:
-            ratios.setdefault(index, []).append(t / other)
-    return ratios
+            times.setdefault(index, []).append((other, t))
+    return times
+
+
+def segment_sum_interval(pairs, resamples=4000, seed=0):
+    """B's summed segment time over A's, and its 95% percentile interval
+    with the segments resampled, each with its pair: an interval from a
+    single round, on the assumption that segments vary independently."""
+    rng = random.Random(seed)
+    n = len(pairs)
+
+    def ratio(sample):
+        return sum(b for _, b in sample) / sum(a for a, _ in sample)
+
+    ratios = sorted(ratio([pairs[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
+    return ratio(pairs), ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
 
 
 def summarize_file(path, name_a, name_b):
     """Each program's pairs over all the runs in `path`, and run by run;
     for runs in segments, the ratio segment by segment (where in a run the
-    difference lies)."""
+    difference lies) and over all segments, with an interval."""
     with open(path) as f:
         lines = f.readlines()
     programs = read_pairs(lines, name_a, name_b)
     by_segment = read_segments(lines, name_a, name_b)
     if by_segment:
         print("%s / %s by segment (geometric mean over rounds): %s" % (
-            name_b, name_a, ", ".join("%d: %.3f" % (index, geometric_mean(r))
-                                      for index, r in sorted(by_segment.items()))))
+            name_b, name_a, ", ".join("%d: %.3f" % (index, geometric_mean([b / a for a, b in t]))
+                                      for index, t in sorted(by_segment.items()))))
+        every = [pair for t in by_segment.values() for pair in t]
+        ratio, lo, hi = segment_sum_interval(every)
+        print("%s / %s, summed segment times: %.4f (95%% interval over %d segments, resampled: "
+              "%.4f-%.4f)" % (name_b, name_a, ratio, len(every), lo, hi))
     for program, pairs in programs.items():
         print("%s, all runs:" % program)
         for line in summarize(pairs, name_a, name_b):
