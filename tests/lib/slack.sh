@@ -2,7 +2,8 @@
 # tests/replay_traces.sh), which hold each run to its release slack.
 #   default_slack BIN   the release_slack default that `BIN info` reports
 #                       (name, default, current, ...), TIDALLOC_CONF aside;
-#                       exits the test with FAIL when there is none
+#                       when there is none, FAIL on stderr and status 1,
+#                       which the caller's `|| exit 1` ends the test with
 #   slack_limit SLACK   the ratio a run at SLACK may reach: 1 + SLACK + 0.003,
 #                       growth past the ceiling that wait_limit lets through
 #                       and a page (at 0.017, 1.02: the goal for expandable

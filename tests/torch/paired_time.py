@@ -298,11 +298,12 @@ def geometric_mean(values):
     return math.exp(statistics.fmean(math.log(v) for v in values))
 
 
-def bootstrap_interval(values, resamples=4000, seed=0):
-    """95% percentile interval of the geometric mean of `values`."""
+def bootstrap_interval(values, resamples=4000, seed=0, statistic=geometric_mean):
+    """95% percentile interval of statistic(values) (their geometric mean),
+    `values` resampled with replacement."""
     rng = random.Random(seed)
     n = len(values)
-    means = sorted(geometric_mean([values[rng.randrange(n)] for _ in range(n)])
+    means = sorted(statistic([values[rng.randrange(n)] for _ in range(n)])
                    for _ in range(resamples))
     return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
 
@@ -392,18 +393,16 @@ def read_segments(lines, name_a, name_b):
     return times
 
 
-def segment_sum_interval(pairs, resamples=4000, seed=0):
+def ratio_of_sums(pairs):
+    """B's summed seconds over A's, from (A's seconds, B's seconds) pairs."""
+    return sum(b for _, b in pairs) / sum(a for a, _ in pairs)
+
+
+def segment_sum_interval(pairs):
     """B's summed segment time over A's, and its 95% percentile interval
     with the segments resampled, each with its pair: an interval from a
     single round, on the assumption that segments vary independently."""
-    rng = random.Random(seed)
-    n = len(pairs)
-
-    def ratio(sample):
-        return sum(b for _, b in sample) / sum(a for a, _ in sample)
-
-    ratios = sorted(ratio([pairs[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
-    return ratio(pairs), ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
+    return (ratio_of_sums(pairs),) + bootstrap_interval(pairs, statistic=ratio_of_sums)
 
 
 def summarize_file(path, name_a, name_b):

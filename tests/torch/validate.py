@@ -253,6 +253,12 @@ class _TimedRuns:
             return None
         return "%.6f %s %d %d" % (seconds, digest, maps, unmaps)
 
+    def begin_segments(self, run, every):
+        """Untimed, as begin(): a run of `run.segments`, `every` frames a segment."""
+        self.begin()
+        digest = hashlib.sha256()
+        self.pieces = (run.segments(digest, every), digest, 0.0)
+
     def segment(self):
         """The next segment of the run begun, timed from an idle device to an
         idle device: "segment SECONDS", or after the last one "end SECONDS"
@@ -299,9 +305,7 @@ def serve(torch, run, warmups=1, cold=False, label="worker", by_pool=False, warm
             runs.begin()
             answer = runs.end(*timed_run(torch, run))
         elif command == "begin" and segment_frames and runs.pieces is None:
-            runs.begin()
-            digest = hashlib.sha256()
-            runs.pieces = (run.segments(digest, segment_frames), digest, 0.0)
+            runs.begin_segments(run, segment_frames)
             answer = "begun"
         elif command == "segment" and runs.pieces is not None:
             answer = runs.segment()
