@@ -101,6 +101,11 @@ TIDE_API tide_status tide_config_set(tide_config *config, const char *key, const
 /* The current value of one option, formatted, into buf (always terminated). */
 TIDE_API tide_status tide_config_get(const tide_config *config, const char *key, char *buf,
                                      size_t len);
+/* A sentence for the user about the config, or NULL: a key of an earlier
+ * version that was accepted but no longer does anything (release_slack,
+ * release_limit, wait_limit), naming it and what to do. The library never
+ * prints it; a launcher or program may. Valid until the config changes. */
+TIDE_API const char *tide_config_notice(const tide_config *config);
 /* The number of options, and a description of the i-th (0-based). */
 TIDE_API size_t tide_config_option_count(void);
 TIDE_API tide_status tide_config_option(const tide_config *config, size_t index,

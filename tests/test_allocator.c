@@ -280,24 +280,22 @@ static void test_sub_page_large_blocks_pack(void **state) {
   destroy_clean(a);
 }
 
-/* With one stream, free pages stay mapped while growth keeps reserved
- * memory within the release slack (1% here) above the allocated peak: the
- * allocator-wide allocated peak must be known before a second stream
- * shares it. */
-static void test_release_waits_for_slack_with_one_stream(void **state) {
+/* Free pages stay mapped while growth keeps reserved memory within the
+ * memory limit (408 MiB here): no pressure, nothing unmapped. */
+static void test_release_waits_for_the_limit(void **state) {
   (void)state;
-  tide_allocator *a = make("release_holes:True,release_slack:0.01");
+  tide_allocator *a = make("release_holes:True,memory_limit:408MiB");
   void *first = tide_malloc(a, 2 * MiB, NULL);
   void *big = tide_malloc(a, 400 * MiB, NULL);
   assert_int_equal(stats_of(a).reserved_bytes[0].current, 402 * MiB);
-  /* first's page becomes whole and free; 4 MiB more fit under 1.01 x 402
-   * MiB, so growth maps two pages and unmaps none. */
+  /* first's page becomes whole and free; 4 MiB more fit under the limit,
+   * so growth maps two pages and unmaps none. */
   tide_free(a, first, NULL);
   void *more = tide_malloc(a, 4 * MiB, NULL);
   tide_stats s = stats_of(a);
   assert_int_equal(s.pages_unmapped, 0);
   assert_int_equal(s.reserved_bytes[0].current, 406 * MiB);
-  /* Past the slack, the old free page is recycled instead of added to. */
+  /* At the limit, the old free page is recycled instead of added to. */
   void *last = tide_malloc(a, 4 * MiB, NULL);
   s = stats_of(a);
   assert_int_equal(s.pages_unmapped, 1);
@@ -310,12 +308,12 @@ static void test_release_waits_for_slack_with_one_stream(void **state) {
 
 static void test_release_reuses_physical_pages(void **state) {
   (void)state;
-  tide_allocator *a = make("release_holes:True,load_handles:False");
+  tide_allocator *a = make("release_holes:True,load_handles:False,memory_limit:10MiB");
   void *x = tide_malloc(a, 4 * MiB, NULL), *y = tide_malloc(a, 4 * MiB, NULL);
   tide_stats s = stats_of(a);
   assert_int_equal(s.num_device_alloc, 4);
   tide_free(a, x, NULL);
-  /* 6 MiB does not fit x's hole; growing would pass the reserved peak, so
+  /* 6 MiB does not fit x's hole; growing would pass the limit, so
    * x's two pages are unmapped first and their handles mapped again at the
    * end: one page is new, none is released. */
   void *z = tide_malloc(a, 6 * MiB, NULL);
@@ -342,10 +340,10 @@ static void test_release_far_end_of_hole(void **state) {
   void *h = tide_malloc(a, 8 * MiB, NULL), *f2 = tide_malloc(a, 8 * MiB, NULL);
   void *pin1 = tide_malloc(a, 2 * MiB, NULL);
   tide_free(a, h, NULL);
-  assert_int_equal(tide_empty_cache(a), TIDE_OK);      /* pages 3-6 unmapped: the hole */
-  tide_free(a, f1, NULL);                              /* pages 1-2 free, left of it */
-  tide_free(a, f2, NULL);                              /* pages 7-10 free, right of it */
-  assert_int_equal(tide_reset_peak_stats(a), TIDE_OK); /* the ceiling: 16 MiB reserved */
+  assert_int_equal(tide_empty_cache(a), TIDE_OK);                /* pages 3-6 unmapped: the hole */
+  tide_free(a, f1, NULL);                                        /* pages 1-2 free, left of it */
+  tide_free(a, f2, NULL);                                        /* pages 7-10 free, right of it */
+  assert_int_equal(tide_set_memory_limit(a, 16 * MiB), TIDE_OK); /* at the limit */
   tide_stats s = stats_of(a);
   assert_int_equal(s.reserved_bytes[0].current, 16 * MiB);
   uint64_t unmapped = s.pages_unmapped, created = s.num_device_alloc;
@@ -794,7 +792,7 @@ int main(void) {
       cmocka_unit_test(test_sub_page_large_blocks_pack),
       cmocka_unit_test(test_release_reuses_physical_pages),
       cmocka_unit_test(test_release_far_end_of_hole),
-      cmocka_unit_test(test_release_waits_for_slack_with_one_stream),
+      cmocka_unit_test(test_release_waits_for_the_limit),
       cmocka_unit_test(test_mapping_time),
       cmocka_unit_test(test_quick_reuse_and_flush),
       cmocka_unit_test(test_stream_ordered_reuse),

@@ -62,9 +62,6 @@ static const char *const all_keys[] = {
     "memory_limit",
     "release_holes",
     "load_handles",
-    "release_slack",
-    "release_limit",
-    "wait_limit",
     "peer_access",
     "capture_detection",
     "graph_capture_record_stream_reuse",
@@ -109,39 +106,34 @@ static void test_defaults(void **state) {
   assert_string_equal(get(config, "host_queue_depth"), "0");
   assert_string_equal(get(config, "release_holes"), "True");
   assert_string_equal(get(config, "load_handles"), "True");
-  assert_string_equal(get(config, "release_slack"), "0.025");
-  assert_string_equal(get(config, "release_limit"), "auto");
-  assert_string_equal(get(config, "wait_limit"), "auto");
   tide_config_free(config);
 }
 
-/* release_limit and wait_limit follow release_slack unless set, in the
- * proportions measured best at a slack of 0.017 (0.0175, 0.019), so one
- * figure moves all three. */
-static void test_release_thresholds_follow_the_slack(void **state) {
+/* Keys of earlier versions (release_slack, release_limit, wait_limit) are
+ * accepted, change nothing, and leave a notice naming the key; a config
+ * without them has none. They are no options: tide_config_get refuses. */
+static void test_retired_keys_accepted_with_notice(void **state) {
   (void)state;
   tide_config *config = new_config();
-  _tide_conf_values v = *_tide_config_values(config);
-  _tide_conf_derive(&v);
-  assert_true(fabs(v.release_limit - 0.025 * 35 / 34) < 1e-12);
-  assert_true(fabs(v.wait_limit - 0.025 * 19 / 17) < 1e-12);
-  assert_int_equal(tide_config_parse(config, "release_slack:0.017"), TIDE_OK);
-  v = *_tide_config_values(config);
-  _tide_conf_derive(&v);
-  assert_true(fabs(v.release_limit - 0.0175) < 1e-12);
-  assert_true(fabs(v.wait_limit - 0.019) < 1e-12);
-  assert_int_equal(tide_config_parse(config, "release_slack:0.05"), TIDE_OK);
-  v = *_tide_config_values(config);
-  _tide_conf_derive(&v);
-  assert_true(fabs(v.release_limit - 0.05 * 35 / 34) < 1e-12);
-  assert_true(fabs(v.wait_limit - 0.05 * 19 / 17) < 1e-12);
-  assert_int_equal(tide_config_parse(config, "wait_limit:0.3"), TIDE_OK); /* set: kept */
-  v = *_tide_config_values(config);
-  _tide_conf_derive(&v);
-  assert_true(v.wait_limit == 0.3);
-  assert_true(fabs(v.release_limit - 0.05 * 35 / 34) < 1e-12);
-  assert_int_equal(tide_config_parse(config, "release_limit:auto,wait_limit:auto"), TIDE_OK);
-  assert_string_equal(get(config, "wait_limit"), "auto");
+  assert_null(tide_config_notice(config));
+  tide_config *plain = new_config();
+  assert_int_equal(tide_config_parse(config, "release_slack:0.017,memory_limit:1GiB"), TIDE_OK);
+  const char *notice = tide_config_notice(config);
+  assert_non_null(notice);
+  assert_non_null(strstr(notice, "release_slack"));
+  assert_non_null(strstr(notice, "no effect"));
+  assert_int_equal(tide_config_set(plain, "memory_limit", "1GiB"), TIDE_OK);
+  assert_int_equal(_tide_config_diff(config, plain, NULL, 0), 0); /* nothing else changed */
+  assert_int_equal(tide_config_set(plain, "wait_limit", "auto"), TIDE_OK);
+  assert_non_null(strstr(tide_config_notice(plain), "wait_limit"));
+  char buf[64];
+  assert_int_equal(tide_config_get(config, "release_slack", buf, sizeof buf), TIDE_ERR_CONFIG);
+  /* A bad entry elsewhere in the text applies nothing, the notice neither. */
+  tide_config *other = new_config();
+  assert_int_equal(tide_config_parse(other, "release_limit:0.02,nonsense:1"), TIDE_ERR_CONFIG);
+  assert_null(tide_config_notice(other));
+  tide_config_free(other);
+  tide_config_free(plain);
   tide_config_free(config);
 }
 
@@ -242,14 +234,6 @@ static void test_good_values(void **state) {
       {"release_holes", "false", "False"},
       {"load_handles", "False", "False"},
       {"load_handles", "1", "True"},
-      {"release_slack", "0", "0"},
-      {"release_slack", "0.015", "0.015"},
-      {"release_slack", "1", "1.0"},
-      {"release_limit", "0", "0"},
-      {"release_limit", "0.02", "0.02"},
-      {"wait_limit", "0", "0"},
-      {"wait_limit", "0.019", "0.019"},
-      {"wait_limit", "auto", "auto"},
       {"host_queue_depth", "0", "0"},
       {"host_queue_depth", "64", "64"},
       {"trace", "0", "0"},
@@ -290,7 +274,7 @@ static void test_values_reach_the_struct(void **state) {
                         "handle_size_mb:40,handle_threshold_mb:64,"
                         "max_split_size_mb:200,garbage_collection_threshold:0.75,"
                         "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
-                        "load_handles:False,release_slack:0.05,release_limit:0.25,wait_limit:0.3,"
+                        "load_handles:False,"
                         "peer_access:False,capture_detection:True,"
                         "graph_capture_record_stream_reuse:True,trace:100,host_capacity:8GiB,host_"
                         "granularity:64KiB,"
@@ -308,9 +292,6 @@ static void test_values_reach_the_struct(void **state) {
   assert_int_equal(v->memory_limit, 3 * TIDE_GiB);
   assert_false(v->release_holes);
   assert_false(v->load_handles);
-  assert_true(v->release_slack == 0.05);
-  assert_true(v->release_limit == 0.25);
-  assert_true(v->wait_limit == 0.3);
   assert_false(v->peer_access);
   assert_true(v->capture_detection);
   assert_true(v->graph_reuse);
@@ -385,11 +366,6 @@ static void test_bad_values(void **state) {
       {"memory_limit", "1PiB"},
       {"release_holes", "maybe"},
       {"load_handles", "sometimes"},
-      {"release_slack", "1.5"},
-      {"release_slack", "-0.01"},
-      {"release_limit", "2"},
-      {"release_limit", "-1"},
-      {"wait_limit", "1.01"},
       {"host_queue_depth", "-1"},
       {"host_queue_depth", "1000001"},
       {"trace", "16777217"},
@@ -906,7 +882,7 @@ int main(void) {
       cmocka_unit_test(test_get),
       cmocka_unit_test(test_null_arguments),
       cmocka_unit_test(test_garbage),
-      cmocka_unit_test(test_release_thresholds_follow_the_slack),
+      cmocka_unit_test(test_retired_keys_accepted_with_notice),
       cmocka_unit_test(test_decimal_round_trip),
       cmocka_unit_test(test_locale_independent),
   };

@@ -400,7 +400,7 @@ static void oom_run(harness *h) {
 
 /* Concatenation, as a growing cache: each step allocates a block two pages
  * larger than the last and frees the last, with a small block after each
- * so the holes stay apart. With no slack, growth must unmap the free pages
+ * so the holes stay apart. Under the limit, growth must unmap the free pages
  * of the holes first: the first time after a stream synchronization, later
  * without one, through the idle marks (events the host backend completes
  * at once). On the side stream too, whose free pages are another arena's. */
@@ -419,14 +419,14 @@ static const scenario scenarios[] = {
     {"grow", "host_capacity:1GiB", no_setup, grow_run},
     {"shrink", "host_capacity:1GiB", shrink_setup, shrink_run},
     {"oom", "host_capacity:64MiB", no_setup, oom_run},
-    {"recycle", "host_capacity:1GiB,release_slack:0", no_setup, recycle_run},
+    {"recycle", "host_capacity:1GiB,memory_limit:80MiB", no_setup, recycle_run},
     /* Handles of 2 pages for requests of 8 MiB or more (handle_size_mb). */
     {"grow-large-handles", "host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0", no_setup,
      grow_run},
     {"shrink-large-handles", "host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0",
      shrink_setup, shrink_run},
     {"recycle-large-handles",
-     "host_capacity:1GiB,release_slack:0,handle_size_mb:4,handle_threshold_mb:0", no_setup,
+     "host_capacity:1GiB,memory_limit:80MiB,handle_size_mb:4,handle_threshold_mb:0", no_setup,
      recycle_run},
 };
 

@@ -1,9 +1,8 @@
-/* test_recycle.c: growth that reuses the pages of freed blocks (release_slack
- * reached) without waiting for the stream. The pages leave their segment at
- * once, their handles are mapped again where growth needs them, and their
- * old addresses stay mapped until the work queued before the free is done
- * (idle marks), so a kernel still reading the freed block reads what it
- * held. Checked on the host backend: no stream synchronization in a
+/* test_recycle.c: growth that reuses the pages of freed blocks (under
+ * pressure: the memory limit reached) without waiting for the stream. The pages leave their segment
+ * at once, their handles are mapped again where growth needs them, and their old addresses stay
+ * mapped until the work queued before the free is done (idle marks), so a kernel still reading the
+ * freed block reads what it held. Checked on the host backend: no stream synchronization in a
  * concatenating loop, old addresses still readable while the stream is
  * held, all of them unmapped once it is released, and tide_check after
  * every step. */
@@ -19,7 +18,7 @@
 
 #include "testutil.h"
 
-#define CONF "backend:host,host_capacity:4GiB,release_slack:0"
+#define CONF "backend:host,host_capacity:4GiB,memory_limit:400MiB"
 
 /* One step of a growing cache: a block `grow` larger than the last, the
  * last copied in and freed, then a small block after it so holes stay
@@ -81,6 +80,8 @@ static void test_old_addresses_stay_until_idle(void **state) {
   uint8_t *cache = NULL, *old[12];
   for (int i = 0; i < 4; i++) cache = concat_step(a, s, cache, &size, grow, pins, i);
   tu_assert_ok(tide_host_stream_hold(a, s));
+  /* A limit close above what the held steps keep live: they must recycle. */
+  tu_assert_ok(tide_set_memory_limit(a, 104 * TU_MiB));
   uint64_t unmapped_before = tu_stats(a).pages_unmapped;
   for (int i = 4; i < 12; i++) {
     old[i] = cache;
@@ -97,6 +98,7 @@ static void test_old_addresses_stay_until_idle(void **state) {
     for (size_t k = 0; k < (size_t)i * grow; k += 4096) sum += ((volatile uint8_t *)old[i])[k];
   (void)sum;
   tu_assert_ok(tide_host_stream_release(a, s));
+  tu_assert_ok(tide_set_memory_limit(a, 400 * TU_MiB));
   for (int i = 12; i < 16; i++) cache = concat_step(a, s, cache, &size, grow, pins, i);
   check_cache(cache, grow, 16);
   tu_assert_ok(tide_free(a, cache, s));
@@ -132,7 +134,7 @@ static void test_destroy_with_stale_pages(void **state) {
  * to wait for the held stream maps elsewhere instead: the far end of the
  * hole, or a new virtual range. */
 static void held_stream_workload(uint64_t seed) {
-  tide_allocator *a = tu_create("backend:host,host_capacity:256MiB,release_slack:0");
+  tide_allocator *a = tu_create("backend:host,host_capacity:256MiB");
   tide_stream s;
   tu_assert_ok(tide_stream_create(a, &s));
   void *live[64] = {0};
@@ -244,7 +246,7 @@ static void test_large_handles_after_threshold(void **state) {
 static void test_large_handles_after_unmapped_pages(void **state) {
   (void)state;
   tide_allocator *a =
-      tu_create("host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0,release_slack:0");
+      tu_create("host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0,memory_limit:20MiB");
   void *p[3];
   for (int i = 0; i < 3; i++) assert_non_null(p[i] = tide_malloc(a, 6 * TU_MiB, NULL));
   for (int i = 0; i < 3; i++) tu_assert_ok(tide_free(a, p[i], NULL));
@@ -259,15 +261,14 @@ static void test_large_handles_after_unmapped_pages(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
-/* Growth that passes release_limit makes its room in whole handles: a
- * small pool's page (2 MiB) asks for less than the large pool's 4 MiB
- * handles hold, which below the limit releases nothing and raises reserved
- * memory (and with it, for good, the ceiling: its own peak). */
+/* Growth under pressure makes its room in whole handles: a small pool's
+ * page (2 MiB) asks for less than the large pool's 4 MiB handles hold, and
+ * a handle is unmapped only whole. `limit`: the memory_limit. */
 static tide_stats small_growth_beside_a_free_handle(const char *limit) {
   char conf[160];
   snprintf(conf, sizeof conf,
-           "host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0,release_slack:0,"
-           "load_handles:False,release_limit:%s",
+           "host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0,"
+           "load_handles:False,memory_limit:%s",
            limit);
   tide_allocator *a = tu_create(conf);
   void *first = tide_malloc(a, 16 * TU_MiB, NULL), *second = tide_malloc(a, 16 * TU_MiB, NULL);
@@ -287,30 +288,30 @@ static tide_stats small_growth_beside_a_free_handle(const char *limit) {
   return st;
 }
 
-static void test_release_limit_releases_whole_handles(void **state) {
+static void test_pressure_releases_whole_handles(void **state) {
   (void)state;
-  /* Past the limit (0: the allocated peak itself), one 4 MiB handle of the
-   * free block goes for the 2 MiB page: reserved stays at its peak. */
-  tide_stats st = small_growth_beside_a_free_handle("0");
+  /* At the limit, one 4 MiB handle of the free block goes for the 2 MiB
+   * page: reserved stays at its peak. */
+  tide_stats st = small_growth_beside_a_free_handle("32MiB");
   assert_int_equal(st.unmappings, 1);
   assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].current, 30 * TU_MiB);
   assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].peak, 32 * TU_MiB);
-  /* Without it (1: never past), nothing is released and the page adds. */
-  st = small_growth_beside_a_free_handle("1");
+  /* Without pressure (no limit), nothing is released and the page adds. */
+  st = small_growth_beside_a_free_handle("0");
   assert_int_equal(st.unmappings, 0);
   assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].peak, 34 * TU_MiB);
 }
 
-/* A small pool's page grown at the ceiling beside a free 16 MiB block of
- * 4 MiB handles that queued work may still read (no idle mark follows its
- * free), under `wait_limit`: the figures after the growth, and in *syncs
- * the stream synchronizations it took. */
-static tide_stats small_growth_beside_a_busy_handle(const char *wait_limit, uint64_t *syncs) {
+/* A small pool's page grown beside a free 16 MiB block of 4 MiB handles
+ * that queued work may still read (no idle mark follows its free), under
+ * memory_limit `limit`: the figures after the growth, and in *syncs the
+ * stream synchronizations it took. */
+static tide_stats small_growth_beside_a_busy_handle(const char *limit, uint64_t *syncs) {
   char conf[160];
   snprintf(conf, sizeof conf,
-           "host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0,release_slack:0,"
-           "load_handles:False,release_limit:0,wait_limit:%s",
-           wait_limit);
+           "host_capacity:1GiB,handle_size_mb:4,handle_threshold_mb:0,"
+           "load_handles:False,memory_limit:%s",
+           limit);
   tide_allocator *a = tu_create(conf);
   tide_stream s;
   tu_assert_ok(tide_stream_create(a, &s));
@@ -342,21 +343,20 @@ static tide_stats small_growth_beside_a_busy_handle(const char *wait_limit, uint
 static void test_release_of_other_handles_is_not_deferred(void **state) {
   (void)state;
   uint64_t syncs;
-  tide_stats st = small_growth_beside_a_busy_handle("0.019", &syncs); /* 34 MiB is past it */
+  tide_stats st = small_growth_beside_a_busy_handle("32MiB", &syncs); /* 34 MiB is past it */
   assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].peak, 32 * TU_MiB);
   assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].current, 30 * TU_MiB);
   assert_int_equal(syncs, 1);
   assert_int_equal(st.stream_waits, 1); /* the statistics say so too */
 }
 
-/* The same growth within wait_limit (here 10% above the allocated peak: 32
- * MiB + the 2 MiB page is 6% above it) passes the busy handle over rather
- * than wait for the stream: no synchronization, and the page adds to
- * reserved memory. */
-static void test_release_of_busy_other_handles_skipped_within_wait_limit(void **state) {
+/* The same growth without pressure (no limit) leaves the busy handle
+ * cached rather than wait for the stream: no synchronization, and the page
+ * adds to reserved memory. */
+static void test_busy_pages_stay_cached_without_pressure(void **state) {
   (void)state;
   uint64_t syncs;
-  tide_stats st = small_growth_beside_a_busy_handle("0.1", &syncs);
+  tide_stats st = small_growth_beside_a_busy_handle("0", &syncs);
   assert_int_equal(syncs, 0);
   assert_int_equal(st.stream_waits, 0);
   assert_int_equal(st.unmappings, 0);
@@ -379,15 +379,15 @@ static tide_buf *buffer_beside_a_freed_block(tide_allocator *a, void **y) {
   return b;
 }
 
-/* A growable buffer making room at the ceiling takes free pages that queued
+/* A growable buffer making room at the limit takes free pages that queued
  * work may still read: it waits, but only as far as the idle mark recorded
  * after their free (an event), not for the whole stream, whose later work
  * then keeps the device busy. The stream's work never completes here
  * unless waited for (host_queue_depth). */
 static void test_room_waits_for_the_mark_not_the_stream(void **state) {
   (void)state;
-  tide_allocator *a = tu_create("backend:host,host_capacity:1GiB,release_slack:0,"
-                                "release_limit:0,host_queue_depth:1000000,load_handles:False");
+  tide_allocator *a = tu_create("backend:host,host_capacity:1GiB,memory_limit:16MiB,"
+                                "host_queue_depth:1000000,load_handles:False");
   void *y;
   tide_buf *b = buffer_beside_a_freed_block(a, &y);
   /* x's first page: x is not idle and no mark follows its free, so the
@@ -414,14 +414,13 @@ static void test_room_waits_for_the_mark_not_the_stream(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
-/* Within wait_limit the buffer's room passes busy pages over instead: here
- * 16 MiB allocated at the peak and 50% allowed, so the first 8 MiB of the
- * buffer add to reserved memory, nothing waits; past the limit it waits. */
-static void test_room_skips_busy_pages_within_wait_limit(void **state) {
+/* Below the limit the buffer's room leaves busy pages cached: here 16 MiB
+ * allocated and a 24 MiB limit, so the first 8 MiB of the buffer add to
+ * reserved memory, nothing waits; at the limit, it waits. */
+static void test_room_leaves_busy_pages_below_the_limit(void **state) {
   (void)state;
-  tide_allocator *a = tu_create("backend:host,host_capacity:1GiB,release_slack:0,"
-                                "release_limit:0,wait_limit:0.5,host_queue_depth:1000000,"
-                                "load_handles:False");
+  tide_allocator *a = tu_create("backend:host,host_capacity:1GiB,memory_limit:24MiB,"
+                                "host_queue_depth:1000000,load_handles:False");
   void *y;
   tide_buf *b = buffer_beside_a_freed_block(a, &y); /* x busy: no mark after its free */
   for (size_t mib = 2; mib <= 8; mib += 2) tu_assert_ok(tide_buf_resize(b, mib * TU_MiB, NULL));
@@ -429,7 +428,7 @@ static void test_room_skips_busy_pages_within_wait_limit(void **state) {
   assert_int_equal(st.stream_waits, 0);
   assert_int_equal(tide_host_call_count(a, TIDE_OP_STREAM_SYNCHRONIZE), 0);
   assert_int_equal(st.reserved_bytes[TIDE_POOL_ALL].current, 24 * TU_MiB);
-  /* 24 MiB + 2 is past 1.5 x 16: x's pages go now, after a wait. */
+  /* 24 MiB + 2 is past the limit: x's pages go now, after a wait. */
   tu_assert_ok(tide_buf_resize(b, 10 * TU_MiB, NULL));
   st = tu_stats(a);
   assert_int_equal(st.stream_waits, 1);
@@ -443,14 +442,14 @@ static void test_room_skips_busy_pages_within_wait_limit(void **state) {
 }
 
 /* The same for a segment's growth (release_deferred): the small pool grows
- * at the ceiling and takes 4 MiB handles of the large pool, which it cannot
+ * at the limit and takes 4 MiB handles of the large pool, which it cannot
  * map again, so they are unmapped at once, after waiting for their readers:
  * x's after a stream synchronization (no mark follows its free), y's after
  * the idle mark that the releases of x's pages recorded after y's free. */
 static void test_growth_waits_for_the_mark_not_the_stream(void **state) {
   (void)state;
   tide_allocator *a = tu_create("backend:host,host_capacity:1GiB,handle_size_mb:4,"
-                                "handle_threshold_mb:0,release_slack:0,release_limit:0,"
+                                "handle_threshold_mb:0,memory_limit:32MiB,"
                                 "host_queue_depth:1000000,load_handles:False");
   void *x = tide_malloc(a, 16 * TU_MiB, NULL), *y = tide_malloc(a, 16 * TU_MiB, NULL);
   assert_non_null(x);
@@ -486,11 +485,11 @@ int main(void) {
       cmocka_unit_test(test_large_handles),
       cmocka_unit_test(test_large_handles_after_threshold),
       cmocka_unit_test(test_large_handles_after_unmapped_pages),
-      cmocka_unit_test(test_release_limit_releases_whole_handles),
+      cmocka_unit_test(test_pressure_releases_whole_handles),
       cmocka_unit_test(test_release_of_other_handles_is_not_deferred),
-      cmocka_unit_test(test_release_of_busy_other_handles_skipped_within_wait_limit),
+      cmocka_unit_test(test_busy_pages_stay_cached_without_pressure),
       cmocka_unit_test(test_room_waits_for_the_mark_not_the_stream),
-      cmocka_unit_test(test_room_skips_busy_pages_within_wait_limit),
+      cmocka_unit_test(test_room_leaves_busy_pages_below_the_limit),
       cmocka_unit_test(test_growth_waits_for_the_mark_not_the_stream),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

@@ -104,7 +104,6 @@ tide_status tide_create(int device, const tide_config *config, tide_allocator **
   }
   if (rc) goto fail;
   a->conf = *_tide_config_values(a->config);
-  _tide_conf_derive(&a->conf);
   a->device = device;
   if ((rc = open_backend(a))) goto fail;
   if ((rc = read_device(a))) goto fail_backend;

@@ -464,15 +464,6 @@ static void format_zero_or_decimal(double value, char *buf, size_t len) {
     format_decimal(value, buf, len);
 }
 
-/* A fraction from 0 to 1, both included; *out is set only when it is one. */
-static bool parse_zero_to_one(const char *s, double *out, char *why, size_t why_len) {
-  double value;
-  if (!parse_decimal(s, &value, why, why_len)) return false;
-  if (value > 1.0) return set_why(why, why_len, "above 1"), false;
-  *out = value;
-  return true;
-}
-
 static void format_gc(const _tide_conf_values *v, char *buf, size_t len) {
   format_zero_or_decimal(v->gc_threshold, buf, len);
 }
@@ -515,56 +506,6 @@ static bool parse_release_holes(const char *s, _tide_conf_values *v, char *why, 
 
 static void format_release_holes(const _tide_conf_values *v, char *buf, size_t len) {
   format_bool(v->release_holes, buf, len);
-}
-
-static bool parse_release_slack(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  return parse_zero_to_one(s, &v->release_slack, why, why_len);
-}
-
-static void format_release_slack(const _tide_conf_values *v, char *buf, size_t len) {
-  format_zero_or_decimal(v->release_slack, buf, len);
-}
-
-/* release_limit and wait_limit follow release_slack ("auto", kept as -1
- * until _tide_conf_derive) unless set: one figure for users, the two
- * thresholds free for experiments and for the tests of their mechanisms. */
-static bool parse_follower(const char *s, double *out, char *why, size_t why_len) {
-  if (strcmp(s, "auto") == 0) {
-    *out = -1.0;
-    return true;
-  }
-  return parse_zero_to_one(s, out, why, why_len);
-}
-
-static void format_follower(double value, char *buf, size_t len) {
-  if (value < 0)
-    snprintf(buf, len, "auto");
-  else
-    format_zero_or_decimal(value, buf, len);
-}
-
-static bool parse_release_limit(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  return parse_follower(s, &v->release_limit, why, why_len);
-}
-
-static void format_release_limit(const _tide_conf_values *v, char *buf, size_t len) {
-  format_follower(v->release_limit, buf, len);
-}
-
-static bool parse_wait_limit(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  return parse_follower(s, &v->wait_limit, why, why_len);
-}
-
-static void format_wait_limit(const _tide_conf_values *v, char *buf, size_t len) {
-  format_follower(v->wait_limit, buf, len);
-}
-
-/* The proportions measured best at a slack of 0.017 (release_limit 0.0175,
- * wait_limit 0.019), kept at every slack: whole handles past 35/34 of it,
- * busy pages passed over up to 19/17 of it. */
-void _tide_conf_derive(_tide_conf_values *v) {
-  if (v->release_limit < 0) v->release_limit = v->release_slack * 35.0 / 34.0;
-  if (v->wait_limit < 0) v->wait_limit = v->release_slack * 19.0 / 17.0;
 }
 
 #define TRACE_MAX ((uint64_t)1 << 24)
@@ -717,24 +658,6 @@ static const option options[] = {
      "expandable segment for large requests maps its pages as one physical handle: far fewer "
      "driver calls for memory that is kept, and freed, if ever, whole",
      "True or False (also true/false/1/0)", parse_load_handles, format_load_handles},
-    {"release_slack", "0.025",
-     "with release_holes, free pages stay cached (no unmap, no stream synchronization) while "
-     "reserved memory stays within this fraction above the allocated peak; larger trades "
-     "memory for fewer page operations; release_limit and wait_limit follow it",
-     "a fraction from 0 to 1, such as 0.025", parse_release_slack, format_release_slack},
-    {"release_limit", "auto",
-     "with release_holes, when growth would take reserved memory past this fraction above the "
-     "allocated peak, the free pages unmapped to make room come in whole physical handles, "
-     "even where that is more than the growth needs, so that handles larger than a page do "
-     "not let reserved memory creep upward (auto: 35/34 of release_slack, 0.0257 by default)",
-     "auto, or a fraction from 0 to 1, such as 0.03", parse_release_limit, format_release_limit},
-    {"wait_limit", "auto",
-     "with release_holes, growth that must unmap a page of another physical handle size (or "
-     "a growable buffer making room), which work queued on the stream may still read, passes "
-     "it over for others, without waiting for the stream, while reserved memory stays within "
-     "this fraction above the allocated peak; past it, it waits for that work and unmaps the "
-     "page. 0 always waits (auto: 19/17 of release_slack, 0.0279 by default)",
-     "auto, or a fraction from 0 to 1, such as 0.03", parse_wait_limit, format_wait_limit},
     {"peer_access", "True",
      "CUDA: every other GPU that can access this one's memory (cuDeviceCanAccessPeer) may read "
      "and write the allocator's blocks, so kernels on several GPUs can share them; the host "
@@ -789,6 +712,14 @@ static const struct {
     {"throw_on_cudamalloc_oom", "; remove it"},
 };
 
+/* Keys of earlier versions that no longer do anything: accepted, their
+ * value ignored, and named in the config's notice (tide_config_notice), so
+ * that a setting carried over does not stop a program. */
+static const char *const retired[] = {"release_slack", "release_limit", "wait_limit"};
+#define RETIRED_NOTICE                                                                             \
+  "has no effect: cached pages are given back under pressure (memory_limit, memory_fraction, "     \
+  "the device running low), not by a fraction above the peak; remove it"
+
 /* ------------------------------------------------------------------------ */
 /* Configs                                                                  */
 /* ------------------------------------------------------------------------ */
@@ -797,6 +728,7 @@ struct tide_config {
   _tide_conf_values values;
   tide_conf_source source[OPTION_COUNT];
   char text[OPTION_COUNT][VALUE_TEXT_LEN]; /* formatted values, for tide_option_info */
+  char notice[256];                        /* tide_config_notice; empty: none */
 };
 
 /* Where text being applied came from, for sources and messages. */
@@ -846,13 +778,27 @@ static int bad_value_error(const origin *from, const option *opt, const char *be
                          from->name, value_text, opt->key, why, opt->accepts);
 }
 
-/* Apply one key and value (each a range of text) to `values`. */
+static bool is_retired(const char *key) {
+  for (size_t i = 0; i < sizeof retired / sizeof retired[0]; i++)
+    if (strcmp(retired[i], key) == 0) return true;
+  return false;
+}
+
+/* Apply one key and value (each a range of text) to `values`; a retired
+ * key only writes `notice` (of NOTICE_LEN bytes). */
+#define NOTICE_LEN sizeof((tide_config *)0)->notice
 static int apply_pair(const origin *from, const char *kb, const char *ke, const char *vb,
-                      const char *ve, _tide_conf_values *values, tide_conf_source *source) {
+                      const char *ve, _tide_conf_values *values, tide_conf_source *source,
+                      char *notice) {
   trim(&kb, &ke);
   trim(&vb, &ve);
   char key[KEY_MAX];
-  int index = copy_range(kb, ke, key, sizeof key) ? find_option(key) : -1;
+  bool copied = copy_range(kb, ke, key, sizeof key);
+  if (copied && is_retired(key)) {
+    snprintf(notice, NOTICE_LEN, "%s: %s %s", from->name, key, RETIRED_NOTICE);
+    return TIDE_OK;
+  }
+  int index = copied ? find_option(key) : -1;
   if (index < 0) return unknown_key_error(from, kb, ke);
   const option *opt = &options[index];
   char value[ITEM_VALUE_MAX];
@@ -885,6 +831,8 @@ static int apply_text(tide_config *config, const char *text, const origin *from)
   _tide_conf_values values = config->values;
   tide_conf_source source[OPTION_COUNT];
   memcpy(source, config->source, sizeof source);
+  char notice[NOTICE_LEN];
+  memcpy(notice, config->notice, sizeof notice);
   for (const char *p = text; *p;) {
     const char *end = entry_end(p);
     const char *b = p, *e = end;
@@ -898,13 +846,14 @@ static int apply_text(tide_config *config, const char *text, const origin *from)
                                "expandable_segments:True",
                                from->name, shown(b, e, entry, sizeof entry));
       }
-      int status = apply_pair(from, b, colon, colon + 1, e, &values, source);
+      int status = apply_pair(from, b, colon, colon + 1, e, &values, source, notice);
       if (status != TIDE_OK) return status;
     }
     p = *end ? end + 1 : end;
   }
   config->values = values;
   memcpy(config->source, source, sizeof source);
+  memcpy(config->notice, notice, sizeof notice);
   refresh_texts(config);
   return TIDE_OK;
 }
@@ -932,6 +881,10 @@ tide_status tide_config_new(tide_config **out) {
 
 void tide_config_free(tide_config *config) { free(config); }
 
+const char *tide_config_notice(const tide_config *config) {
+  return config && config->notice[0] ? config->notice : NULL;
+}
+
 tide_status tide_config_load_env(tide_config *config) {
   if (!config) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_load_env: config is NULL");
   const char *text = getenv(TIDE_CONF_ENV);
@@ -954,7 +907,7 @@ tide_status tide_config_set(tide_config *config, const char *key, const char *va
   const origin from = {TIDE_CONF_CODE, "tide_config_set"};
   _tide_conf_values values = config->values;
   int status = apply_pair(&from, key, key + strlen(key), value, value + strlen(value), &values,
-                          config->source);
+                          config->source, config->notice);
   if (status != TIDE_OK) return (tide_status)status;
   config->values = values;
   refresh_texts(config);

@@ -134,10 +134,6 @@ typedef struct _tide_conf_values {
   size_t memory_limit;       /* bytes, 0: no limit */
   bool release_holes;        /* recycle free pages inside segments when growing */
   bool load_handles;         /* one handle per growth until a stream first frees */
-  double release_slack;      /* free pages stay cached up to this fraction above the peak */
-  double release_limit;      /* past this fraction above the peak, room comes in whole handles */
-  double wait_limit;         /* below this fraction above the peak, growth skips busy pages */
-                             /* (both -1 until _tide_conf_derive: they follow release_slack) */
   size_t trace_capacity;     /* trace ring events, 0: off */
   size_t host_capacity;      /* bytes of the emulated device */
   size_t host_granularity;   /* the emulated device's mapping granularity */
@@ -150,8 +146,6 @@ typedef struct _tide_conf_values {
 
 /* The values of a config (tide_config is opaque outside conf.c). */
 const _tide_conf_values *_tide_config_values(const tide_config *config);
-/* The values that follow others (release_limit, wait_limit: "auto") computed. */
-void _tide_conf_derive(_tide_conf_values *values);
 /* Copy of a config, or NULL without memory. */
 tide_config *_tide_config_clone(const tide_config *config);
 /* Write into buf the keys whose values differ between a and b, as

@@ -369,83 +369,41 @@ static size_t growth_bytes(const _tide_arena *arena, _tide_pool *pool, size_t ro
   return (rounded + page - 1) / page * page;
 }
 
-/* The release policy judges the usual memory by itself. The memory of
- * capture pools is set aside: graphs replay into it, which no allocated
- * counter sees (PyTorch counts a graph's blocks only while it records), so
- * counted as reserved beside the usual memory's allocated peak it used up
- * release_slack, which then had no effect (the compiled growing-KV decoder
- * on the H200, a 1.1 GiB graph pool beside a 1.3 GiB peak: 710 mappings a
- * run under release_slack 0.25 as under 0.017). A pool's own arenas keep
- * the allocator-wide figures. */
+/* The release policy: memory by pressure (docs/design.md, "Memory by
+ * pressure"). Free pages stay mapped until growth would pass the memory
+ * limit, or take the device's free memory below its low-water mark; below
+ * both, nothing is unmapped and no stream is waited for. A page unmapped
+ * without need would likely be mapped again, and each remap costs driver
+ * calls the program waits for; memory nobody asks for costs nothing to
+ * keep. Under pressure, growth first recycles the cache's free pages, and
+ * the allocator gives pages back when the device runs low for others. */
 
-/* The allocated peak the policy compares with. The shared counters hold it
- * only once a second arena exists; until then the one arena's own peak is
- * it. */
-static int64_t allocated_peak(const _tide_arena *arena) {
-  struct tide_allocator *a = arena->alloc;
-  if (!atomic_load_explicit(&a->shared_peak, memory_order_relaxed))
-    return arena->stats.peak[_TIDE_ST_ALLOCATED][0];
-  return atomic_load(arena->pool_id ? &a->allocated.peak : &a->usual_allocated.peak);
+/* Free device memory, or false where the backend cannot say. The error a
+ * failed query leaves is not the caller's. */
+static bool device_free(const struct tide_allocator *a, size_t *free_bytes) {
+  const _tide_backend *be = &a->backend;
+  size_t total;
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
+  bool ok = be->ops->mem_info(be->ctx, free_bytes, &total) == TIDE_OK;
+  _tide_error_restore(&saved);
+  return ok;
 }
 
-/* The bytes of capture pools the policy sets aside for this arena. */
-static int64_t set_aside(const _tide_arena *arena) {
-  return arena->pool_id ? 0
-                        : atomic_load_explicit(&arena->alloc->pools_reserved, memory_order_relaxed);
-}
-
-/* Reserved bytes as the policy counts them, and their peak. */
-static int64_t policy_reserved(const _tide_arena *arena) {
-  return atomic_load(&arena->alloc->reserved.cur) - set_aside(arena);
-}
-
-static int64_t policy_reserved_peak(const _tide_arena *arena) {
-  return atomic_load(&arena->alloc->reserved.peak) - set_aside(arena);
-}
-
-/* Bytes growth may add before reserved memory passes both its own peak and
- * the slack above the allocated peak (negative when already past). Free
- * pages stay cached while reserved memory is within release_slack above the
- * allocated peak (itself a floor for any allocator's reserved peak):
- * unmapping them would save little, and every page unmapped and mapped
- * again costs backend calls and a stream synchronization. */
+/* Bytes growth may add before the allocator is under pressure (negative
+ * when already past): the room below the memory limit, and the device's
+ * free memory above its low-water mark (one backend query: growth already
+ * costs several). */
 static int64_t growth_headroom(const _tide_arena *arena) {
   struct tide_allocator *a = arena->alloc;
-  int64_t ceiling = policy_reserved_peak(arena);
-  int64_t slack = (int64_t)((double)allocated_peak(arena) * (1.0 + a->conf.release_slack));
-  if (slack > ceiling) ceiling = slack;
-  return ceiling - policy_reserved(arena);
-}
-
-/* Whether growth by `need` bytes would take reserved memory more than
- * `fraction` above the allocated peak. */
-static bool above_peak_by(const _tide_arena *arena, size_t need, double fraction) {
-  int64_t limit = (int64_t)((double)allocated_peak(arena) * (1.0 + fraction));
-  return policy_reserved(arena) + (int64_t)need > limit;
-}
-
-/* Whether growth by `need` bytes would take reserved memory past
- * release_limit above the allocated peak. Room is then made in whole
- * handles: where a handle holds several pages, a growth asking for less
- * than a handle (a small pool's page, a large block's last page) would
- * otherwise release nothing, and each such growth would raise reserved
- * memory and with it the ceiling (its own peak) for good: on the streaming
- * workload's steady state, 1.015 x the allocated peak crept to 1.019 over
- * 700 frames (host backend), 1.021 on the H200. */
-static bool past_release_limit(const _tide_arena *arena, size_t need) {
-  return above_peak_by(arena, need, arena->alloc->conf.release_limit);
-}
-
-/* Whether growth that still needs `need` bytes of room would keep reserved
- * memory within wait_limit above the allocated peak: it may then pass over
- * a page of another handle size that queued work may still read, rather
- * than wait for that work. Each wait drains the stream's queue while the
- * CPU waits; on the H200's streaming workload (cat mode, 1024 frames) the
- * default cut the waits from 764-932 to 151-200 and the median frame by
- * 0.3-0.8%, at about 10% more mappings and a running ratio of at most
- * 1.0185 (1.0175 waiting always). */
-static bool within_wait_limit(const _tide_arena *arena, size_t need) {
-  return !above_peak_by(arena, need, arena->alloc->conf.wait_limit);
+  int64_t reserved = atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
+  int64_t room = (int64_t)atomic_load_explicit(&a->limit, memory_order_relaxed) - reserved;
+  size_t free_bytes;
+  if (device_free(a, &free_bytes)) {
+    int64_t device_room = (int64_t)free_bytes - (int64_t)_tide_low_water(a);
+    if (device_room < room) room = device_room;
+  }
+  return room;
 }
 
 static int take_event(_tide_arena *arena, _tide_event *out);
@@ -560,17 +518,16 @@ static int wait_until_idle(_tide_arena *arena, uint64_t stamp) {
 
 /* Unmap free pages of the candidates (oldest first) until `need` bytes are
  * released. A handle is unmapped whole, so a candidate asked for less than
- * one of its handles gives nothing, unless `whole`: then it gives one (more
- * than asked: for room outside the segments, which would otherwise never be
- * made where handles are larger than the request). Returns the bytes. */
+ * one of its handles gives one: room would otherwise never be made where
+ * handles are larger than the request. Returns the bytes. */
 static size_t release_candidates(_tide_arena *arena, _tide_block **candidates, size_t n,
-                                 size_t need, bool whole) {
+                                 size_t need) {
   struct tide_allocator *a = arena->alloc;
   size_t released = 0;
   for (size_t i = 0; i < n && released < need; i++) {
     size_t before = arena->nspare_pages, limit = need - released;
     size_t handle = a->page_size * candidates[i]->segment->handle_pages;
-    if (whole && limit < handle) limit = handle;
+    if (limit < handle) limit = handle;
     int64_t held = atomic_load(&a->reserved.cur);
     if (_tide_release_block(arena, candidates[i], limit)) break;
     for (size_t k = before; k < arena->nspare_pages; k++) released += arena->spare_pages[k].size;
@@ -587,18 +544,17 @@ static size_t release_candidates(_tide_arena *arena, _tide_block **candidates, s
  * buffer's worker makes room this way while the program keeps launching
  * work: a synchronization would stall it for the queue. */
 static void release_now(_tide_arena *arena, _tide_block **candidates, size_t n, size_t need,
-                        bool whole, bool marks) {
+                        bool marks) {
   size_t idle = 0, released = 0;
   if (marks) poll_idle_marks(arena);
   while (idle < n && candidates[idle]->stamp < arena->idle_before) idle++;
-  if (idle) released = release_candidates(arena, candidates, idle, need, whole);
+  if (idle) released = release_candidates(arena, candidates, idle, need);
   for (size_t i = idle; i < n && released < need; i++) {
     if (candidates[i]->stamp >= arena->idle_before) {
-      if (marks && within_wait_limit(arena, need - released)) continue;
       int rc = marks ? wait_until_idle(arena, candidates[i]->stamp) : settle_stream(arena);
       if (rc != TIDE_OK) return;
     }
-    released += release_candidates(arena, candidates + i, 1, need - released, whole);
+    released += release_candidates(arena, candidates + i, 1, need - released);
   }
 }
 
@@ -610,33 +566,36 @@ static unsigned growth_handle_pages(const _tide_growth *g) {
 }
 
 /* Release up to `need` bytes of the candidates for a segment's growth,
- * oldest first, without waiting for the stream where it can: pages whose
+ * oldest first, waiting for the stream as little as it can. Pages whose
  * handles the growth maps again stay mapped at their old address until the
- * stream is past them (deferred); any other page would stay reserved there
- * beside the growth's new handles, so it is unmapped at once, after waiting
- * for work queued before its free that may still read it (wait_until_idle;
- * once the stream itself was waited for, every free block is idle; if a
- * wait fails, such pages stay cached). While the growth stays within
- * wait_limit such pages are passed over instead, for others: skipping them
- * always made 30-60% more mappings on the streaming workload, skipping them
- * up to wait_limit about 10% more and a fifth of the waits. A load handle
- * (load_handles), which no growth maps again, is deferred too: it stays
- * reserved at its old address until the stream is past it, once for each
- * load handle, rather than the growth waiting for the stream. */
+ * stream is past them (deferred): stream order keeps their old readers
+ * first, and nothing waits. Any other page would stay reserved there beside
+ * the growth's new handles, so it is unmapped at once, which needs the work
+ * queued before its free to be done. Those idle already go in the first
+ * pass; only if the first pass is not enough does the second wait for the
+ * busy ones (wait_until_idle: as far as an idle mark after the free; if a
+ * wait fails, such pages stay cached). A load handle (load_handles), which
+ * no growth maps again, is deferred too: it stays reserved at its old
+ * address until the stream is past it, once for each load handle. */
 static void release_deferred(_tide_arena *arena, _tide_block **candidates, size_t n, size_t need,
-                             bool whole, unsigned handle_pages) {
+                             unsigned handle_pages) {
   poll_idle_marks(arena);
   size_t released = 0;
   bool cannot_wait = false;
-  for (size_t i = 0; i < n && released < need; i++) {
-    bool deferred = candidates[i]->segment->handle_pages == handle_pages;
-    bool busy = !deferred && candidates[i]->stamp >= arena->idle_before;
-    if (busy && (within_wait_limit(arena, need - released) || cannot_wait ||
-                 (cannot_wait = wait_until_idle(arena, candidates[i]->stamp) != TIDE_OK)))
-      continue; /* it stays cached */
-    arena->defer_unmap = deferred;
-    released += release_candidates(arena, candidates + i, 1, need - released, whole);
-    arena->defer_unmap = false;
+  for (int pass = 0; pass < 2; pass++) {
+    for (size_t i = 0; i < n && released < need; i++) {
+      _tide_block *b = candidates[i];
+      if (!b) continue; /* released in the first pass */
+      bool deferred = b->segment->handle_pages == handle_pages;
+      bool busy = !deferred && b->stamp >= arena->idle_before;
+      if (busy &&
+          (pass == 0 || cannot_wait || (cannot_wait = wait_until_idle(arena, b->stamp) != TIDE_OK)))
+        continue; /* it stays cached */
+      candidates[i] = NULL;
+      arena->defer_unmap = deferred;
+      released += release_candidates(arena, &b, 1, need - released);
+      arena->defer_unmap = false;
+    }
   }
 }
 
@@ -650,17 +609,15 @@ static bool next_to_growth(const _tide_block *b, const _tide_growth *g, size_t p
   return (b == u->prev && lo == u->addr) || (b == u->next && hi == u->addr + u->size);
 }
 
-/* Before growth would raise reserved memory above its ceiling, unmap just
- * as many whole free pages inside the segments (oldest first) as keep it
- * there, so that growth reuses physical memory instead of adding to it.
- * Below the ceiling nothing is unmapped: the pages stay cached for reuse,
- * and every page unmapped would likely be mapped again (the peak is what
- * the caller pays for). The free blocks the growth extends are left
- * alone. `for_segment`: the room is for a segment's growth, which maps the
- * handles again (unmapping may be deferred, and a request below a handle
- * releases none: the growth's own handles are whole, unless the growth
- * would pass release_limit); otherwise for memory outside the segments
- * (growable buffers), released at once, a handle at least. */
+/* Before growth of `need` bytes would put the allocator under pressure,
+ * unmap just as many free pages inside the segments (oldest first) as keep
+ * it out of it, so that growth reuses physical memory instead of adding to
+ * it. A handle is unmapped whole, so a candidate gives at least one, even
+ * where that is more than asked: the rest is reused by the next growth.
+ * The free blocks the growth extends are left alone. `for_segment`: the
+ * room is for a segment's growth, which maps the handles again (unmapping
+ * may be deferred); otherwise for memory outside the segments (growable
+ * buffers), released at once. */
 static void release_for(_tide_arena *arena, size_t need, const _tide_growth *growth,
                         bool for_segment) {
   struct tide_allocator *a = arena->alloc;
@@ -668,9 +625,10 @@ static void release_for(_tide_arena *arena, size_t need, const _tide_growth *gro
   if (arena->nstale) _tide_arena_settle_stale(arena, 0, UINTPTR_MAX, false);
   int64_t headroom = growth_headroom(arena);
   if (headroom >= (int64_t)need) return;
-  bool whole = !for_segment || past_release_limit(arena, need);
-  if (headroom > 0)
-    need = (need - (size_t)headroom + a->page_size - 1) / a->page_size * a->page_size;
+  /* Past the limit or the low-water mark already (a limit lowered, or
+   * another process's growth), the shortfall includes what brings it back. */
+  need = (size_t)(((int64_t)need - headroom + (int64_t)a->page_size - 1) / (int64_t)a->page_size) *
+         a->page_size;
   size_t cap = arena->pools[0].bins.count + arena->pools[1].bins.count, n = 0;
   if (!cap) return;
   _tide_block **candidates = malloc(cap * sizeof *candidates);
@@ -703,9 +661,9 @@ static void release_for(_tide_arena *arena, size_t need, const _tide_growth *gro
        * handles of the growth's size can be mapped again; any other stays
        * reserved at its old address until then, beside the growth's new
        * ones, so those are released at once. */
-      release_deferred(arena, candidates, n, need, whole, growth_handle_pages(&g));
+      release_deferred(arena, candidates, n, need, growth_handle_pages(&g));
     } else {
-      release_now(arena, candidates, n, need, whole, marks);
+      release_now(arena, candidates, n, need, marks);
     }
     arena->keep_spare_pages = false;
     add_idle_mark(arena, marks);
@@ -733,6 +691,27 @@ void _tide_arena_make_room(_tide_arena *arena, size_t bytes) {
   if (arena->nspare_pages) _tide_arena_release_spare_pages(arena);
 }
 
+/* Now and then (_TIDE_DEVICE_CHECK_EVERY), ask the device how much it has
+ * free. When others (another process, another allocator) took more since
+ * the last check and the device is below its low-water mark, give back
+ * cached pages, as many again as the mark above it, so that their growth
+ * finds room. Not when this allocator's own growth took the device low:
+ * its growth recycles its cache by itself, and giving it back would only
+ * have it mapped again. A countdown otherwise. */
+static void yield_to_device(_tide_arena *arena) {
+  struct tide_allocator *a = arena->alloc;
+  if (TIDE_LIKELY(arena->device_check_countdown-- > 0)) return;
+  arena->device_check_countdown = _TIDE_DEVICE_CHECK_EVERY - 1;
+  size_t free_bytes;
+  if (!device_free(a, &free_bytes)) return;
+  int64_t reserved = atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
+  int64_t others = (int64_t)a->total_memory - (int64_t)free_bytes - reserved;
+  bool others_grew = others > arena->others_held;
+  arena->others_held = others;
+  if (others_grew && free_bytes < _tide_low_water(a))
+    _tide_arena_make_room(arena, _tide_low_water(a));
+}
+
 /* A free block of at least `rounded` bytes from the bins, or from new
  * memory when nothing fits. Not in a bin. */
 static int take_best_fit(_tide_arena *arena, size_t rounded, _tide_block **out) {
@@ -741,6 +720,8 @@ static int take_best_fit(_tide_arena *arena, size_t rounded, _tide_block **out) 
   /* Quick blocks merge first, so the choice is the best fit over all free
    * memory, as if they had been merged when freed. */
   _tide_arena_flush_quick(arena);
+  if (!arena->keep_cache && a->conf.release_holes && a->conf.expandable_segments)
+    yield_to_device(arena);
   _tide_block *b = _tide_bins_best_fit(&pool->bins, rounded);
   if (b && TIDE_UNLIKELY(a->conf.max_split_size != SIZE_MAX) &&
       oversize_refused(a, b->size, rounded))

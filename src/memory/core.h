@@ -364,6 +364,11 @@ typedef struct _tide_arena {
   } idle_marks[_TIDE_IDLE_MARKS];
   unsigned nidle_marks;
   uint64_t idle_before; /* free blocks stamped before this clock are idle */
+  /* Allocations past the quick blocks until the next asks the device how
+   * much it has free, and the bytes others held at the last such check
+   * (arena.c, yield_to_device). */
+  unsigned device_check_countdown;
+  int64_t others_held;
   /* Pages unmapped from their segment without waiting for the stream (see
    * release_for): still mapped at their old address until work queued
    * before their free is done (stamp < idle_before), their handles mapped
@@ -647,6 +652,28 @@ int _tide_mem_unmap_run(struct tide_allocator *a, uintptr_t addr, size_t page, s
 /* Reserve physical budget under the memory limit; give it back (mapcalls.c). */
 int _tide_budget_take(struct tide_allocator *a, size_t bytes, size_t request);
 void _tide_budget_give(struct tide_allocator *a, size_t bytes);
+
+/* The device's free memory the allocator leaves to others before growth
+ * recycles its own cache instead, and below which it gives cached pages
+ * back: other processes, and what allocates outside the allocator (the
+ * CUDA context, libraries, kernels' local memory), need room to grow, and
+ * a process that holds a cache it does not use must not be what makes them
+ * run out. A 64th of the device: 1.25 GiB of an 80 GB card, enough for the
+ * workspaces and local memory of the usual libraries, little enough that a
+ * program filling the card alone loses no room it could use (pressure only
+ * recycles; growth still takes the device's last free bytes). */
+#define _TIDE_LOW_WATER_SHARE 64u
+static inline size_t _tide_low_water(const struct tide_allocator *a) {
+  return a->total_memory / _TIDE_LOW_WATER_SHARE;
+}
+
+/* How often an arena's allocations past the quick blocks ask the device how
+ * much it has free: every this many. Counted, not timed, so that a program
+ * makes the same calls every run (the fault sweeps rely on it); a busy
+ * program makes thousands of such allocations a second, so another
+ * process's growth finds the pages given back within milliseconds, and the
+ * query's cost (a driver call) spreads over as many allocations. */
+#define _TIDE_DEVICE_CHECK_EVERY 256u
 
 /* The calling thread is about to block until a stream or event is done. */
 static inline void _tide_note_stream_wait(struct tide_allocator *a) {

@@ -73,7 +73,7 @@ def test_empty_cache_and_fraction():
 def test_configure_after_first_use_is_refused():
     tidalloc.stats(0)
     with pytest.raises(tidalloc.TidallocError, match="tide_conf_set"):
-        tidalloc.configure("release_slack:0.02")
+        tidalloc.configure("memory_limit:1GiB")
 
 
 def test_run_without_torch_says_why(tmp_path):
@@ -250,7 +250,7 @@ def test_growable_tensor_appends_in_place_on_the_host_backend():
 
 @pytest.mark.parametrize("env_conf, conf, expected", [
     ("", None, "True code"),
-    ("", "release_slack:0.02", "True code"),
+    ("", "memory_limit:1GiB", "True code"),
     ("capture_detection:False", None, "False environment"),
     ("capture_detection:True", None, "True environment"),
     ("", "capture_detection:False", "False code"),
