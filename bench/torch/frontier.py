@@ -1,0 +1,345 @@
+"""frontier.py: how fast a PyTorch program runs at the memory budget a user
+has, and how small a budget still runs it, under each allocator.
+
+Each program runs first uncapped under expandable segments, to measure its
+peak allocated bytes; then, for every cap (a multiple of that peak, or none)
+and every allocator, in a fresh process whose limit is set with
+torch.cuda.set_per_process_memory_fraction (tidalloc takes it through its
+shim), the allocators of one cap on consecutive rows in an order that
+rotates from cap to cap. A run that runs out of memory is status oom.
+
+Allocators: expandable (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True),
+native (PyTorch's own, fixed segments), tidalloc (python -m tidalloc run),
+and, for programs with caches that can grow in place, tidalloc-growable
+(tidalloc with the program's growable caches).
+
+CSV columns: program,allocator,cap,status,wall_s,peak_allocated_gib,
+peak_reserved_gib,limit_gib,unmappings,stream_waits,mappings,order,error.
+wall_s is the program's own timed section where it has one (the frame loop
+of the streaming model), else its whole run from a synchronized device to a
+synchronized device, model building included. cap is `none` or the
+multiple. A PNG (time against cap, one line per allocator, out of memory
+marked x) is written beside the CSV when matplotlib is importable.
+
+    python bench/torch/frontier.py --programs gpt2 vit --csv out/frontier.csv
+    python bench/torch/frontier.py --programs stream_gct:128 --caps none 1.02 1.05
+    python bench/torch/frontier.py --summarize out/frontier.csv   # ratios, no GPU
+
+Programs: stream_gct:N (bench/torch/stream_gct.py at N frames, eager),
+stream_gct_compiled:N (its --compile mode), gpt2 (Hugging Face GPT-2 with
+random weights, greedy generation), vit (torchvision's ViT-B/16 with random
+weights, bf16 inference), and cmd:NAME:SCRIPT:ARGS... (any script, such as
+LingBot-Map's scripts/benchmark_gct_memory.py, run unmodified)."""
+import argparse
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
+COLUMNS = ("program", "allocator", "cap", "status", "wall_s", "peak_allocated_gib",
+           "peak_reserved_gib", "limit_gib", "unmappings", "stream_waits", "mappings", "order",
+           "error")
+DEFAULT_CAPS = ("none", "1.00", "1.01", "1.02", "1.03", "1.05", "1.10")
+ALLOCATORS = ("expandable", "native", "tidalloc")
+GIB = float(1 << 30)
+
+
+# --------------------------------------------------------------------------
+# Programs, as the child runs them: each returns its own timed seconds or None.
+# --------------------------------------------------------------------------
+
+def _run_stream_gct(arg, growable, compiled):
+    import runpy
+    out = tempfile.NamedTemporaryFile(suffix=".csv", delete=False).name
+    argv = [os.path.join(ROOT, "bench", "torch", "stream_gct.py"), "--frame-counts", arg,
+            "--csv", out]
+    if growable:
+        argv.append("--growable")
+    if compiled:
+        argv.append("--compile")
+    sys.argv = argv
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+    with open(out) as f:
+        row = next(csv.DictReader(f))
+    os.unlink(out)
+    if row["status"] != "ok":
+        raise MemoryError(row.get("error") or row["status"])
+    return float(row["seconds"])
+
+
+def _run_gpt2(arg, growable, compiled):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    batch, new_tokens = 4, int(arg or 512)
+    model = GPT2LMHeadModel(GPT2Config(n_positions=2048)).cuda().eval().half()
+    ids = torch.randint(0, 50257, (batch, 32), device="cuda")
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                       pad_token_id=0)
+    return None
+
+
+def _run_vit(arg, growable, compiled):
+    import torch
+    import torchvision
+    torch.manual_seed(0)
+    model = torchvision.models.vit_b_16().cuda().eval()
+    steps = int(arg or 20)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        for i in range(steps):
+            x = torch.randn(32 + 16 * (i % 3), 3, 224, 224, device="cuda")
+            model(x).float().sum().item()
+    return None
+
+
+def _run_cmd(arg, growable, compiled):
+    import runpy
+    script, *args = arg.split(":")
+    sys.argv = [script] + [a for a in " ".join(args).split(" ") if a]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise MemoryError("exit status %s" % e.code)
+    return None
+
+
+PROGRAMS = {
+    "stream_gct": lambda a, g: _run_stream_gct(a, g, False),
+    "stream_gct_compiled": lambda a, g: _run_stream_gct(a, g, True),
+    "gpt2": lambda a, g: _run_gpt2(a, g, False),
+    "vit": lambda a, g: _run_vit(a, g, False),
+    "cmd": lambda a, g: _run_cmd(a, g, False),
+}
+GROWABLE = ("stream_gct", "stream_gct_compiled")
+
+
+def split_program(program):
+    name, _, arg = program.partition(":")
+    if name not in PROGRAMS:
+        raise SystemExit("frontier: unknown program %r (known: %s)" % (name, ", ".join(PROGRAMS)))
+    return name, arg
+
+
+def tidalloc_counts():
+    try:
+        import tidalloc
+        st = tidalloc.stats(0)
+        return st.unmappings, st.stream_waits, st.mappings
+    except Exception:  # not tidalloc's process
+        return "", "", ""
+
+
+def child(args):
+    """One run, in this process: the limit, the program, its figures as JSON."""
+    import torch
+    name, arg = split_program(args.program)
+    total = torch.cuda.get_device_properties(0).total_memory
+    limit = None
+    if args.limit_bytes:
+        limit = int(args.limit_bytes)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), 0)
+    result = {"status": "ok", "error": "", "limit_gib": "" if limit is None else limit / GIB}
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    try:
+        own = PROGRAMS[name](arg, args.growable)
+        torch.cuda.synchronize()
+        result["wall_s"] = own if own is not None else time.perf_counter() - start
+    except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "out of memory" not in text.lower() and not isinstance(e, MemoryError):
+            raise
+        result.update(status="oom", error=text[:200], wall_s="")
+    result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+    result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+    result["unmappings"], result["stream_waits"], result["mappings"] = tidalloc_counts()
+    with open(args.result, "w") as f:
+        json.dump(result, f)
+
+
+# --------------------------------------------------------------------------
+# The parent: fresh processes, pairs, the CSV and the picture.
+# --------------------------------------------------------------------------
+
+def launch(program, allocator, limit, timeout):
+    env = dict(os.environ)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable]
+    if allocator == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if allocator.startswith("tidalloc"):
+        cmd += ["-m", "tidalloc", "run"]
+    result = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    cmd += [os.path.abspath(__file__), "--child", "--program", program, "--result", result]
+    if limit:
+        cmd += ["--limit-bytes", str(limit)]
+    if allocator == "tidalloc-growable":
+        cmd.append("--growable")
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        with open(result) as f:
+            out = json.load(f)
+    except subprocess.TimeoutExpired:
+        out = {"status": "timeout", "error": "over %d s" % timeout}
+    except (OSError, ValueError):
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        oom = any("out of memory" in line.lower() for line in tail)
+        out = {"status": "oom" if oom else "error", "error": " | ".join(tail)[:300]}
+    finally:
+        if os.path.exists(result):
+            os.unlink(result)
+    return out
+
+
+def write_rows(path, rows):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for row in rows:
+            w.writerow(row)
+
+
+def fmt(v):
+    return "%.4f" % v if isinstance(v, float) else v
+
+
+def run_frontier(args):
+    rows = []
+    deadline = time.time() + args.budget_seconds if args.budget_seconds else None
+    for program in args.programs:
+        name, _ = split_program(program)
+        allocators = list(args.allocators)
+        if name in GROWABLE and args.growable and "tidalloc-growable" not in allocators:
+            allocators.append("tidalloc-growable")
+        first = launch(program, "expandable", None, args.timeout)
+        if first.get("status") != "ok":
+            print("frontier: %s does not run uncapped: %s" % (program, first.get("error")),
+                  file=sys.stderr)
+            continue
+        peak = first["peak_allocated_gib"] * GIB
+        print("%s: peak allocated %.3f GiB uncapped" % (program, peak / GIB), flush=True)
+        for i, cap in enumerate(args.caps):
+            order = allocators[i % len(allocators):] + allocators[:i % len(allocators)]
+            limit = None if cap == "none" else math.ceil(peak * float(cap))
+            for k, allocator in enumerate(order):
+                if deadline and time.time() > deadline:
+                    print("frontier: the time budget is spent; stopping", file=sys.stderr)
+                    write_rows(args.csv, rows)
+                    return rows
+                out = launch(program, allocator, limit, args.timeout)
+                row = {"program": program, "allocator": allocator, "cap": cap, "order": k,
+                       "limit_gib": "" if limit is None else limit / GIB}
+                row.update(out)
+                row = {c: fmt(row.get(c, "")) for c in COLUMNS}
+                rows.append(row)
+                write_rows(args.csv, rows)
+                print(",".join(str(row[c]) for c in COLUMNS[:8]), flush=True)
+    plot(args.csv, rows)
+    return rows
+
+
+def plot(path, rows):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    programs = sorted({r["program"] for r in rows})
+    if not programs:
+        return
+    fig, axes = plt.subplots(1, len(programs), figsize=(4.2 * len(programs), 3.4), squeeze=False)
+    for ax, program in zip(axes[0], programs):
+        for allocator in ("expandable", "native", "tidalloc", "tidalloc-growable"):
+            mine = [r for r in rows if r["program"] == program and r["allocator"] == allocator]
+            if not mine:
+                continue
+            pts = [(float(r["cap"]) if r["cap"] != "none" else 1.15, r) for r in mine]
+            pts.sort(key=lambda p: p[0])
+            ok = [(x, float(r["wall_s"])) for x, r in pts if r["status"] == "ok"]
+            line, = ax.plot([x for x, _ in ok], [y for _, y in ok], "o-", label=allocator)
+            top = max([y for _, y in ok] or [1.0])
+            bad = [x for x, r in pts if r["status"] != "ok"]
+            ax.plot(bad, [top] * len(bad), "x", color=line.get_color(), markersize=9)
+        ax.set_title(program, fontsize=9)
+        ax.set_xlabel("cap (x peak allocated; 1.15 = none)")
+        ax.set_ylabel("seconds")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.splitext(path)[0] + ".png", dpi=110)
+
+
+def summarize(path):
+    """Each cap's tidalloc time over expandable segments' (ok pairs), and
+    each allocator's tightest completing cap, per program."""
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    for program in sorted({r["program"] for r in rows}):
+        mine = [r for r in rows if r["program"] == program]
+        print(program)
+        caps = []
+        for c in DEFAULT_CAPS + tuple(sorted({r["cap"] for r in mine})):
+            if c not in caps and any(r["cap"] == c for r in mine):
+                caps.append(c)
+        for cap in caps:
+            got = {r["allocator"]: r for r in mine if r["cap"] == cap}
+            cells = []
+            for allocator in sorted(got):
+                r = got[allocator]
+                cells.append("%s %s" % (allocator, r["wall_s"] if r["status"] == "ok"
+                                        else r["status"]))
+            e, t = got.get("expandable"), got.get("tidalloc")
+            ratio = ""
+            if e and t and e["status"] == t["status"] == "ok":
+                ratio = "  tidalloc/expandable %.3f" % (float(t["wall_s"]) / float(e["wall_s"]))
+            print("  cap %-5s %s%s" % (cap, "; ".join(cells), ratio))
+        for allocator in sorted({r["allocator"] for r in mine}):
+            caps = [float(r["cap"]) for r in mine
+                    if r["allocator"] == allocator and r["cap"] != "none" and r["status"] == "ok"]
+            print("  tightest cap completed by %s: %s" % (allocator, min(caps) if caps else "-"))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--programs", nargs="+", default=["gpt2", "vit"])
+    p.add_argument("--caps", nargs="+", default=list(DEFAULT_CAPS))
+    p.add_argument("--allocators", nargs="+", default=list(ALLOCATORS))
+    p.add_argument("--growable", action="store_true",
+                   help="add tidalloc-growable for programs with growable caches")
+    p.add_argument("--csv", default="frontier.csv")
+    p.add_argument("--timeout", type=int, default=600, help="seconds a run may take")
+    p.add_argument("--budget-seconds", type=int, default=0,
+                   help="start no run after this many seconds (0: no budget)")
+    p.add_argument("--summarize", metavar="CSV")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--program", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--limit-bytes", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+    elif args.child:
+        child(args)
+    else:
+        for cap in args.caps:
+            if cap != "none":
+                float(cap)
+        run_frontier(args)
+
+
+if __name__ == "__main__":
+    main()
