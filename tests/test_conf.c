@@ -70,6 +70,7 @@ static const char *const all_keys[] = {
     "host_granularity",
     "host_devices",
     "host_queue_depth",
+    "host_shared",
 };
 #define KEY_COUNT (sizeof all_keys / sizeof all_keys[0])
 
@@ -269,16 +270,16 @@ static void test_values_reach_the_struct(void **state) {
   (void)state;
   tide_config *config = new_config();
   assert_int_equal(
-      tide_config_parse(config,
-                        "backend:host,expandable_segments:False,page_size_mb:20,"
-                        "handle_size_mb:40,handle_threshold_mb:64,"
-                        "max_split_size_mb:200,garbage_collection_threshold:0.75,"
-                        "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
-                        "load_handles:False,"
-                        "peer_access:False,capture_detection:True,"
-                        "graph_capture_record_stream_reuse:True,trace:100,host_capacity:8GiB,host_"
-                        "granularity:64KiB,"
-                        "host_devices:4,host_queue_depth:3,roundup_power2_divisions:8"),
+      tide_config_parse(
+          config, "backend:host,expandable_segments:False,page_size_mb:20,"
+                  "handle_size_mb:40,handle_threshold_mb:64,"
+                  "max_split_size_mb:200,garbage_collection_threshold:0.75,"
+                  "memory_fraction:0.5,memory_limit:3GiB,release_holes:False,"
+                  "load_handles:False,"
+                  "peer_access:False,capture_detection:True,"
+                  "graph_capture_record_stream_reuse:True,trace:100,host_capacity:8GiB,host_"
+                  "granularity:64KiB,"
+                  "host_devices:4,host_queue_depth:3,host_shared:True,roundup_power2_divisions:8"),
       TIDE_OK);
   const _tide_conf_values *v = _tide_config_values(config);
   assert_int_equal(v->backend, TIDE_BACKEND_HOST);
@@ -300,6 +301,7 @@ static void test_values_reach_the_struct(void **state) {
   assert_int_equal(v->host_granularity, 64 * TIDE_KiB);
   assert_int_equal(v->host_devices, 4);
   assert_int_equal(v->host_queue_depth, 3);
+  assert_true(v->host_shared);
   for (int i = 0; i < TIDE_ROUNDUP_INTERVALS; i++) assert_int_equal(v->roundup_divisions[i], 8);
   assert_int_equal(changed_from_defaults(config), KEY_COUNT);
   tide_config_free(config);

@@ -193,6 +193,7 @@ typedef struct host_device {
   size_t units;
   uint64_t *unit_bits; /* 1: used; bits past `units` are set so scans stop there */
   size_t bytes_in_use;
+  bool shared; /* host_shared: bytes_in_use counts in shared_in_use[device] too */
 
   host_handle *handles;
   size_t handle_count, handle_cap;
@@ -221,6 +222,31 @@ typedef struct host_device {
   _Atomic uint64_t calls_at_failure[TIDE_OP_COUNT]; /* when the last injected failure fired */
   host_site sites[SITE_SLOTS];
 } host_device;
+
+/* The bytes that the emulated devices of each number hold, together, where
+ * they share it (host_shared): the memory of a GPU that several processes
+ * use. Only the counts are shared; each device keeps its own memory. */
+static _Atomic size_t shared_in_use[TIDE_HOST_MAX_DEVICES];
+
+/* The bytes in use on the device as its users see it: its own, or, shared,
+ * every sharer's. */
+static size_t device_in_use(const host_device *d) {
+  return d->shared ? atomic_load(&shared_in_use[d->device]) : d->bytes_in_use;
+}
+
+/* Take `size` bytes of the device's capacity; false when they do not fit. */
+static bool take_capacity(host_device *d, size_t size) {
+  if (!d->shared) return size <= d->capacity - d->bytes_in_use;
+  size_t used = atomic_load(&shared_in_use[d->device]);
+  do {
+    if (size > d->capacity || used > d->capacity - size) return false;
+  } while (!atomic_compare_exchange_weak(&shared_in_use[d->device], &used, used + size));
+  return true;
+}
+
+static void give_capacity(host_device *d, size_t size) {
+  if (d->shared) atomic_fetch_sub(&shared_in_use[d->device], size);
+}
 
 static void lock(host_device *d) { pthread_mutex_lock(&d->lock); }
 static void unlock(host_device *d) { pthread_mutex_unlock(&d->lock); }
@@ -356,6 +382,7 @@ static void handle_free(host_device *d, uint32_t slot) {
   (void)fallocate(d->memfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                   (off_t)(h->first_unit * d->granularity), (off_t)bytes);
   d->bytes_in_use -= bytes;
+  give_capacity(d, bytes);
   h->live = false;
   h->released = false;
   h->gen++;
@@ -480,7 +507,7 @@ static int host_mem_info(void *ctx, size_t *free_bytes, size_t *total_bytes) {
     return _tide_error_set(TIDE_ERR_INVALID, "mem_info: NULL output");
   lock(d);
   *total_bytes = d->capacity;
-  *free_bytes = d->capacity - d->bytes_in_use;
+  *free_bytes = d->capacity - device_in_use(d);
   unlock(d);
   return TIDE_OK;
 }
@@ -567,7 +594,7 @@ static int create_oom(host_device *d, size_t size, bool fits_in_total) {
       TIDE_ERR_OOM,
       "emulated device %d out of memory: asked for %s, %s of %s in use, largest contiguous "
       "free range %s%s",
-      d->device, bytes_text(size, req), bytes_text(d->bytes_in_use, used),
+      d->device, bytes_text(size, req), bytes_text(device_in_use(d), used),
       bytes_text(d->capacity, cap), bytes_text(units_largest_free_run(d) * d->granularity, run),
       fits_in_total ? " (enough is free, but not in one piece)" : "");
 }
@@ -602,13 +629,14 @@ static int host_create(void *ctx, size_t size, _tide_handle *out) {
                            size, bytes_text(d->granularity, g));
   lock(d);
   size_t units = size / d->granularity, first = 0;
-  if (size > d->capacity - d->bytes_in_use || !units_find(d, units, &first)) {
-    rc = create_oom(d, size, size <= d->capacity - d->bytes_in_use);
+  if (!units_find(d, units, &first) || !take_capacity(d, size)) {
+    rc = create_oom(d, size, size <= d->capacity - device_in_use(d));
     unlock(d);
     return rc;
   }
   uint32_t slot;
   if (!handle_slot(d, &slot)) {
+    give_capacity(d, size);
     unlock(d);
     return oom_tables("handle");
   }
@@ -1371,6 +1399,7 @@ static int host_copy(void *ctx, void *dst, const void *src, size_t bytes, tide_s
 static void host_destroy(void *ctx) {
   host_device *d = ctx;
   if (!d) return;
+  give_capacity(d, d->bytes_in_use); /* what a leak held goes with the device */
   /* Unmapping a reservation takes the mappings inside it along. */
   for (size_t i = 0; i < d->reserved.count; i++)
     munmap((void *)d->reserved.items[i].addr, d->reserved.items[i].size);
@@ -1483,6 +1512,7 @@ int _tide_host_open(const _tide_conf_values *conf, int device, _tide_backend *ou
   d->capacity = conf->host_capacity;
   d->granularity = conf->host_granularity;
   d->queue_depth = conf->host_queue_depth;
+  d->shared = conf->host_shared;
   d->units = d->capacity / d->granularity;
   size_t words = (d->units + 63) / 64;
   pthread_mutex_init(&d->lock, NULL);

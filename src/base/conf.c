@@ -549,11 +549,9 @@ static void format_host_granularity(const _tide_conf_values *v, char *buf, size_
   format_bytes(v->host_granularity, buf, len);
 }
 
-#define HOST_MAX_DEVICES 64
-
 static bool parse_host_devices(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
   uint64_t n;
-  if (!parse_uint(s, HOST_MAX_DEVICES, &n, why, why_len)) return false;
+  if (!parse_uint(s, TIDE_HOST_MAX_DEVICES, &n, why, why_len)) return false;
   if (n == 0) return set_why(why, why_len, "zero"), false;
   v->host_devices = (int)n;
   return true;
@@ -574,6 +572,14 @@ static bool parse_host_queue_depth(const char *s, _tide_conf_values *v, char *wh
 
 static void format_host_queue_depth(const _tide_conf_values *v, char *buf, size_t len) {
   snprintf(buf, len, "%u", v->host_queue_depth);
+}
+
+static bool parse_host_shared(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
+  return parse_bool(s, &v->host_shared, why, why_len);
+}
+
+static void format_host_shared(const _tide_conf_values *v, char *buf, size_t len) {
+  format_bool(v->host_shared, buf, len);
 }
 
 static bool parse_peer_access(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
@@ -688,6 +694,11 @@ static const option options[] = {
      "stream, or it has been queried this many times while pending, or the stream is waited "
      "for, as work queued on a GPU completes behind the CPU; 0: at once",
      "a whole number from 0 to 1000000", parse_host_queue_depth, format_host_queue_depth},
+    {"host_shared", "False",
+     "host backend: the allocators of this process that set it share the capacity of each "
+     "emulated device number, as processes share a GPU: what one holds, the others see gone "
+     "from the device's free memory (host_capacity must agree)",
+     "True or False (also true/false/1/0)", parse_host_shared, format_host_shared},
 };
 
 #define OPTION_COUNT (sizeof options / sizeof options[0])

@@ -118,6 +118,8 @@ enum { TIDE_BACKEND_AUTO = 0, TIDE_BACKEND_HOST = 1, TIDE_BACKEND_CUDA = 2 };
 
 /* PyTorch's roundup_power2_divisions intervals: 1 MiB, 2 MiB, ... 64 GiB. */
 #define TIDE_ROUNDUP_INTERVALS 17
+/* The most devices the host backend emulates (host_devices). */
+#define TIDE_HOST_MAX_DEVICES 64
 
 /* The resolved value of every option (tide_config holds these plus where
  * each came from). */
@@ -139,6 +141,7 @@ typedef struct _tide_conf_values {
   size_t host_granularity;   /* the emulated device's mapping granularity */
   int host_devices;          /* emulated devices */
   unsigned host_queue_depth; /* events a host stream's completion lags behind, 0: none */
+  bool host_shared;          /* emulated devices of one number share their capacity */
   bool peer_access;          /* CUDA: every GPU that can reach ours may use it */
   bool capture_detection;    /* every allocation asks whether its stream is being captured */
   bool graph_reuse;          /* graph_capture_record_stream_reuse: the initial switch */
