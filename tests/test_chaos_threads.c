@@ -67,7 +67,7 @@ typedef struct watched {
   _Atomic uint64_t ops;     /* calls made */
 } watched;
 
-static watched *watch_list[MAX_WORKERS + 4];
+static _Atomic(watched *) watch_list[MAX_WORKERS + 4]; /* NULL until filled */
 static atomic_int nwatched;
 static atomic_bool watch_stop;
 static double hang_seconds;
@@ -78,7 +78,7 @@ static void watch_add(watched *w, const char *name) {
   atomic_store(&w->op, NULL);
   atomic_store(&w->ops, 0);
   atomic_store(&w->running, true);
-  watch_list[atomic_fetch_add(&nwatched, 1)] = w;
+  atomic_store(&watch_list[atomic_fetch_add(&nwatched, 1)], w);
 }
 
 static inline void op_begin(watched *w, const char *op) {
@@ -110,7 +110,8 @@ static void *watchdog_main(void *arg) {
     uint64_t now = now_ns();
     int n = atomic_load(&nwatched), stuck = 0;
     for (int i = 0; i < n; i++) {
-      watched *w = watch_list[i];
+      watched *w = atomic_load(&watch_list[i]);
+      if (!w) continue;
       const char *op = atomic_load(&w->op);
       uint64_t since = atomic_load(&w->since); /* may be after `now` */
       if (atomic_load(&w->running) && op && since < now && now - since > limit) stuck++;
@@ -119,7 +120,8 @@ static void *watchdog_main(void *arg) {
     fprintf(stderr, "chaos: HANG: %d thread(s) in one call for more than %.0f s\n", stuck,
             hang_seconds);
     for (int i = 0; i < n; i++) {
-      watched *w = watch_list[i];
+      watched *w = atomic_load(&watch_list[i]);
+      if (!w) continue;
       const char *op = atomic_load(&w->op);
       uint64_t since = atomic_load(&w->since);
       fprintf(stderr, "  %-10s %s%s (%.1f s), %" PRIu64 " calls made\n", w->name,
@@ -128,8 +130,8 @@ static void *watchdog_main(void *arg) {
     }
     fflush(stderr);
     for (int i = 0; i < n; i++) {
-      watched *w = watch_list[i];
-      if (atomic_load(&w->running) && atomic_load(&w->op)) {
+      watched *w = atomic_load(&watch_list[i]);
+      if (w && atomic_load(&w->running) && atomic_load(&w->op)) {
         pthread_kill(w->thread, SIGUSR2);
         usleep(200 * 1000);
       }
@@ -149,6 +151,8 @@ static void watchdog_start(void) {
   sigaction(SIGUSR2, &sa, NULL);
   void *warm[1];
   backtrace(warm, 1); /* loads what backtrace needs before a signal asks for it */
+  for (size_t i = 0; i < sizeof watch_list / sizeof *watch_list; i++)
+    atomic_store(&watch_list[i], NULL);
   atomic_store(&nwatched, 0);
   atomic_store(&watch_stop, false);
   assert_int_equal(pthread_create(&watchdog, NULL, watchdog_main, NULL), 0);

@@ -199,15 +199,21 @@ tide_status tide_set_memory_fraction(tide_allocator *a, double fraction) {
                            "memory fraction %g is outside (0, 1]: give the share of the "
                            "device's memory reserved memory may reach",
                            fraction);
+  /* The fraction and the byte limit change together with the limit they
+   * make: two threads setting them at once leave the one of the last. */
+  _tide_lock_acquire(&a->limits_lock);
   a->conf.memory_fraction = fraction;
   atomic_store(&a->limit, limit_of(a, fraction, a->conf.memory_limit));
+  _tide_lock_release(&a->limits_lock);
   return TIDE_OK;
 }
 
 tide_status tide_set_memory_limit(tide_allocator *a, size_t bytes) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _tide_lock_acquire(&a->limits_lock);
   a->conf.memory_limit = bytes;
   atomic_store(&a->limit, limit_of(a, a->conf.memory_fraction, bytes));
+  _tide_lock_release(&a->limits_lock);
   return TIDE_OK;
 }
 

@@ -582,6 +582,7 @@ struct tide_allocator {
   bool plain_rounding;       /* no roundup_power2_divisions: sizes round to 512 B */
   size_t total_memory;       /* the device's */
   _Atomic size_t limit;      /* reserved may not exceed this */
+  _tide_lock limits_lock;    /* the setters of memory_fraction and memory_limit */
   atomic_bool shared_peak;   /* several arenas: keep `allocated` (read under arena locks) */
   atomic_bool hit_extras;    /* shared_peak or tracing: quick hits have more to do (quick.h) */
   _Atomic int capture_watch; /* captures to route or frees deferred: see pool.c */
