@@ -53,7 +53,7 @@ NO_ASLR := $(shell setarch $$(uname -m) -R true >/dev/null 2>&1 && echo setarch 
 
 export ASAN_OPTIONS ?= detect_leaks=1:detect_stack_use_after_return=1:check_initialization_order=1:strict_init_order=1
 export UBSAN_OPTIONS ?= print_stacktrace=1:halt_on_error=1
-export TSAN_OPTIONS ?= halt_on_error=1:second_deadlock_stack=1
+export TSAN_OPTIONS ?= halt_on_error=1:second_deadlock_stack=1:detect_deadlocks=1
 
 # cmake --build runs its own make: keep ours (jobserver, directory messages) out of it.
 CMAKE_BUILD := env -u MAKEFLAGS -u MAKELEVEL -u MFLAGS cmake --build

@@ -23,6 +23,10 @@
 
 static _Atomic uint64_t next_allocator_id = 1;
 
+/* Allocators' memory outlives them (handles.c): a handle used after
+ * tide_destroy reads a cleared magic word. */
+static _tide_handle_kind allocators = {0};
+
 /* ------------------------------------------------------------------------ */
 /* Validation                                                                */
 /* ------------------------------------------------------------------------ */
@@ -91,10 +95,9 @@ tide_status tide_create(int device, const tide_config *config, tide_allocator **
                            "tide_create: device %d does not exist (devices are "
                            "numbered from 0)",
                            device);
-  size_t bytes = (sizeof(tide_allocator) + 63) / 64 * 64;
-  tide_allocator *a = aligned_alloc(64, bytes); /* its shared counters own their lines */
+  tide_allocator *a =
+      _tide_handle_new(&allocators, sizeof(tide_allocator)); /* 64-byte aligned: see its counters */
   if (!a) return _tide_error_set(TIDE_ERR_OOM, "out of host memory for an allocator");
-  memset(a, 0, bytes);
   int rc = TIDE_OK;
   if (config) {
     a->config = _tide_config_clone(config);
@@ -116,6 +119,13 @@ tide_status tide_create(int device, const tide_config *config, tide_allocator **
   pthread_mutex_init(&a->arenas_mutex, NULL);
   pthread_mutex_init(&a->reclaim_mutex, NULL);
   pthread_mutex_init(&a->bufs_mutex, NULL);
+  /* tide_check waits for the buffers' page steps under way, and must not be
+   * kept waiting by new ones. */
+  pthread_rwlockattr_t writer_first;
+  pthread_rwlockattr_init(&writer_first);
+  pthread_rwlockattr_setkind_np(&writer_first, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+  pthread_rwlock_init(&a->bufs_pages, &writer_first);
+  pthread_rwlockattr_destroy(&writer_first);
   pthread_mutex_init(&a->imports_mutex, NULL);
   a->id = atomic_fetch_add(&next_allocator_id, 1);
   a->magic = _TIDE_MAGIC;
@@ -127,7 +137,7 @@ fail_backend:
   a->backend.ops->destroy(a->backend.ctx);
 fail:
   tide_config_free(a->config);
-  free(a);
+  _tide_handle_retire(&allocators, a);
   return (tide_status)rc;
 }
 
@@ -137,6 +147,12 @@ tide_status tide_destroy(tide_allocator *a) {
   _tide_first_error refused = {0};            /* what the backend would not take back */
   _tide_first_error_note(&refused, _tide_imports_close_all(a));
   size_t n = atomic_load(&a->narenas);
+  /* Frees ordered on streams that are past them (waited for, or never
+   * held) are done: only those still waiting count as in use. */
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
+  for (size_t i = 0; i < n; i++) _tide_arena_process_events(a->arenas[i], false);
+  _tide_error_restore(&saved);
   for (size_t i = 0; i < n; i++) unfreed += _tide_arena_destroy(a->arenas[i], &refused);
   free(a->arenas);
   _tide_captures_destroy(a);
@@ -147,9 +163,10 @@ tide_status tide_destroy(tide_allocator *a) {
   pthread_mutex_destroy(&a->arenas_mutex);
   pthread_mutex_destroy(&a->reclaim_mutex);
   pthread_mutex_destroy(&a->bufs_mutex);
+  pthread_rwlock_destroy(&a->bufs_pages);
   pthread_mutex_destroy(&a->imports_mutex);
   a->magic = 0;
-  free(a);
+  _tide_handle_retire(&allocators, a);
   if (refused.status) {
     _tide_first_error_end(&refused);
     if (unfreed)
@@ -181,15 +198,21 @@ tide_status tide_set_memory_fraction(tide_allocator *a, double fraction) {
                            "memory fraction %g is outside (0, 1]: give the share of the "
                            "device's memory reserved memory may reach",
                            fraction);
+  /* The fraction and the byte limit change together with the limit they
+   * make: two threads setting them at once leave the one of the last. */
+  _tide_lock_acquire(&a->limits_lock);
   a->conf.memory_fraction = fraction;
   atomic_store(&a->limit, limit_of(a, fraction, a->conf.memory_limit));
+  _tide_lock_release(&a->limits_lock);
   return TIDE_OK;
 }
 
 tide_status tide_set_memory_limit(tide_allocator *a, size_t bytes) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _tide_lock_acquire(&a->limits_lock);
   a->conf.memory_limit = bytes;
   atomic_store(&a->limit, limit_of(a, a->conf.memory_fraction, bytes));
+  _tide_lock_release(&a->limits_lock);
   return TIDE_OK;
 }
 

@@ -18,7 +18,10 @@
  *   more have been recorded on its stream, or at its Nth query while
  *   pending (time passes between queries), or once the stream (or the
  *   event) is waited for: a GPU's queue, whose work completes behind the
- *   CPU. Ids of streams and events are slot numbers plus generations.
+ *   CPU. Ids of events are slot numbers plus generations; ids of streams
+ *   are slot numbers plus a serial number unique in the process, so a
+ *   stream of one emulated device is never taken for one of another (a
+ *   GPU's streams belong to their context).
  * - Graph capture is emulated (tide_host_capture_*): a stream being captured
  *   has a capture id, which streams joined to it share; waiting for it is
  *   refused as the driver refuses it, and an event recorded on it belongs to
@@ -135,8 +138,8 @@ typedef struct range_table {
 } range_table;
 
 typedef struct host_stream {
-  uint32_t gen;
-  bool alive; /* created and not destroyed (slot 0, the default stream, always) */
+  uint64_t serial; /* of its id; 0 while the slot is free */
+  bool alive;      /* created and not destroyed (slot 0, the default stream, always) */
   bool held;
   uint64_t capture_id; /* being captured into a graph (0: not) */
   /* While captured: the nodes its next captured work will depend on. */
@@ -902,12 +905,19 @@ static int host_unmap_run(void *ctx, uintptr_t addr, size_t page, size_t count, 
 /* Streams and events                                                       */
 /* ------------------------------------------------------------------------ */
 
-/* Stream ids: NULL is slot 0; others are (generation << 32) | slot, slot >= 1,
- * so the first streams are 1, 2, ... A destroyed stream that is still held
- * keeps its slot (and id) until it is released: its events stay pending. */
+/* Stream ids: NULL is slot 0; others are (serial << STREAM_SLOT_BITS) |
+ * slot, slot >= 1, with a serial number drawn from one counter by every
+ * host device of the process: no two streams ever created share an id, so
+ * a stream of another device (or one destroyed) is refused. A destroyed
+ * stream that is still held keeps its slot (and id) until it is released:
+ * its events stay pending. */
+#define STREAM_SLOT_BITS 20
+#define STREAM_SLOTS ((uint64_t)1 << STREAM_SLOT_BITS)
+static _Atomic uint64_t next_stream_serial = 1;
+
 static tide_stream stream_id(const host_device *d, uint32_t slot) {
   if (slot == 0) return NULL;
-  return (tide_stream)(uintptr_t)(((uint64_t)d->streams[slot].gen << 32) | slot);
+  return (tide_stream)(uintptr_t)((d->streams[slot].serial << STREAM_SLOT_BITS) | slot);
 }
 
 /* For messages: "the default stream" or "stream 0x2". */
@@ -920,14 +930,14 @@ static const char *stream_text(tide_stream stream, char *buf, size_t len) {
 static bool stream_find(host_device *d, tide_stream stream, const char *op, bool draining_ok,
                         uint32_t *slot) {
   uint64_t id = (uint64_t)(uintptr_t)stream;
-  uint64_t index = id & UINT32_MAX;
+  uint64_t index = id & (STREAM_SLOTS - 1), serial = id >> STREAM_SLOT_BITS;
   if (id == 0) {
     *slot = 0;
     return true;
   }
-  if (index == 0 || index >= d->stream_count) goto unknown;
+  if (index == 0 || index >= d->stream_count || serial == 0) goto unknown;
   host_stream *s = &d->streams[index];
-  if (s->gen != (uint32_t)(id >> 32)) goto unknown;
+  if (s->serial != serial) goto unknown;
   if (!s->alive && !(draining_ok && s->held)) goto unknown;
   *slot = (uint32_t)index;
   return true;
@@ -939,7 +949,7 @@ unknown:
 /* A stream slot no longer needed goes back for reuse. Its counters stay, so
  * tickets of old events remain complete. */
 static void stream_retire(host_device *d, uint32_t slot) {
-  d->streams[slot].gen++;
+  d->streams[slot].serial = 0;
   d->free_streams.items[d->free_streams.count++] = slot;
 }
 
@@ -953,7 +963,7 @@ static int host_stream_create(void *ctx, tide_stream *out) {
   if (d->free_streams.count > 0) {
     slot = d->free_streams.items[--d->free_streams.count];
   } else {
-    if (d->stream_count >= UINT32_MAX ||
+    if (d->stream_count >= STREAM_SLOTS ||
         !_tide_grow_array((void **)&d->streams, &d->stream_cap, d->stream_count + 1,
                           sizeof *d->streams) ||
         !_tide_grow_array((void **)&d->free_streams.items, &d->free_streams.cap,
@@ -964,6 +974,7 @@ static int host_stream_create(void *ctx, tide_stream *out) {
     slot = (uint32_t)d->stream_count++;
     d->streams[slot] = (host_stream){0};
   }
+  d->streams[slot].serial = atomic_fetch_add(&next_stream_serial, 1);
   d->streams[slot].alive = true;
   d->streams[slot].held = false;
   d->streams[slot].capture_id = 0;

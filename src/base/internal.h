@@ -164,6 +164,27 @@ typedef struct _tide_lock {
 } _tide_lock;
 
 /* ------------------------------------------------------------------------ */
+/* Memory of handles (handles.c)                                             */
+/* ------------------------------------------------------------------------ */
+
+/* Objects of a kind gone since, that wait before one is used again. */
+#define TIDE_HANDLE_QUARANTINE 64
+
+/* The objects of one kind: a static of the file that makes them, {0}. */
+typedef struct _tide_handle_kind {
+  _tide_lock lock;
+  struct _tide_retired *head, *tail; /* gone, oldest first */
+  size_t count;
+} _tide_handle_kind;
+
+/* A zeroed object of `size` bytes (the same for every call of a kind),
+ * 64-byte aligned, or NULL without memory. Its memory is never freed: an
+ * object that goes is retired, its magic word cleared first by the caller,
+ * and a stale handle reads that word. */
+void *_tide_handle_new(_tide_handle_kind *kind, size_t size);
+void _tide_handle_retire(_tide_handle_kind *kind, void *object);
+
+/* ------------------------------------------------------------------------ */
 /* Growable arrays (array.c)                                                 */
 /* ------------------------------------------------------------------------ */
 

@@ -9,14 +9,22 @@
  * work may still read them). A worker thread, when asked for, maps ahead of
  * the length after each growth; `busy` marks pages it is mapping with the
  * lock dropped, so the caller only waits for it when it needs those very
- * pages. Figures go to the arena of the buffer's stream, under its lock. */
+ * pages. Figures go to the arena of the buffer's stream, under its lock.
+ *
+ * Handles: a buffer's memory outlives it (handles.c), so a call on a
+ * destroyed buffer finds its magic word cleared and is refused. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "features/features.h"
 
+#define BUF_MAGIC 0x7469646542l /* "tideB" */
+
+static _tide_handle_kind buf_objects = {0};
+
 struct tide_buf {
+  long magic;
   tide_allocator *alloc;
   _tide_arena *arena; /* whose figures it joins */
   tide_stream stream;
@@ -38,7 +46,22 @@ struct tide_buf {
   _tide_saved_error worker_failed; /* status TIDE_OK: none since the last call */
   pthread_t worker;
   struct tide_buf *next; /* the allocator's list */
+  /* What the arena's figures hold of the buffer, under the arena lock:
+   * tide_check reads these, not the fields above, so it never waits for
+   * the buffer's mutex or its worker (whose pages are counted one by one
+   * before `mapped` takes them in). */
+  size_t counted_pages;
+  int64_t counted_length, counted_count;
 };
+
+static bool live(const tide_buf *b) { return b && b->magic == BUF_MAGIC; }
+
+/* The refusal of a call on a buffer that is NULL or gone. */
+static int not_live(const char *op) {
+  return _tide_error_set(TIDE_ERR_INVALID,
+                         "%s: not a live growable buffer (NULL, destroyed, or corrupted handle)",
+                         op);
+}
 
 static size_t pages_for(size_t bytes, size_t page) { return (bytes + page - 1) / page; }
 
@@ -54,6 +77,7 @@ static void count_page(tide_buf *b) {
   arena->stats.counters[_TIDE_CT_PAGES_MAPPED]++;
   arena->stats.counters[_TIDE_CT_MAPPINGS] += b->ring ? 2 : 1; /* a ring maps it twice */
   arena->stats.counters[_TIDE_CT_DEVICE_ALLOC]++;
+  b->counted_pages++;
   _tide_lock_release(&arena->lock);
 }
 
@@ -67,6 +91,8 @@ static void count_length(tide_buf *b, int64_t delta, int64_t allocations) {
   _tide_stat_add(&arena->stats, _TIDE_ST_REQUESTED, _TIDE_LARGE, delta);
   _tide_stat_add(&arena->stats, _TIDE_ST_ALLOCATIONS, _TIDE_LARGE, allocations);
   if (allocations > 0) arena->stats.counters[_TIDE_CT_ALLOCS]++;
+  b->counted_length += delta;
+  b->counted_count += allocations;
   if (atomic_load_explicit(&b->alloc->shared_peak, memory_order_relaxed))
     _tide_arena_publish(arena, delta);
   _tide_lock_release(&arena->lock);
@@ -78,10 +104,17 @@ static void count_length(tide_buf *b, int64_t delta, int64_t allocations) {
 
 static const _tide_backend *backend(const tide_buf *b) { return &b->alloc->backend; }
 
+/* A page's budget, handle, mapping and figures change in one step, which
+ * tide_check never sees half done: it holds the allocator's page lock alone,
+ * a step holds it shared. Steps never nest. */
+static void step_begin(const tide_buf *b) { pthread_rwlock_rdlock(&b->alloc->bufs_pages); }
+static void step_end(const tide_buf *b) { pthread_rwlock_unlock(&b->alloc->bufs_pages); }
+
 /* Unmap (at every address it is mapped at) and release page i's handle.
  * What the backend refuses becomes an orphan of the arena, retried with
  * its own: the handle's bytes stay reserved until it is released. */
 static void drop_page(tide_buf *b, size_t i) {
+  step_begin(b);
   uintptr_t at = b->base + i * b->page;
   bool first = _tide_mem_unmap(b->alloc, at, b->page) == TIDE_OK;
   bool second = !b->ring || _tide_mem_unmap(b->alloc, at + b->capacity, b->page) == TIDE_OK;
@@ -99,8 +132,10 @@ static void drop_page(tide_buf *b, size_t i) {
                  0);
     if (!second) _tide_orphan(arena, _TIDE_LARGE, at + b->capacity, b->page, 0, 0, 0, 0);
   }
+  b->counted_pages--; /* an orphan's bytes are the orphan's */
   _tide_lock_release(&arena->lock);
   b->handles[i] = 0;
+  step_end(b);
 }
 
 /* Undo a page half made (created, maybe mapped at `mapped_at`) whose
@@ -136,6 +171,31 @@ static bool orphan_in_the_way(const tide_buf *b, size_t first, size_t count) {
          (b->ring && _tide_orphan_mapped_in(b->arena, at + b->capacity, at + b->capacity + bytes));
 }
 
+/* Create page i and map it (twice for a ring), as one step; on failure
+ * nothing is left of it but what the backend refused to undo (an orphan). */
+static int map_page(tide_buf *b, size_t i, size_t request) {
+  uintptr_t at = b->base + i * b->page;
+  int rc;
+  step_begin(b);
+  if ((rc = _tide_budget_take(b->alloc, b->page, request))) goto done;
+  if ((rc = _tide_mem_create(b->alloc, b->page, &b->handles[i]))) {
+    _tide_budget_give(b->alloc, b->page);
+    goto done;
+  }
+  if ((rc = _tide_mem_map(b->alloc, at, b->page, b->handles[i]))) {
+    undo_page(b, 0, b->handles[i]);
+    goto done;
+  }
+  if (b->ring && (rc = _tide_mem_map(b->alloc, at + b->capacity, b->page, b->handles[i]))) {
+    undo_page(b, at, b->handles[i]);
+    goto done;
+  }
+  count_page(b);
+done:
+  step_end(b);
+  return rc;
+}
+
 static int map_pages(tide_buf *b, size_t first, size_t count) {
   size_t done = 0;
   int rc = TIDE_OK;
@@ -154,24 +214,8 @@ static int map_pages(tide_buf *b, size_t first, size_t count) {
     return rc;
   }
   tide_clear_error();
-  for (; done < count; done++) {
-    size_t i = first + done;
-    uintptr_t at = b->base + i * b->page;
-    if ((rc = _tide_budget_take(b->alloc, b->page, count * b->page))) break;
-    if ((rc = _tide_mem_create(b->alloc, b->page, &b->handles[i]))) {
-      _tide_budget_give(b->alloc, b->page);
-      break;
-    }
-    if ((rc = _tide_mem_map(b->alloc, at, b->page, b->handles[i]))) {
-      undo_page(b, 0, b->handles[i]);
-      break;
-    }
-    if (b->ring && (rc = _tide_mem_map(b->alloc, at + b->capacity, b->page, b->handles[i]))) {
-      undo_page(b, at, b->handles[i]);
-      break;
-    }
-    count_page(b);
-  }
+  for (; done < count; done++)
+    if ((rc = map_page(b, first + done, count * b->page))) break;
   if (!rc) {
     uintptr_t at = b->base + first * b->page;
     rc = _tide_mem_set_access(b->alloc, at, count * b->page);
@@ -396,7 +440,8 @@ static void destroy_parts(tide_buf *b) {
   pthread_cond_destroy(&b->changed);
   pthread_mutex_destroy(&b->mutex);
   free(b->handles);
-  free(b);
+  b->magic = 0;
+  _tide_handle_retire(&buf_objects, b);
 }
 
 static int open_range(tide_buf *b, const tide_buf_options *o) {
@@ -419,8 +464,9 @@ tide_status tide_buf_create(tide_allocator *a, const tide_buf_options *o, tide_b
   if (rc) return (tide_status)rc;
   _tide_arena *arena = _tide_arena_get(a, o->stream);
   if (!arena) return tide_last_status();
-  tide_buf *b = calloc(1, sizeof *b);
+  tide_buf *b = _tide_handle_new(&buf_objects, sizeof(struct tide_buf));
   if (!b) return (tide_status)_tide_error_set(TIDE_ERR_OOM, "out of host memory for a buffer");
+  b->magic = BUF_MAGIC;
   b->alloc = a;
   b->arena = arena;
   b->stream = o->stream;
@@ -469,8 +515,11 @@ static void stop_worker(tide_buf *b) {
   pthread_cond_broadcast(&b->changed);
   pthread_mutex_unlock(&b->mutex);
   pthread_join(b->worker, NULL);
-  pthread_mutex_lock(&b->mutex); /* tide_check reads it under the mutex */
+  pthread_mutex_lock(&b->mutex);
   b->async = false;
+  /* Whoever waits for the worker to map what it was asked for must look
+   * again: no worker will. */
+  pthread_cond_broadcast(&b->changed);
   pthread_mutex_unlock(&b->mutex);
 }
 
@@ -494,7 +543,7 @@ static int teardown(tide_buf *b, bool listed) {
 }
 
 tide_status tide_buf_destroy(tide_buf *b) {
-  if (!b) return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_buf_destroy: NULL buffer");
+  if (!live(b)) return (tide_status)not_live(__func__);
   /* Pages a shrink let go may still be read by queued work: wait for it
    * first, and if waiting fails keep the buffer as it is. */
   pthread_mutex_lock(&b->mutex);
@@ -511,8 +560,7 @@ tide_status tide_buf_destroy(tide_buf *b) {
  * mapped ahead, and every page of a ring, may still be read by work queued
  * before the last use, so the stream of that use is waited for here. */
 tide_status tide_buf_destroy_after(tide_buf *b, tide_stream stream) {
-  if (!b)
-    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_buf_destroy_after: NULL buffer");
+  if (!live(b)) return (tide_status)not_live(__func__);
   const _tide_backend *be = backend(b);
   _tide_note_stream_wait(b->alloc);
   int rc = be->ops->stream_synchronize(be->ctx, stream);
@@ -535,29 +583,27 @@ size_t _tide_bufs_destroy_all(tide_allocator *a) {
   return n;
 }
 
+void _tide_bufs_hold(tide_allocator *a) {
+  pthread_mutex_lock(&a->bufs_mutex);
+  pthread_rwlock_wrlock(&a->bufs_pages);
+}
+
+void _tide_bufs_let_go(tide_allocator *a) {
+  pthread_rwlock_unlock(&a->bufs_pages);
+  pthread_mutex_unlock(&a->bufs_mutex);
+}
+
 void _tide_bufs_figures(tide_allocator *a, _tide_arena *const *arenas, size_t n,
                         _tide_buf_figures *out) {
   memset(out, 0, n * sizeof *out);
-  pthread_mutex_lock(&a->bufs_mutex);
-  for (tide_buf *b = a->bufs; b; b = b->next) {
-    pthread_mutex_lock(&b->mutex);
-    /* Pages the worker is mapping are counted already but not yet in `mapped`. */
-    while (b->busy ||
-           (b->async && b->want > b->mapped && !b->release_pending && !b->worker_failed.status))
-      pthread_cond_wait(&b->changed, &b->mutex);
+  for (tide_buf *b = a->bufs; b; b = b->next)
     for (size_t i = 0; i < n; i++) {
       if (arenas[i] != b->arena) continue;
-      out[i].length += (int64_t)b->length;
-      out[i].pages += b->mapped;
+      out[i].length += b->counted_length;
+      out[i].pages += b->counted_pages;
       out[i].page = b->page;
-      out[i].count++;
+      out[i].count += b->counted_count;
     }
-  }
-}
-
-void _tide_bufs_figures_end(tide_allocator *a) {
-  for (tide_buf *b = a->bufs; b; b = b->next) pthread_mutex_unlock(&b->mutex);
-  pthread_mutex_unlock(&a->bufs_mutex);
 }
 
 size_t _tide_bufs_list(tide_allocator *a, _tide_buf_info *out, size_t cap) {
@@ -610,7 +656,7 @@ static int worker_failure(tide_buf *b) {
 }
 
 tide_status tide_buf_resize(tide_buf *b, size_t length, tide_stream stream) {
-  if (!b) return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_buf_resize: NULL buffer");
+  if (!live(b)) return (tide_status)not_live(__func__);
   if (b->ring)
     return (tide_status)_tide_error_set(
         TIDE_ERR_INVALID, "tide_buf_resize: a ring buffer keeps its length (%zu)", b->capacity);
@@ -667,8 +713,7 @@ tide_status tide_buf_resize(tide_buf *b, size_t length, tide_stream stream) {
 }
 
 tide_status tide_buf_reserve_ahead(tide_buf *b, size_t length) {
-  if (!b)
-    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_buf_reserve_ahead: NULL buffer");
+  if (!live(b)) return (tide_status)not_live(__func__);
   if (length > b->capacity)
     return (tide_status)_tide_error_set(TIDE_ERR_INVALID,
                                         "tide_buf_reserve_ahead: %zu bytes is beyond the "
@@ -681,12 +726,12 @@ tide_status tide_buf_reserve_ahead(tide_buf *b, size_t length) {
   return (tide_status)rc;
 }
 
-void *tide_buf_data(const tide_buf *b) { return b ? (void *)b->base : NULL; }
-size_t tide_buf_length(const tide_buf *b) { return b ? b->length : 0; }
-size_t tide_buf_capacity(const tide_buf *b) { return b ? b->capacity : 0; }
+void *tide_buf_data(const tide_buf *b) { return live(b) ? (void *)b->base : NULL; }
+size_t tide_buf_length(const tide_buf *b) { return live(b) ? b->length : 0; }
+size_t tide_buf_capacity(const tide_buf *b) { return live(b) ? b->capacity : 0; }
 
 size_t tide_buf_mapped(const tide_buf *b) {
-  if (!b) return 0;
+  if (!live(b)) return 0;
   pthread_mutex_t *m = (pthread_mutex_t *)&b->mutex;
   pthread_mutex_lock(m);
   size_t bytes = b->mapped * b->page;

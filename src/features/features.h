@@ -113,10 +113,13 @@ int _tide_capture_prune(struct tide_allocator *a);
 
 /* What the growable buffers of each of n arenas add to its figures, for
  * tide_check: their lengths (allocated and requested bytes), mapped pages
- * (reserved bytes, pages and handles) and count (allocations). Waits for
- * their workers to be idle; takes no arena lock. Returns holding the list's
- * mutex and every buffer's, so that no buffer changes its figures while the
- * caller takes the arena locks and compares; _tide_bufs_figures_end lets go. */
+ * (reserved bytes, pages and handles) and count (allocations), as the arenas
+ * hold them. Call it between _tide_bufs_hold and _tide_bufs_let_go (the
+ * list's mutex: no buffer comes or goes; the page lock alone: no page is
+ * half made or half given back) with every arena lock held (no figure
+ * changes). It waits for no buffer's mutex or condition, so a buffer (or
+ * its worker) never holds up the caller's locks: a page step takes only an
+ * arena lock and the backend's. */
 typedef struct _tide_buf_figures {
   int64_t length, count;
   uint64_t pages;
@@ -124,7 +127,8 @@ typedef struct _tide_buf_figures {
 } _tide_buf_figures;
 void _tide_bufs_figures(struct tide_allocator *a, _tide_arena *const *arenas, size_t n,
                         _tide_buf_figures *out);
-void _tide_bufs_figures_end(struct tide_allocator *a);
+void _tide_bufs_hold(struct tide_allocator *a);
+void _tide_bufs_let_go(struct tide_allocator *a);
 /* Give back every buffer's pages let go by shrinks, waiting for their
  * streams to be past them (tide_empty_cache, and before an allocation
  * fails); best effort. Call it holding no lock: it takes the list's mutex,

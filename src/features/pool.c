@@ -40,6 +40,10 @@
 
 static _Atomic uint64_t next_pool_id = 1; /* ids are never reused in the process */
 
+/* Pools' memory outlives them (handles.c): a handle used after the pool went
+ * (its last release, or its allocator's destroy) reads a cleared magic word. */
+static _tide_handle_kind pool_objects = {0};
+
 /* ------------------------------------------------------------------------ */
 /* State                                                                     */
 /* ------------------------------------------------------------------------ */
@@ -86,7 +90,7 @@ void _tide_captures_destroy(tide_allocator *a) {
     tide_pool *p = a->captures.pools;
     a->captures.pools = p->next;
     p->magic = 0;
-    free(p);
+    _tide_handle_retire(&pool_objects, p);
   }
   pthread_mutex_destroy(&a->captures.mutex);
 }
@@ -133,7 +137,7 @@ static int capture_status(tide_allocator *a, tide_stream stream, bool *capturing
 /* ------------------------------------------------------------------------ */
 
 static tide_pool *new_pool(tide_allocator *a) {
-  tide_pool *p = calloc(1, sizeof *p);
+  tide_pool *p = _tide_handle_new(&pool_objects, sizeof(tide_pool));
   if (!p) {
     _tide_error_set(TIDE_ERR_OOM, "out of host memory for a capture pool");
     return NULL;
@@ -214,7 +218,7 @@ static void reap_pool(tide_allocator *a, tide_pool *pool) {
     if (*at != pool) continue;
     *at = pool->next;
     pool->magic = 0;
-    free(pool);
+    _tide_handle_retire(&pool_objects, pool);
     return;
   }
 }

@@ -904,8 +904,8 @@ int _tide_validate(struct tide_allocator *a, char *why, size_t len) {
   }
   pthread_mutex_lock(&a->arenas_mutex);
   size_t n = atomic_load(&a->narenas);
-  /* Growable buffers first: their locks come before the arenas', and are
-   * held until the end, so that no buffer changes the figures meanwhile. */
+  /* The list of growable buffers comes before the arenas' locks; their
+   * figures are read under those locks (buffer.c counts them there). */
   _tide_buf_figures local_bufs[16];
   _tide_buf_figures *bufs = n <= 16 ? local_bufs : calloc(n, sizeof *bufs);
   if (!bufs) {
@@ -915,12 +915,13 @@ int _tide_validate(struct tide_allocator *a, char *why, size_t len) {
     snprintf(why, len, "out of host memory for the check");
     return TIDE_ERR_OOM;
   }
+  _tide_bufs_hold(a);
+  for (size_t i = 0; i < n; i++) _tide_lock_acquire(&a->arenas[i]->lock);
   _tide_bufs_figures(a, a->arenas, n, bufs);
   c.bufs = bufs;
-  for (size_t i = 0; i < n; i++) _tide_lock_acquire(&a->arenas[i]->lock);
   bool ok = check_allocator(&c, a->arenas, n);
   for (size_t i = n; i-- > 0;) _tide_lock_release(&a->arenas[i]->lock);
-  _tide_bufs_figures_end(a);
+  _tide_bufs_let_go(a);
   pthread_mutex_unlock(&a->arenas_mutex);
   pthread_mutex_unlock(&a->captures.mutex);
   free(deferred);

@@ -587,6 +587,7 @@ struct tide_allocator {
   bool plain_rounding;       /* no roundup_power2_divisions: sizes round to 512 B */
   size_t total_memory;       /* the device's */
   _Atomic size_t limit;      /* reserved may not exceed this */
+  _tide_lock limits_lock;    /* the setters of memory_fraction and memory_limit */
   atomic_bool shared_peak;   /* several arenas: keep `allocated` (read under arena locks) */
   atomic_bool hit_extras;    /* shared_peak or tracing: quick hits have more to do (quick.h) */
   _Atomic int capture_watch; /* captures to route or frees deferred: see pool.c */
@@ -631,8 +632,11 @@ struct tide_allocator {
   _Atomic uint64_t stream_waits; /* tide_stats.stream_waits */
   _Atomic uint64_t mapping_ns;   /* tide_stats.mapping_ns (mapcalls.c) */
   _tide_trace_ring trace;
-  struct _tide_pinned *pinned;   /* the pinned host memory pool (pinned.c) */
-  pthread_mutex_t bufs_mutex;    /* guards the list of growable buffers */
+  struct _tide_pinned *pinned; /* the pinned host memory pool (pinned.c) */
+  pthread_mutex_t bufs_mutex;  /* guards the list of growable buffers */
+  /* A buffer's page step (budget, handle, mapping and figures of one page)
+   * holds it shared; tide_check holds it alone, so it sees none half done. */
+  pthread_rwlock_t bufs_pages;
   struct tide_buf *bufs;         /* live growable buffers (buffer.c) */
   _tide_captures captures;       /* capture pools (pool.c) */
   pthread_mutex_t imports_mutex; /* guards the list of imported memory */
