@@ -11,6 +11,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "tidalloc.h"
 
@@ -63,6 +64,12 @@ bool cli_is_help(const char *arg);
 void cli_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* "tidalloc <what>: <tide_last_error()>\n" on stderr. */
 void cli_report_tide_error(const char *what);
+
+/* Flush and close `f`, an output named `name` in messages ("standard
+ * output", a path). False after "tidalloc: cannot write NAME: reason" on
+ * stderr when anything written to it was lost (a full disk, a closed pipe),
+ * then or earlier. */
+bool cli_close_output(FILE *f, const char *name);
 
 /* "1.50 GiB", "512 B" into buf (>= 32 bytes); returns buf. */
 const char *cli_format_bytes(uint64_t bytes, char *buf, size_t len);
