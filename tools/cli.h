@@ -31,6 +31,15 @@ int tide_cli_soak(int argc, char **argv);   /* soak.c */
 /* Configuration (cli.c): one rule for every subcommand.                     */
 /* ------------------------------------------------------------------------ */
 
+/* The emulated device of the commands whose workloads never write device
+ * memory on the host backend (stream, replay): the same size on every
+ * machine, so that their figures and the traces that fit do not depend on
+ * the machine's memory. The host backend's own default follows the
+ * machine's memory so that memory written cannot exceed it; memory never
+ * written costs nothing, so a device larger than the machine is safe here.
+ * TIDALLOC_CONF and --conf still set host_capacity. */
+#define CLI_UNWRITTEN_DEVICE "host_capacity:24GiB"
+
 /* Build a config: the defaults, then `first` (NULL: nothing; micro and replay
  * pass "backend:host" so that they run on the emulated device unless told
  * otherwise), then TIDALLOC_CONF, then `conf` (the --conf argument, NULL:

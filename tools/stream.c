@@ -387,7 +387,7 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
   row->frames = frames;
   tide_config *config = NULL;
   tide_allocator *alloc = NULL;
-  if (cli_config_build(NULL, args->conf, &config) != TIDE_OK ||
+  if (cli_config_build(CLI_UNWRITTEN_DEVICE, args->conf, &config) != TIDE_OK ||
       tide_create(0, config, &alloc) != TIDE_OK) {
     cli_report_tide_error("stream");
     tide_config_free(config);
