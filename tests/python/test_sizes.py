@@ -95,6 +95,16 @@ def test_device_numbers_past_a_c_int_are_refused(index):
         tidalloc.memory_stats(index)
 
 
+def test_trace_capacity_past_a_size_is_refused():
+    from tidalloc import viz
+    with pytest.raises(ValueError) as info:
+        viz.trace_events(0, cap=-1)
+    _named(info, "cap")
+    with pytest.raises(OverflowError) as info:
+        viz.trace_events(0, cap=1 << 64)
+    _named(info, "cap")
+
+
 def test_share_import_sizes_past_their_fields_are_refused():
     desc = (1 << 64, 0, 1, 0, 0)  # size, offset, pieces, device, backend
     with pytest.raises(OverflowError) as info:
