@@ -1195,10 +1195,10 @@ static bool open_allocator(soak_run *run) {
   if (run->max_bytes > room / 2) run->max_bytes = room / 2;
   sh->thread_budget = run->max_bytes / (uint64_t)run->args.threads;
   if (sh->thread_budget < 16 * MIB) {
-    char limit[32];
-    cli_error("soak: %s of live memory for %d threads leaves less than 16 MiB each (the memory "
-              "limit is %s, and at most half of it is used)",
-              cli_format_bytes(run->max_bytes, (char[32]){0}, 32), run->args.threads,
+    char live[32], limit[32];
+    cli_error("soak: %s of live memory for %d threads leaves less than 16 MiB each (reserved "
+              "memory may reach %s, and at most half of that is live)",
+              cli_format_bytes(run->max_bytes, live, sizeof live), run->args.threads,
               cli_format_bytes(room, limit, sizeof limit));
     return false;
   }
@@ -1306,7 +1306,9 @@ static void print_help(void) {
          "  --threads T   worker threads (default 4)\n"
          "  --streams K   streams they share (default 4)\n"
          "  --max-gib G   live memory of all threads together (default 8 on CUDA, 2 on\n"
-         "                the host backend; at most half the device)\n"
+         "                the host backend; at most half of what reserved memory may\n"
+         "                reach: the device, or less under memory_limit or\n"
+         "                memory_fraction)\n"
          "  --csv FILE    write a header and one summary row to FILE:\n"
          "                %s\n"
          "  --quiet       no progress lines, only the summary\n"
