@@ -187,7 +187,8 @@ TIDE_API tide_status tide_block_info(tide_allocator *alloc, const void *ptr, voi
 TIDE_API tide_status tide_empty_cache(tide_allocator *alloc);
 
 /* Limit reserved memory to a fraction (0, 1] of the device's total memory, or
- * to a number of bytes (0: no limit). The smaller of the two applies. */
+ * to a number of bytes (0 here: no byte limit). The smaller of the two
+ * applies; tide_stats.memory_limit gives the bytes it comes to. */
 TIDE_API tide_status tide_set_memory_fraction(tide_allocator *alloc, double fraction);
 TIDE_API tide_status tide_set_memory_limit(tide_allocator *alloc, size_t bytes);
 
@@ -232,6 +233,9 @@ enum { TIDE_POOL_ALL = 0, TIDE_POOL_SMALL = 1, TIDE_POOL_LARGE = 2, TIDE_POOL_KI
  * - active: allocated plus freed blocks still waiting on another stream;
  * - inactive_split: free bytes in blocks split from larger ones;
  * - reserved: bytes of device memory held (mapped pages, fixed segments). */
+/* tide_stats.memory_limit where no limit applies. */
+#define TIDE_NO_LIMIT UINT64_MAX
+
 typedef struct tide_stats {
   tide_stat allocated_bytes[TIDE_POOL_KINDS];
   tide_stat requested_bytes[TIDE_POOL_KINDS];
@@ -254,7 +258,12 @@ typedef struct tide_stats {
   uint64_t num_device_alloc;     /* backend calls that created physical memory */
   uint64_t num_device_free;      /* backend calls that released it */
   uint64_t oversize_allocations; /* live allocations of at least max_split_size */
-  uint64_t memory_limit;         /* bytes reserved memory may reach (0: the device's) */
+  /* Bytes reserved memory may reach now, as enforced: the smaller of
+   * memory_fraction of the device's total memory and memory_limit, the
+   * device's total memory when neither is set. 0 means 0 bytes (a fraction
+   * too small for one byte): nothing more can be reserved. TIDE_NO_LIMIT
+   * where no limit applies (the pinned pool). */
+  uint64_t memory_limit;
   /* Physical handles mapped into expandable segments and growable buffers
    * and unmapped from them (a ring's pages count twice: they are mapped at
    * two addresses): the driver's work is per mapping (a map and an access
@@ -730,7 +739,8 @@ TIDE_API tide_status tide_pinned_empty_cache(tide_allocator *alloc);
  * bytes held, cached included), allocations, active blocks and segments
  * (each block is one pinned allocation of the backend). The small pool holds
  * the blocks of up to 1 MiB, the large pool the others; inactive_split
- * figures, pages and the memory limit are 0 (blocks are never split). */
+ * figures and pages are 0 (blocks are never split), and the memory limit is
+ * TIDE_NO_LIMIT (no limit applies to pinned memory). */
 TIDE_API tide_status tide_pinned_get_stats(tide_allocator *alloc, tide_stats *out);
 
 /* ------------------------------------------------------------------------ */

@@ -3,7 +3,7 @@
 # user's guide of at most 15,000 bytes that states the present (no
 # commit hashes, run letters, times of day or traces the repository lacks),
 # and its hello program is examples/hello.c verbatim; docs/design.md is at
-# most 475 lines; every file of bench/results/<machine>/ (history/ aside) is
+# most 500 lines; every file of bench/results/<machine>/ (history/ aside) is
 # named in the index, bench/results/README.md; the license is there.
 # usage: docs_check.sh [path/to/tidalloc] (the argument is not used)
 set -u
@@ -30,7 +30,7 @@ sys.exit(0 if "```c\n" + hello.rstrip("\n") + "\n```" in readme else 1)
 PY
 
 lines=$(wc -l <"$root/docs/design.md")
-[ "$lines" -le 475 ] || fail "docs/design.md has $lines lines, more than 475"
+[ "$lines" -le 500 ] || fail "docs/design.md has $lines lines, more than 500"
 
 index=$root/bench/results/README.md
 for dir in "$root"/bench/results/*/; do

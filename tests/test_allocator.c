@@ -522,7 +522,7 @@ static void test_more_streams_than_slots(void **state) {
 
 static void test_memory_limit(void **state) {
   (void)state;
-  tide_allocator *a = make("memory_limit:64MiB");
+  tide_allocator *a = make("memory_limit:64MiB,host_capacity:24GiB");
   void *p = tide_malloc(a, 40 * MiB, NULL);
   assert_non_null(p);
   assert_null(tide_malloc(a, 40 * MiB, NULL));

@@ -130,9 +130,6 @@ static void test_open_validates_conf(void **state) {
   assert_int_equal(_tide_host_open(&conf, 0, &b), TIDE_ERR_CONFIG);
   assert_true(error_contains("host_capacity"));
 
-  conf = conf_of(0, GRAN, 1);
-  assert_int_equal(_tide_host_open(&conf, 0, &b), TIDE_ERR_CONFIG);
-
   conf = conf_of(64 * GRAN, GRAN, 0);
   assert_int_equal(_tide_host_open(&conf, 0, &b), TIDE_ERR_CONFIG);
   assert_true(error_contains("host_devices"));
@@ -161,6 +158,65 @@ static void test_open_validates_conf(void **state) {
   assert_int_equal(free_bytes, 64 * 4096);
   assert_string_equal(b.ops->name, "host");
   b.ops->destroy(b.ctx);
+}
+
+/* The default capacity (auto) follows the machine: each emulated device is
+ * at most half the memory behind it, divided among the devices, so that a
+ * program filling it gets TIDE_ERR_OOM instead of being killed by the
+ * kernel. An explicit capacity is honoured whatever the machine. */
+static void test_auto_capacity_follows_the_machine(void **state) {
+  (void)state;
+  uint64_t physical = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
+  uint64_t machine = _tide_machine_memory();
+  assert_true(machine > 0 && machine <= physical);
+  for (int devices = 1; devices <= 4; devices *= 2) {
+    _tide_conf_values conf = conf_of(0, GRAN, devices);
+    size_t capacity = _tide_host_capacity(&conf);
+    assert_true(capacity > 0 && capacity % GRAN == 0);
+    if (machine / 2 / (uint64_t)devices >= GRAN)
+      assert_true(capacity <= machine / 2 / (uint64_t)devices);
+    for (int device = 0; device < devices; device++) {
+      _tide_backend b;
+      memset(&b, 0, sizeof b);
+      assert_int_equal(_tide_host_open(&conf, device, &b), TIDE_OK);
+      size_t free_bytes = 0, total = 0;
+      assert_int_equal(b.ops->mem_info(b.ctx, &free_bytes, &total), TIDE_OK);
+      assert_int_equal(total, capacity);
+      b.ops->destroy(b.ctx);
+    }
+  }
+
+  /* Through the public API: the default config says auto, and an
+   * allocator's device has the derived size. */
+  tide_config *config = NULL;
+  assert_int_equal(tide_config_new(&config), TIDE_OK);
+  char text[32];
+  assert_int_equal(tide_config_get(config, "host_capacity", text, sizeof text), TIDE_OK);
+  assert_string_equal(text, "auto");
+  assert_int_equal(tide_config_parse(config, "backend:host"), TIDE_OK);
+  tide_allocator *a = NULL;
+  tide_info info;
+  assert_int_equal(tide_create(0, config, &a), TIDE_OK);
+  assert_int_equal(tide_get_info(a, &info), TIDE_OK);
+  assert_true(info.total_memory <= machine / 2 || info.total_memory == GRAN);
+  assert_int_equal(tide_destroy(a), TIDE_OK);
+
+  /* Larger than the machine when asked for: the memory is sparse, and a
+   * program that writes less than the machine holds may want the room. */
+  uint64_t big = (machine / TIDE_GiB + 8) * TIDE_GiB;
+  char conf_text[64];
+  snprintf(conf_text, sizeof conf_text, "host_capacity:%lluGiB",
+           (unsigned long long)(big / TIDE_GiB));
+  assert_int_equal(tide_config_parse(config, conf_text), TIDE_OK);
+  assert_int_equal(tide_create(0, config, &a), TIDE_OK);
+  assert_int_equal(tide_get_info(a, &info), TIDE_OK);
+  assert_int_equal(info.total_memory, big);
+  assert_int_equal(tide_destroy(a), TIDE_OK);
+  /* And back to auto. */
+  assert_int_equal(tide_config_parse(config, "host_capacity:auto"), TIDE_OK);
+  assert_int_equal(tide_config_get(config, "host_capacity", text, sizeof text), TIDE_OK);
+  assert_string_equal(text, "auto");
+  tide_config_free(config);
 }
 
 static void test_controls_refuse_other_backends(void **state) {
@@ -1154,6 +1210,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_op_names),
       cmocka_unit_test(test_open_validates_conf),
+      cmocka_unit_test(test_auto_capacity_follows_the_machine),
       cmocka_unit_test(test_controls_refuse_other_backends),
       cmocka_unit_test(test_map_write_read),
       cmocka_unit_test(test_unmap_run),

@@ -391,6 +391,24 @@ static void memory_limits(void **state) {
   assert_int_equal(tu_stats(f->a).memory_limit, TU_GiB / 2);
   tu_assert_ok(tide_set_memory_fraction(f->a, 1.0));
   still_works(f);
+
+  /* A fraction too small for one byte is a limit of 0 bytes: the figure says
+   * 0, what is enforced (not "no limit"), and the message names it. With no
+   * limit the figure is the device's memory; pinned memory has none. */
+  tu_assert_ok(tide_empty_cache(f->a));
+  tu_assert_ok(tide_set_memory_fraction(f->a, 1e-300));
+  assert_int_equal(tu_stats(f->a).memory_limit, 0);
+  tide_clear_error();
+  assert_null(tide_malloc(f->a, 4 * TU_MiB, NULL));
+  tu_assert_last_error(TIDE_ERR_OOM, "memory limit 0 B");
+  tu_assert_ok(tide_set_memory_fraction(f->a, 1.0));
+  tide_info info;
+  tu_assert_ok(tide_get_info(f->a, &info));
+  assert_int_equal(tu_stats(f->a).memory_limit, info.total_memory);
+  tide_stats pinned;
+  tu_assert_ok(tide_pinned_get_stats(f->a, &pinned));
+  assert_true(pinned.memory_limit == TIDE_NO_LIMIT);
+  still_works(f);
 }
 
 static void bad_streams(void **state) {

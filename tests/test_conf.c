@@ -94,7 +94,7 @@ static void test_defaults(void **state) {
   assert_false(v->capture_detection);
   assert_false(v->graph_reuse);
   assert_int_equal(v->trace_capacity, 0);
-  assert_int_equal(v->host_capacity, 24 * TIDE_GiB);
+  assert_int_equal(v->host_capacity, 0); /* auto: the backend sizes it from the machine */
   assert_int_equal(v->host_granularity, 2 * TIDE_MiB);
   assert_int_equal(v->host_devices, 1);
 
@@ -102,7 +102,7 @@ static void test_defaults(void **state) {
   assert_string_equal(get(config, "expandable_segments"), "True");
   assert_string_equal(get(config, "max_split_size_mb"), "unlimited");
   assert_string_equal(get(config, "memory_fraction"), "1.0");
-  assert_string_equal(get(config, "host_capacity"), "24GiB");
+  assert_string_equal(get(config, "host_capacity"), "auto");
   assert_string_equal(get(config, "host_granularity"), "2MiB");
   assert_string_equal(get(config, "host_queue_depth"), "0");
   assert_string_equal(get(config, "release_holes"), "True");
@@ -242,6 +242,8 @@ static void test_good_values(void **state) {
       {"host_capacity", "4KiB", "4KiB"},
       {"host_capacity", "80gib", "80GiB"},
       {"host_capacity", "1536MiB", "1536MiB"},
+      {"host_capacity", "auto", "auto"},
+      {"host_capacity", "AUTO", "auto"},
       {"host_granularity", "4096", "4KiB"},
       {"host_granularity", "64KiB", "64KiB"},
       {"host_granularity", "1GiB", "1GiB"},
@@ -686,7 +688,7 @@ static void test_get(void **state) {
   tide_config *config = new_config();
   char buf[8];
   assert_int_equal(tide_config_get(config, "host_capacity", buf, sizeof buf), TIDE_OK);
-  assert_string_equal(buf, "24GiB");
+  assert_string_equal(buf, "auto");
   assert_int_equal(tide_config_get(config, " trace ", buf, sizeof buf), TIDE_OK);
   assert_string_equal(buf, "0");
   /* Too short: truncated, terminated, and reported. */

@@ -137,6 +137,67 @@ static void test_free_home_uses_own_stream(void **state) {
   tu_assert_ok(tide_destroy(a));
 }
 
+/* A free that succeeds leaves the calling thread's last error as it was,
+ * whichever way the hint led (to the block's arena, to another stream's, to
+ * a stream with no arena, or to none) and when a step of the free failed
+ * and was worked around. */
+static void test_free_home_success_leaves_no_error(void **state) {
+  tide_allocator *a = tu_create(*state);
+  tide_stream s = new_stream(a), t = new_stream(a), unused = new_stream(a);
+  void *keep_t = tide_malloc(a, 4 * KiB, t);
+  assert_non_null(keep_t);
+  tide_stream hints[] = {s, t, unused, NULL};
+  for (size_t i = 0; i < sizeof hints / sizeof hints[0]; i++) {
+    void *p = tide_malloc(a, 3 * MiB, s);
+    void *small = tide_malloc(a, 4 * KiB, s);
+    assert_non_null(p);
+    assert_non_null(small);
+    tide_clear_error();
+    tu_assert_ok(tide_free_home(a, p, hints[i]));
+    tu_assert_ok(tide_free_home(a, small, hints[i]));
+    if (tide_last_status() != TIDE_OK || tide_last_error()[0] != '\0')
+      fail_msg("hint %zu: tide_free_home succeeded but left %s: \"%s\"", i,
+               tide_status_name(tide_last_status()), tide_last_error());
+  }
+  /* A pool's blocks, of a stream whose usual memory holds nothing. */
+  tide_stream only_pool = new_stream(a);
+  tide_pool *pool = NULL;
+  tu_assert_ok(tide_pool_create(a, &pool));
+  tide_stream pool_hints[] = {only_pool, s, unused, NULL};
+  for (size_t i = 0; i < sizeof pool_hints / sizeof pool_hints[0]; i++) {
+    void *p = tide_pool_malloc(pool, 3 * MiB, only_pool);
+    assert_non_null(p);
+    tide_clear_error();
+    tu_assert_ok(tide_free_home(a, p, pool_hints[i]));
+    if (tide_last_status() != TIDE_OK || tide_last_error()[0] != '\0')
+      fail_msg("pool block, hint %zu: tide_free_home succeeded but left %s: \"%s\"", i,
+               tide_status_name(tide_last_status()), tide_last_error());
+  }
+  tu_assert_ok(tide_pool_release(pool));
+  /* A block read on a stream destroyed since: no event can be recorded on
+   * that stream, so the free waits instead, and succeeds. */
+  for (int home = 0; home < 2; home++) {
+    tide_stream gone = new_stream(a);
+    void *p = tide_malloc(a, 3 * MiB, t);
+    assert_non_null(p);
+    tu_assert_ok(tide_record_stream(a, p, gone));
+    tu_assert_ok(tide_stream_destroy(a, gone));
+    tide_clear_error();
+    tu_assert_ok(home ? tide_free_home(a, p, t) : tide_free(a, p, t));
+    if (tide_last_status() != TIDE_OK || tide_last_error()[0] != '\0')
+      fail_msg("%s of a block recorded on a destroyed stream succeeded but left %s: \"%s\"",
+               home ? "tide_free_home" : "tide_free", tide_status_name(tide_last_status()),
+               tide_last_error());
+  }
+  tu_assert_ok(tide_free(a, keep_t, t));
+  tu_assert_ok(tide_check(a));
+  tu_assert_ok(tide_stream_destroy(a, s));
+  tu_assert_ok(tide_stream_destroy(a, t));
+  tu_assert_ok(tide_stream_destroy(a, unused));
+  tu_assert_ok(tide_stream_destroy(a, only_pool));
+  tu_assert_ok(tide_destroy(a));
+}
+
 /* While watched, a block recorded on a stream being captured and freed
  * waits for the capture to end: its event would be a node of the graph. */
 static void test_watch_defers_free_on_captured_stream(void **state) {
@@ -269,6 +330,9 @@ int main(void) {
       cmocka_unit_test(test_pool_malloc_goes_to_pool),
       cmocka_unit_test(test_pool_malloc_bad_input),
       cmocka_unit_test(test_free_home_uses_own_stream),
+      cmocka_unit_test_prestate(test_free_home_success_leaves_no_error, "host_capacity:4GiB"),
+      cmocka_unit_test_prestate(test_free_home_success_leaves_no_error,
+                                "host_capacity:4GiB,capture_detection:True"),
       cmocka_unit_test(test_watch_defers_free_on_captured_stream),
       cmocka_unit_test(test_allocated_and_checkpoint_delta),
       cmocka_unit_test(test_layout_tiles_and_agrees),

@@ -96,6 +96,24 @@ void cli_report_tide_error(const char *what) {
           tide_status_name(tide_last_status()));
 }
 
+bool cli_close_output(FILE *f, const char *name) {
+  /* ferror: a write that failed earlier, whose bytes a later flush does not
+   * bring back; errno is only this flush's or close's. */
+  errno = 0;
+  bool earlier = ferror(f) != 0;
+  bool flushed = fflush(f) == 0;
+  int flush_errno = errno;
+  bool closed = fclose(f) == 0;
+  if (!earlier && flushed && closed) return true;
+  int why = !flushed ? flush_errno : !closed ? errno : 0;
+  if (f != stdout) fflush(stdout); /* what was printed before the message comes before it */
+  if (why != 0)
+    fprintf(stderr, "tidalloc: cannot write %s: %s\n", name, strerror(why));
+  else
+    fprintf(stderr, "tidalloc: cannot write %s: a write failed\n", name);
+  return false;
+}
+
 const char *cli_format_bytes(uint64_t bytes, char *buf, size_t len) {
   static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   if (bytes < 1024) {

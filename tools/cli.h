@@ -11,6 +11,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "tidalloc.h"
 
@@ -29,6 +30,15 @@ int tide_cli_soak(int argc, char **argv);   /* soak.c */
 /* ------------------------------------------------------------------------ */
 /* Configuration (cli.c): one rule for every subcommand.                     */
 /* ------------------------------------------------------------------------ */
+
+/* The emulated device of the commands whose workloads never write device
+ * memory on the host backend (stream, replay): the same size on every
+ * machine, so that their figures and the traces that fit do not depend on
+ * the machine's memory. The host backend's own default follows the
+ * machine's memory so that memory written cannot exceed it; memory never
+ * written costs nothing, so a device larger than the machine is safe here.
+ * TIDALLOC_CONF and --conf still set host_capacity. */
+#define CLI_UNWRITTEN_DEVICE "host_capacity:24GiB"
 
 /* Build a config: the defaults, then `first` (NULL: nothing; micro and replay
  * pass "backend:host" so that they run on the emulated device unless told
@@ -63,6 +73,12 @@ bool cli_is_help(const char *arg);
 void cli_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* "tidalloc <what>: <tide_last_error()>\n" on stderr. */
 void cli_report_tide_error(const char *what);
+
+/* Flush and close `f`, an output named `name` in messages ("standard
+ * output", a path). False after "tidalloc: cannot write NAME: reason" on
+ * stderr when anything written to it was lost (a full disk, a closed pipe),
+ * then or earlier. */
+bool cli_close_output(FILE *f, const char *name);
 
 /* "1.50 GiB", "512 B" into buf (>= 32 bytes); returns buf. */
 const char *cli_format_bytes(uint64_t bytes, char *buf, size_t len);

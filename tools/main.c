@@ -1,6 +1,7 @@
 /* main.c: the tidalloc command's entry point: dispatch to a subcommand, the
  * top-level help and version. The helpers the subcommands share are in
  * cli.c. */
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -62,18 +63,31 @@ static int run_help(int argc, char **argv) {
   return cmd->run(2, help_argv);
 }
 
-int main(int argc, char **argv) {
+static int run(int argc, char **argv) {
   if (argc < 2) {
     print_usage(stderr);
     return CLI_EXIT_USAGE;
   }
   const char *first = argv[1];
-  if (cli_is_help(first)) {
+  bool help = cli_is_help(first);
+  bool version = strcmp(first, "--version") == 0 || strcmp(first, "-V") == 0;
+  /* `tidalloc --version extra` is a mistyped command line, not a request. */
+  if ((help || version) && argc > 2) {
+    cli_error("%s takes no arguments, not '%s' (try `tidalloc --help`)", first, argv[2]);
+    return CLI_EXIT_USAGE;
+  }
+  if (help) {
     print_usage(stdout);
     return CLI_EXIT_OK;
   }
-  if (strcmp(first, "help") == 0) return run_help(argc, argv);
-  if (strcmp(first, "--version") == 0 || strcmp(first, "-V") == 0) {
+  if (strcmp(first, "help") == 0) {
+    if (argc > 3) {
+      cli_error("help takes one command, not '%s' (try `tidalloc --help`)", argv[3]);
+      return CLI_EXIT_USAGE;
+    }
+    return run_help(argc, argv);
+  }
+  if (version) {
     printf("tidalloc %s\n", tide_version());
     return CLI_EXIT_OK;
   }
@@ -83,4 +97,12 @@ int main(int argc, char **argv) {
     return CLI_EXIT_USAGE;
   }
   return cmd->run(argc - 1, argv + 1);
+}
+
+int main(int argc, char **argv) {
+  int code = run(argc, argv);
+  /* What a command printed is its result: output lost to a full disk or a
+   * closed file is a failure, not a success with nothing written. */
+  if (!cli_close_output(stdout, "standard output") && code == CLI_EXIT_OK) code = CLI_EXIT_FAILURE;
+  return code;
 }

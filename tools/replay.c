@@ -364,7 +364,9 @@ static void print_help(void) {
          "\n"
          "Replay a recorded allocation trace (gzip'd CSV, header\n"
          "%s; actions alloc and free) through tidalloc, on the\n"
-         "host backend unless --conf or TIDALLOC_CONF choose another, and print the\n"
+         "host backend unless --conf or TIDALLOC_CONF choose another (a 24 GiB\n"
+         "emulated device unless host_capacity says otherwise: the replay writes\n"
+         "none of its memory), and print the\n"
          "peak live bytes of the trace next to tidalloc's peak allocated and reserved\n"
          "bytes. Exits non-zero at the first malformed line (naming its line and\n"
          "field; numbers, addresses too, are unsigned decimals; t_us may not\n"
@@ -439,7 +441,8 @@ int tide_cli_replay(int argc, char **argv) {
     cli_error("replay: %s", err);
     return CLI_EXIT_FAILURE;
   }
-  tide_allocator *alloc = cli_allocator_create("replay", "backend:host", conf, 0);
+  tide_allocator *alloc =
+      cli_allocator_create("replay", "backend:host," CLI_UNWRITTEN_DEVICE, conf, 0);
   trace_streams *streams = calloc(1, sizeof *streams);
   if (alloc == NULL || streams == NULL) {
     if (streams == NULL) cli_error("replay: out of host memory");

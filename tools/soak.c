@@ -19,6 +19,7 @@
  * memory to 0 (device and pinned), that tide_check passes and that the
  * allocator is destroyed with nothing left. It exits 0 only if all of that
  * held and no verification failed and no call failed unexpectedly. */
+#include <errno.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -1187,10 +1188,18 @@ static bool open_allocator(soak_run *run) {
   sh->initial_limit = st.memory_limit;
   double gib = run->args.max_gib > 0 ? run->args.max_gib : sh->host ? 2.0 : 8.0;
   run->max_bytes = (uint64_t)(gib * (double)GIB);
-  if (run->max_bytes > info.total_memory / 2) run->max_bytes = info.total_memory / 2;
+  /* Half of what reserved memory may reach (the device's, or less under
+   * memory_limit or memory_fraction): the rest is room for caching,
+   * rounding and the out-of-memory check's block. */
+  uint64_t room = st.memory_limit < info.total_memory ? st.memory_limit : info.total_memory;
+  if (run->max_bytes > room / 2) run->max_bytes = room / 2;
   sh->thread_budget = run->max_bytes / (uint64_t)run->args.threads;
   if (sh->thread_budget < 16 * MIB) {
-    cli_error("soak: %.2f GiB for %d threads leaves less than 16 MiB each", gib, run->args.threads);
+    char live[32], limit[32];
+    cli_error("soak: %s of live memory for %d threads leaves less than 16 MiB each (reserved "
+              "memory may reach %s, and at most half of that is live)",
+              cli_format_bytes(run->max_bytes, live, sizeof live), run->args.threads,
+              cli_format_bytes(room, limit, sizeof limit));
     return false;
   }
   return true;
@@ -1253,7 +1262,7 @@ static void print_summary(const soak_run *run) {
 static bool write_csv(const soak_run *run) {
   FILE *f = fopen(run->args.csv_path, "w");
   if (f == NULL) {
-    cli_error("soak: cannot write %s", run->args.csv_path);
+    cli_error("cannot write %s: %s", run->args.csv_path, strerror(errno));
     return false;
   }
   fprintf(f, "%s\n%s,\"%s\",%llu,%d,%d,%.3f,%.1f,%llu", CSV_HEADER, run->backend, run->device,
@@ -1270,11 +1279,7 @@ static bool write_csv(const soak_run *run) {
           (unsigned long long)get(&run->sh.failures[FAIL_ERROR]),
           (unsigned long long)get(&run->sh.failures[FAIL_LEAK]),
           total_failures(run) == 0 ? "pass" : "fail");
-  if (fclose(f) != 0) {
-    cli_error("soak: cannot write %s", run->args.csv_path);
-    return false;
-  }
-  return true;
+  return cli_close_output(f, run->args.csv_path);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1301,7 +1306,9 @@ static void print_help(void) {
          "  --threads T   worker threads (default 4)\n"
          "  --streams K   streams they share (default 4)\n"
          "  --max-gib G   live memory of all threads together (default 8 on CUDA, 2 on\n"
-         "                the host backend; at most half the device)\n"
+         "                the host backend; at most half of what reserved memory may\n"
+         "                reach: the device, or less under memory_limit or\n"
+         "                memory_fraction)\n"
          "  --csv FILE    write a header and one summary row to FILE:\n"
          "                %s\n"
          "  --quiet       no progress lines, only the summary\n"

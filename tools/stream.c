@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "cli.h"
 #include "stream_model.h"
@@ -54,8 +55,9 @@ typedef struct stream_args {
   const char *frames_csv_path; /* --frames-csv: one row per single frame */
   const char *label;
   bool stop_on_oom;
-  bool grow;        /* --mode grow: the caches in growable buffers */
-  bool sync_frames; /* --sync-frames: each frame ends when the device is done */
+  bool grow;         /* --mode grow: the caches in growable buffers */
+  bool sync_frames;  /* --sync-frames: each frame ends when the device is done */
+  bool frames_given; /* a --frames was read: later ones add to it */
 } stream_args;
 
 /* One line of the results. */
@@ -372,10 +374,8 @@ static bool open_trace(const char *path, tide_target *t) {
 }
 
 static bool close_trace(const char *path, tide_target *t) {
-  bool ok = !ferror(t->trace);
-  if (fclose(t->trace) != 0) ok = false;
+  bool ok = cli_close_output(t->trace, path);
   t->trace = NULL;
-  if (!ok) cli_error("stream: writing the trace to %s failed", path);
   return ok;
 }
 
@@ -387,7 +387,7 @@ static bool run_one(const stream_args *args, int frames, tide_target *target, st
   row->frames = frames;
   tide_config *config = NULL;
   tide_allocator *alloc = NULL;
-  if (cli_config_build(NULL, args->conf, &config) != TIDE_OK ||
+  if (cli_config_build(CLI_UNWRITTEN_DEVICE, args->conf, &config) != TIDE_OK ||
       tide_create(0, config, &alloc) != TIDE_OK) {
     cli_report_tide_error("stream");
     tide_config_free(config);
@@ -536,11 +536,34 @@ static void write_driver_row(FILE *f, const stream_row *r) {
           r->median_alloc_ms, r->median_issue_ms, r->mapping_s);
 }
 
+/* Whether `path` names something other than a regular file (a device, a
+ * pipe, a symbolic link such as /dev/stdout): renaming a file over it would
+ * replace it, and writing it after every row would repeat the rows, so it is
+ * written in place, once, when the sweep ends. */
+static bool is_special(const char *path) {
+  struct stat st;
+  return lstat(path, &st) == 0 && !S_ISREG(st.st_mode);
+}
+
 /* Write `header` and every row so far (through `write`) to a file beside
- * `path`, then rename it over `path`: a reader never sees half a file. */
+ * `path`, then rename it over `path`: a reader never sees half a file. A
+ * path that is not a regular file is written in place, and only when
+ * `last` (the end of the sweep); a regular file is not written then. */
 static bool write_csv(const char *path, const char *header,
-                      void (*write)(FILE *, const stream_row *), const stream_row *rows,
-                      int count) {
+                      void (*write)(FILE *, const stream_row *), const stream_row *rows, int count,
+                      bool last) {
+  bool special = is_special(path);
+  if (special != last) return true;
+  if (special) {
+    FILE *f = fopen(path, "w");
+    if (f == NULL) {
+      cli_error("cannot write %s: %s", path, strerror(errno));
+      return false;
+    }
+    fprintf(f, "%s\n", header);
+    for (int i = 0; i < count; i++) write(f, &rows[i]);
+    return cli_close_output(f, path);
+  }
   size_t len = strlen(path) + 5;
   char *tmp = malloc(len);
   if (tmp == NULL) {
@@ -553,11 +576,14 @@ static bool write_csv(const char *path, const char *header,
   if (ok) {
     fprintf(f, "%s\n", header);
     for (int i = 0; i < count; i++) write(f, &rows[i]);
-    ok = fclose(f) == 0;
+    /* ferror: a row that failed to be written, which fclose alone would
+     * not report once the buffer is empty. */
+    ok = !ferror(f);
+    ok = fclose(f) == 0 && ok;
   }
   if (ok) ok = rename(tmp, path) == 0;
   if (!ok) {
-    cli_error("stream: cannot write %s: %s", path, strerror(errno));
+    cli_error("cannot write %s: %s", path, strerror(errno));
     remove(tmp);
   }
   free(tmp);
@@ -605,7 +631,7 @@ static void print_help(void) {
          "\n"
          "  --frames N...   frame counts to run (default: 64 128 256 512 1024; more\n"
          "                  frames need a larger device: host_capacity:141GiB emulates\n"
-         "                  an H200)\n"
+         "                  an H200); a repeated --frames adds its counts to the sweep\n"
          "  --mode cat      grow the caches by allocate-copy-free (the default)\n"
          "  --mode grow     grow them in place, in growable buffers (the window a ring\n"
          "                  of frame slots), attention reading them without clone or cat\n"
@@ -640,9 +666,13 @@ static void print_help(void) {
          CSV_HEADER, DRIVER_CSV_HEADER, FRAMES_CSV_HEADER);
 }
 
-/* --frames takes the numbers that follow it ("64 128" or "64,128"). */
+/* --frames takes the numbers that follow it ("64 128" or "64,128"); a
+ * repeated --frames adds its counts to the earlier ones' (the first one
+ * replaces the default sweep). */
 static int parse_frames(int argc, char **argv, int *i, stream_args *args) {
-  args->sweep_length = 0;
+  if (!args->frames_given) args->sweep_length = 0;
+  args->frames_given = true;
+  int before = args->sweep_length;
   /* "-5" is a bad frame count, not an option: it gets the same message as 0. */
   while (*i + 1 < argc &&
          (argv[*i + 1][0] != '-' || (argv[*i + 1][1] >= '0' && argv[*i + 1][1] <= '9'))) {
@@ -660,7 +690,7 @@ static int parse_frames(int argc, char **argv, int *i, stream_args *args) {
       args->frames[args->sweep_length++] = (int)n;
     }
   }
-  if (args->sweep_length == 0) {
+  if (args->sweep_length == before) {
     cli_error("stream: --frames needs at least one frame count");
     return CLI_EXIT_USAGE;
   }
@@ -738,14 +768,16 @@ int tide_cli_stream(int argc, char **argv) {
   /* Every output is written once before the first run, so that a path that
    * cannot be written fails now, not after minutes of benchmark. */
   bool ok = true;
-  if (args.csv_path != NULL) ok = write_csv(args.csv_path, CSV_HEADER, write_row, rows, 0);
+  if (args.csv_path != NULL) ok = write_csv(args.csv_path, CSV_HEADER, write_row, rows, 0, false);
   if (ok && args.driver_csv_path != NULL)
-    ok = write_csv(args.driver_csv_path, DRIVER_CSV_HEADER, write_driver_row, rows, 0);
+    ok = write_csv(args.driver_csv_path, DRIVER_CSV_HEADER, write_driver_row, rows, 0, false);
   if (ok && args.trace_path != NULL) {
     FILE *trace = fopen(args.trace_path, "w");
-    if (trace == NULL || fclose(trace) != 0) {
-      cli_error("stream: cannot write the trace to %s: %s", args.trace_path, strerror(errno));
+    if (trace == NULL) {
+      cli_error("cannot write %s: %s", args.trace_path, strerror(errno));
       ok = false;
+    } else {
+      ok = cli_close_output(trace, args.trace_path);
     }
   }
   int count = 0;
@@ -754,19 +786,23 @@ int tide_cli_stream(int argc, char **argv) {
     if (!ok) break;
     count++;
     target.frames_before += (uint64_t)args.frames[i];
-    if (args.csv_path != NULL) ok = write_csv(args.csv_path, CSV_HEADER, write_row, rows, count);
+    if (args.csv_path != NULL)
+      ok = write_csv(args.csv_path, CSV_HEADER, write_row, rows, count, false);
     if (ok && args.driver_csv_path != NULL)
-      ok = write_csv(args.driver_csv_path, DRIVER_CSV_HEADER, write_driver_row, rows, count);
+      ok = write_csv(args.driver_csv_path, DRIVER_CSV_HEADER, write_driver_row, rows, count, false);
     if (rows[count - 1].oom && args.stop_on_oom) break;
   }
+  /* Outputs that are not regular files get their rows now, once. */
+  if (args.csv_path != NULL && !write_csv(args.csv_path, CSV_HEADER, write_row, rows, count, true))
+    ok = false;
+  if (args.driver_csv_path != NULL &&
+      !write_csv(args.driver_csv_path, DRIVER_CSV_HEADER, write_driver_row, rows, count, true))
+    ok = false;
   if (target.shown > 0 && target.shown < 1.0)
     cli_progress("stream", 1.0); /* stopped early: end the bar's line */
   if (count > 0) print_table(rows, count);
-  /* ferror: a failed row write (disk full) that fclose alone would not report. */
-  if (target.frames_csv != NULL && (ferror(target.frames_csv) | fclose(target.frames_csv)) != 0) {
-    cli_error("stream: writing %s: %s", args.frames_csv_path, strerror(errno));
+  if (target.frames_csv != NULL && !cli_close_output(target.frames_csv, args.frames_csv_path))
     ok = false;
-  }
   /* A frame count that ran out of memory is a failure of the request. */
   int ooms = 0;
   for (int i = 0; i < count; i++) ooms += rows[i].oom;

@@ -5,6 +5,7 @@ then the build tree next to this source tree (build/), then the system's
 library path."""
 import ctypes
 import ctypes.util
+import operator
 import os
 
 POOLS = ("all", "small_pool", "large_pool")
@@ -47,6 +48,46 @@ class OptionInfo(ctypes.Structure):
     _fields_ = [("key", ctypes.c_char_p), ("value", ctypes.c_char_p),
                 ("default_value", ctypes.c_char_p), ("meaning", ctypes.c_char_p),
                 ("source", ctypes.c_int)]
+
+
+_SIZE_BITS = 8 * ctypes.sizeof(ctypes.c_size_t)
+
+
+def _whole(value, what):
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError("%s must be a whole number, not %r (%s)"
+                        % (what, value, type(value).__name__)) from None
+
+
+def unsigned_arg(value, what, bits=_SIZE_BITS):
+    """`value` checked for an unsigned C field or argument of `bits` bits.
+    ctypes would take it modulo 2**bits without a word (2**64 + 2**30 bytes
+    would be 1 GiB, -1 the largest size), so anything outside is refused
+    here, naming `what`; a value that fits but is too large for the device is
+    left to the library, whose out-of-memory error says so."""
+    value = _whole(value, what)
+    if value < 0:
+        raise ValueError("%s is %d: it cannot be negative" % (what, value))
+    if value >> bits:
+        raise OverflowError("%s is %d: more than a %d-bit unsigned number holds (at most 2**%d - 1)"
+                            % (what, value, bits, bits))
+    return value
+
+
+def size_arg(value, what):
+    """`value` checked as a size_t (bytes or a count): see unsigned_arg."""
+    return unsigned_arg(value, what)
+
+
+def int_arg(value, what, bits=32):
+    """`value` checked for a signed C int of `bits` bits (a device number, a
+    file descriptor): ctypes would wrap 2**32 to 0."""
+    value = _whole(value, what)
+    if not -(1 << (bits - 1)) <= value < (1 << (bits - 1)):
+        raise OverflowError("%s is %d: outside what a %d-bit C int holds" % (what, value, bits))
+    return value
 
 
 # tide_conf_source: where an option's value came from.
@@ -163,6 +204,7 @@ def check(status, what):
 
 
 def device(index=0):
+    index = int_arg(index, "device")
     handle = lib().tide_device(index)
     if not handle:
         message = last_error()
@@ -212,7 +254,17 @@ def reset_peak(index=0):
 
 
 def configure(conf):
-    """Set the process-wide configuration before first use ("key:value,...")."""
+    """Set the process-wide configuration before first use ("key:value,...",
+    a str, or bytes in UTF-8)."""
+    if isinstance(conf, (bytes, bytearray)):
+        try:
+            conf = bytes(conf).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError("configure: the configuration bytes are not UTF-8 text (%s)" % e) \
+                from None
+    if not isinstance(conf, str):
+        raise TypeError("configure: the configuration is a str such as \"key:value,...\" (or "
+                        "bytes in UTF-8), not %s" % type(conf).__name__)
     if "\0" in conf:
         # C text ends at its first NUL: what follows would be dropped unseen.
         raise TidallocError("tide_conf_set(%r) refused: a NUL character at index %d (the "

@@ -19,6 +19,8 @@ class Buffer:
     def __init__(self, capacity, device=0, map_ahead=0, ring=False, stream=None,
                  release_stream=None, map_ahead_fraction=0.0):
         lib = _lib.lib()
+        capacity = _lib.size_arg(capacity, "Buffer: capacity")
+        map_ahead = _lib.size_arg(map_ahead, "Buffer: map_ahead")
         o = _lib.BufOptions(capacity=capacity, ring=int(ring), map_ahead=map_ahead,
                             async_map_ahead=int(map_ahead > 0 and not ring), stream=stream,
                             map_ahead_fraction=map_ahead_fraction)
@@ -30,11 +32,13 @@ class Buffer:
         self.release_stream = release_stream
 
     def resize(self, length, stream=None):
+        length = _lib.size_arg(length, "Buffer.resize: length")
         _lib.check(_lib.lib().tide_buf_resize(self._handle, length, stream),
                    "tide_buf_resize(%d)" % length)
 
     def reserve_ahead(self, length):
         """Map pages for `length` bytes now, leaving the length as it is."""
+        length = _lib.size_arg(length, "Buffer.reserve_ahead: length")
         _lib.check(_lib.lib().tide_buf_reserve_ahead(self._handle, length),
                    "tide_buf_reserve_ahead(%d)" % length)
 
@@ -135,6 +139,10 @@ class GrowableTensor:
         if capacity_rows <= 0 or self.row_bytes <= 0:
             raise ValueError("GrowableTensor: capacity_rows and the row size must be positive "
                              "(capacity_rows=%d, row_shape=%s)" % (capacity_rows, self.row_shape))
+        # The byte counts, checked here so that a message names the rows.
+        for name, rows in (("capacity_rows", capacity_rows), ("map_ahead_rows", map_ahead_rows)):
+            _lib.size_arg(rows * self.row_bytes, "GrowableTensor: %s=%d rows of %d bytes (%d bytes)"
+                          % (name, rows, self.row_bytes, rows * self.row_bytes))
         self.rows = 0
         self._host = _lib.backend(device) == "host"
         # On close, pages go once the stream that was current at creation is past

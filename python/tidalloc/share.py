@@ -82,12 +82,20 @@ class Imported:
 
     def __init__(self, desc, pieces, device=0):
         l = _l()
-        d = ShareDesc(desc[0], desc[1], desc[2], desc[3], desc[4], 0)
+        # Fields ctypes would take modulo their width: refused here instead.
+        u64, u32 = _lib.unsigned_arg, lambda v, what: _lib.unsigned_arg(v, what, 32)
+        d = ShareDesc(u64(desc[0], "Imported: the description's size"),
+                      u64(desc[1], "Imported: the description's offset"),
+                      u32(desc[2], "Imported: the description's num_pieces"),
+                      _lib.int_arg(desc[3], "Imported: the description's device"),
+                      u32(desc[4], "Imported: the description's backend"), 0)
         if len(pieces) != d.num_pieces:
             raise ValueError("%d pieces for a description of %d" % (len(pieces), d.num_pieces))
         arr = (SharePiece * len(pieces))()
         for i, (fd, offset, size) in enumerate(pieces):
-            arr[i].fd, arr[i].offset, arr[i].size = fd, offset, size
+            arr[i].fd = _lib.int_arg(fd, "Imported: piece %d's fd" % i)
+            arr[i].offset = u64(offset, "Imported: piece %d's offset" % i)
+            arr[i].size = u64(size, "Imported: piece %d's size" % i)
         out = ctypes.c_void_p()
         self.device = device
         self.ptr = 0

@@ -45,6 +45,7 @@ def snapshot_json(device=0):
 def trace_events(device=0, cap=1 << 20):
     """The trace ring's newest `cap` events, oldest first, and how many older
     events the ring overwrote."""
+    cap = _lib.size_arg(cap, "trace_events: cap")
     lib = _lib.lib()
     lib.tide_trace_read.argtypes = [ctypes.c_void_p, ctypes.POINTER(TraceEvent), ctypes.c_size_t,
                                     ctypes.POINTER(ctypes.c_size_t),

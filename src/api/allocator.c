@@ -416,8 +416,24 @@ void *tide_pool_malloc(tide_pool *pool, size_t size, tide_stream stream) {
   return malloc_in_arena(a, arena, size, rounded, stream);
 }
 
+static tide_status free_anywhere(tide_allocator *a, void *ptr, size_t size, bool sized,
+                                 tide_stream stream);
+
+/* A free can succeed after one of its steps failed and was worked around
+ * (no event on a stream destroyed since the block was recorded on it: the
+ * free waits instead). A success leaves the caller's last error as it was,
+ * as every other call does. */
 static TIDE_NOINLINE tide_status free_any(tide_allocator *a, void *ptr, size_t size, bool sized,
                                           tide_stream stream) {
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
+  tide_status rc = free_anywhere(a, ptr, size, sized, stream);
+  if (rc == TIDE_OK) _tide_error_restore(&saved);
+  return rc;
+}
+
+static tide_status free_anywhere(tide_allocator *a, void *ptr, size_t size, bool sized,
+                                 tide_stream stream) {
   CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   if (!ptr) return TIDE_OK;
   uintptr_t addr = (uintptr_t)ptr;
@@ -455,13 +471,18 @@ static TIDE_NOINLINE tide_status free_any(tide_allocator *a, void *ptr, size_t s
  * releases: b is the live block at addr, or NULL. */
 static TIDE_NOINLINE tide_status free_locked(tide_allocator *a, _tide_arena *arena, _tide_block *b,
                                              uintptr_t addr, tide_stream stream) {
+  _tide_saved_error saved; /* as in free_any */
+  _tide_error_save(&saved);
+  int rc;
   if (b) {
-    int rc = _tide_arena_free(arena, b, stream);
+    rc = _tide_arena_free(arena, b, stream);
     _tide_lock_release(&arena->lock);
-    return (tide_status)rc;
+  } else {
+    _tide_lock_release(&arena->lock);
+    rc = _tide_free_slow(a, addr, 0, false, stream);
   }
-  _tide_lock_release(&arena->lock);
-  return _tide_free_slow(a, addr, 0, false, stream);
+  if (rc == TIDE_OK) _tide_error_restore(&saved);
+  return (tide_status)rc;
 }
 
 /* A quick hit with extras to do (quick.h), under the arena lock, which it

@@ -1479,13 +1479,12 @@ static int check_conf(const _tide_conf_values *conf, int device) {
                            "host_granularity must be a power of two of at least the system page "
                            "size (%s), got %zu bytes",
                            bytes_text(page, p), gran);
-  if (conf->host_capacity == 0 || conf->host_capacity % gran != 0 ||
-      conf->host_capacity > (size_t)INT64_MAX)
+  size_t capacity = _tide_host_capacity(conf);
+  if (capacity == 0 || capacity % gran != 0 || capacity > (size_t)INT64_MAX)
     return _tide_error_set(TIDE_ERR_CONFIG,
                            "host_capacity must be a positive multiple of host_granularity (%s), "
                            "got %zu bytes (%s)",
-                           bytes_text(gran, g), conf->host_capacity,
-                           bytes_text(conf->host_capacity, c));
+                           bytes_text(gran, g), capacity, bytes_text(capacity, c));
   if (conf->host_devices < 1)
     return _tide_error_set(TIDE_ERR_CONFIG, "host_devices must be at least 1, got %d",
                            conf->host_devices);
@@ -1520,7 +1519,7 @@ int _tide_host_open(const _tide_conf_values *conf, int device, _tide_backend *ou
   d->memfd = -1;
   d->device = device;
   d->device_count = conf->host_devices;
-  d->capacity = conf->host_capacity;
+  d->capacity = _tide_host_capacity(conf);
   d->granularity = conf->host_granularity;
   d->queue_depth = conf->host_queue_depth;
   d->shared = conf->host_shared;

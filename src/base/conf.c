@@ -526,6 +526,10 @@ static void format_trace(const _tide_conf_values *v, char *buf, size_t len) {
 
 static bool parse_host_capacity(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
   uint64_t bytes;
+  if (equals_nocase(s, "auto")) {
+    v->host_capacity = 0; /* the backend derives it from the machine */
+    return true;
+  }
   if (!parse_bytes(s, TIDE_MAX_ALLOC, &bytes, why, why_len)) return false;
   if (bytes < HOST_MIN_BYTES) return set_why(why, why_len, "too small"), false;
   v->host_capacity = (size_t)bytes;
@@ -533,7 +537,10 @@ static bool parse_host_capacity(const char *s, _tide_conf_values *v, char *why, 
 }
 
 static void format_host_capacity(const _tide_conf_values *v, char *buf, size_t len) {
-  format_bytes(v->host_capacity, buf, len);
+  if (v->host_capacity == 0)
+    snprintf(buf, len, "auto");
+  else
+    format_bytes(v->host_capacity, buf, len);
 }
 
 static bool parse_host_granularity(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
@@ -681,9 +688,12 @@ static const option options[] = {
      "True or False (also true/false/1/0)", parse_graph_reuse, format_graph_reuse},
     {"trace", "0", "events kept in the trace ring, read with tide_trace_read (0: off)",
      "a whole number from 0 to 16777216", parse_trace, format_trace},
-    {"host_capacity", "24GiB", "memory of each emulated device of the host backend",
-     "bytes from 4KiB to 4096TiB with an optional unit, such as 24GiB", parse_host_capacity,
-     format_host_capacity},
+    {"host_capacity", "auto",
+     "memory of each emulated device of the host backend (auto: half the machine's memory, "
+     "or of its control group's limit if lower, shared among host_devices, at most 24GiB "
+     "each, so that filling it ends in out of memory rather than the process being killed)",
+     "auto, or bytes from 4KiB to 4096TiB with an optional unit, such as 24GiB",
+     parse_host_capacity, format_host_capacity},
     {"host_granularity", "2MiB", "mapping granularity of the host backend",
      "a power of two of bytes from 4KiB to 1GiB, such as 2MiB", parse_host_granularity,
      format_host_granularity},

@@ -137,7 +137,7 @@ typedef struct _tide_conf_values {
   bool release_holes;        /* recycle free pages inside segments when growing */
   bool load_handles;         /* one handle per growth until a stream first frees */
   size_t trace_capacity;     /* trace ring events, 0: off */
-  size_t host_capacity;      /* bytes of the emulated device */
+  size_t host_capacity;      /* bytes of the emulated device; 0: auto (_tide_host_capacity) */
   size_t host_granularity;   /* the emulated device's mapping granularity */
   int host_devices;          /* emulated devices */
   unsigned host_queue_depth; /* events a host stream's completion lags behind, 0: none */
@@ -149,6 +149,13 @@ typedef struct _tide_conf_values {
 
 /* The values of a config (tide_config is opaque outside conf.c). */
 const _tide_conf_values *_tide_config_values(const tide_config *config);
+/* Bytes of memory the machine can give this process: physical memory, or
+ * its control group's limit if lower; 0 if unknown (machine.c). */
+uint64_t _tide_machine_memory(void);
+/* Bytes of each emulated device: host_capacity, or when it is auto, a
+ * share of the machine's memory divided among host_devices and capped, in
+ * whole host_granularity units (machine.c says how much and why). */
+size_t _tide_host_capacity(const _tide_conf_values *conf);
 /* Copy of a config, or NULL without memory. */
 tide_config *_tide_config_clone(const tide_config *config);
 /* Write into buf the keys whose values differ between a and b, as

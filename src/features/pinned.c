@@ -207,6 +207,7 @@ void _tide_pinned_stats(_tide_pinned *pool, tide_stats *out) {
   out->num_alloc_retries = pool->retries;
   out->num_ooms = pool->ooms;
   out->num_sync_all_streams = pool->syncs;
+  out->memory_limit = TIDE_NO_LIMIT; /* pinned memory is bounded by the system only */
   pthread_mutex_unlock(&pool->lock);
 }
 
