@@ -13,8 +13,9 @@ include c10/cuda/impl/cuda_cmake_macros.h, which the macOS and Windows wheels
 lack), only torch/include is extracted, into
   $TIDE_TORCH_HEADERS/<version>/include
   (default ${XDG_CACHE_HOME:-~/.cache}/tidalloc/torch-headers/<version>/include),
-the headers the shim includes are checked to be there, and the wheel is
-deleted (a Linux wheel is 0.5-1 GB; its headers about 65 MB). A version
+the headers the shim includes are checked to be there, the C++ standard
+torch's cpp_extension compiles with is noted in <version>/cxx_std (2.14
+moved to C++20), and the wheel is deleted (a Linux wheel is 0.5-1 GB; its headers about 65 MB). A version
 already in the cache is skipped unless --force. Exit status 0 when every
 version is in the cache at the end, 1 otherwise (one line per failure)."""
 import argparse
@@ -78,10 +79,24 @@ def download(version, platform, work):
     raise RuntimeError("pip download torch==%s for %s: %s" % (version, platform, last))
 
 
+def cxx_standard(z):
+    """The C++ standard torch's cpp_extension compiles extensions with
+    ("c++17", "c++20"): the -std=c++NN torch/utils/cpp_extension.py passes
+    most often (its docstrings show others)."""
+    try:
+        text = z.read("torch/utils/cpp_extension.py").decode("utf-8", "replace")
+    except KeyError:
+        return None
+    found = re.findall(r"'-std=(c\+\+\d\d)'", text)
+    return max(set(found), key=found.count) if found else None
+
+
 def extract(wheel, dest):
-    """torch/include/* of the wheel into dest (torch/include/ stripped)."""
+    """torch/include/* of the wheel into dest (torch/include/ stripped);
+    returns the C++ standard its cpp_extension uses, or None."""
     prefix = "torch/include/"
     with zipfile.ZipFile(wheel) as z:
+        std = cxx_standard(z)
         for info in z.infolist():
             if not info.filename.startswith(prefix) or info.is_dir():
                 continue
@@ -92,6 +107,7 @@ def extract(wheel, dest):
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with z.open(info) as src, open(target, "wb") as out:
                 shutil.copyfileobj(src, out)
+    return std
 
 
 def fetch(version, platform, force):
@@ -105,7 +121,7 @@ def fetch(version, platform, force):
         wheel = download(version, platform, work)
         size = os.path.getsize(wheel)
         staging = os.path.join(work, "include")
-        extract(wheel, staging)
+        std = extract(wheel, staging)
         os.remove(wheel)
         missing = [h for h in required_headers()
                    if not any(os.path.exists(os.path.join(staging, d, h)) for d in SEARCHED)]
@@ -115,6 +131,9 @@ def fetch(version, platform, force):
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
         os.rename(staging, os.path.join(folder, "include"))
+        if std:  # shim_compile.sh compiles with it, as cpp_extension would
+            with open(os.path.join(folder, "cxx_std"), "w") as f:
+                f.write(std + "\n")
         with open(os.path.join(folder, MARKER), "w") as f:
             f.write("%s\n" % os.path.basename(wheel))
     print("torch_headers: %s -> %s/include (from %s, %d MB, deleted)"
