@@ -193,8 +193,9 @@ def build(verbose=None, retry=None, any_version=False):
         return built
     again = ("`python -m tidalloc build-shim --retry` (or TIDALLOC_SHIM_RETRY=1) tries again")
     if os.path.exists(failed) and not retry:
-        raise ShimUnavailable("the shim did not build for torch %s before (%s; compiler output: "
-                              "%s); %s" % (torch.__version__, remembered_failure(), log, again))
+        raise ShimUnavailable("building the shim for torch %s failed earlier and is not tried "
+                              "again (%s; compiler output: %s); %s"
+                              % (torch.__version__, remembered_failure(), log, again))
     os.makedirs(folder, exist_ok=True)
     for stale in (failed, log):
         if os.path.exists(stale):
