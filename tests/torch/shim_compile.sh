@@ -117,19 +117,39 @@ case ${1:-} in
   *) dirs=("$@") ;;
 esac
 
-failed=0
-ok=0
-for inc in "${dirs[@]}"; do
+# One compiler per release, SHIM_COMPILE_JOBS (default: the cores) at once;
+# the lines come in the releases' order.
+jobs=${SHIM_COMPILE_JOBS:-$(nproc 2>/dev/null || echo 2)}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+compile() { # folder, index: writes $work/index.{rc,out,line}
+  local inc=$1 i=$2 version std start=$SECONDS
   version=$(torch_version "$inc")
   std=$(cxx_std "$inc")
-  label="torch ${version:-?} ($std, $inc)"
-  start=$SECONDS
-  if out=$("$cxx" -std="$std" -fsyntax-only -Wall -Wextra -Werror -Wno-unused-parameter \
-      -isystem "$inc" -isystem "$inc/torch/csrc/api/include" -isystem "$cuda/include" \
-      -Iinclude python/tidalloc/shim/tidalloc_torch.cpp 2>&1); then
-    echo "shim_compile: $label: ok ($((SECONDS - start)) s)"
+  "$cxx" -std="$std" -fsyntax-only -Wall -Wextra -Werror -Wno-unused-parameter \
+    -isystem "$inc" -isystem "$inc/torch/csrc/api/include" -isystem "$cuda/include" \
+    -Iinclude python/tidalloc/shim/tidalloc_torch.cpp >"$work/$i.out" 2>&1
+  local rc=$?
+  echo "torch ${version:-?} ($std, $inc)" >"$work/$i.label"
+  echo "$((SECONDS - start))" >"$work/$i.seconds"
+  echo "$rc" >"$work/$i.rc"
+}
+i=0
+for inc in "${dirs[@]}"; do
+  while [[ $(jobs -rp | wc -l) -ge $jobs ]]; do wait -n; done
+  compile "$inc" "$i" &
+  i=$((i + 1))
+done
+wait
+failed=0
+ok=0
+for ((i = 0; i < ${#dirs[@]}; i++)); do
+  label=$(cat "$work/$i.label")
+  if [[ $(cat "$work/$i.rc") == 0 ]]; then
+    echo "shim_compile: $label: ok ($(cat "$work/$i.seconds") s)"
     ok=$((ok + 1))
   else
+    out=$(cat "$work/$i.out")
     # an abstract class (a new pure virtual) says more than the first error
     first=$(grep -m1 'abstract class type' <<<"$out" || grep -m1 'error' <<<"$out")
     echo "shim_compile: $label: FAILED: $first"
