@@ -14,9 +14,10 @@ lack), only torch/include is extracted, into
   $TIDE_TORCH_HEADERS/<version>/include
   (default ${XDG_CACHE_HOME:-~/.cache}/tidalloc/torch-headers/<version>/include),
 the headers the shim includes are checked to be there, the C++ standard
-torch's cpp_extension compiles with is noted in <version>/cxx_std (2.14
-moved to C++20), and the wheel is deleted (a Linux wheel is 0.5-1 GB; its headers about 65 MB). A version
-already in the cache is skipped unless --force. Exit status 0 when every
+torch's cpp_extension compiles with is noted in <version>/cxx_std (C++20
+from 2.12), and the wheel is deleted (a Linux wheel is 0.5-1 GB; its
+headers about 65 MB). A version already in the cache is skipped unless
+--force. Exit status 0 when every
 version is in the cache at the end, 1 otherwise (one line per failure)."""
 import argparse
 import os
@@ -141,7 +142,7 @@ def fetch(version, platform, force):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+    p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("versions", nargs="*", help="torch versions (default: tests/torch/"
                    "torch_versions.txt)")

@@ -72,10 +72,10 @@ def _parser():
     build.add_argument("--verbose", action="store_true",
                        help="show the compiler's output (also TIDALLOC_VERBOSE=1)")
     parser.commands = {"run": run, "build-shim": build}
-    parser.commands["info"] = sub.add_parser("info", help="which bridge to PyTorch a process would get, and why",
-                   description="Say which bridge tidalloc.torch.install() would take in a "
-                   "process started now (the shim or the pluggable allocator) and why, without "
-                   "building anything.")
+    parser.commands["info"] = sub.add_parser(
+        "info", help="which bridge to PyTorch a process would get, and why",
+        description="Say which bridge tidalloc.torch.install() would take in a process started "
+        "now (the shim or the pluggable allocator) and why, without building anything.")
     return parser
 
 

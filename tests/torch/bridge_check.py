@@ -10,7 +10,8 @@ import tidalloc.torch as tide_torch
 
 bridge = tide_torch.bridge()
 if bridge != "shim":
-    sys.exit("bridge_check: the bridge is %r, not the shim (torch %s)" % (bridge, torch.__version__))
+    sys.exit("bridge_check: the bridge is %r, not the shim (torch %s)"
+             % (bridge, torch.__version__))
 x = torch.ones(1 << 20, device="cuda")
 pool = torch.cuda.MemPool()
 with torch.cuda.use_mem_pool(pool):

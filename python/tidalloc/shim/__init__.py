@@ -215,7 +215,8 @@ def build(verbose=None, retry=None, any_version=False):
                 cpp_extension.load(name=name, sources=[SOURCE],
                                    extra_include_paths=[header_dir()],
                                    extra_cflags=["-O2", "-fvisibility=hidden"],
-                                   extra_ldflags=[os.path.realpath(library), "-Wl,-rpath," + libdir],
+                                   extra_ldflags=[os.path.realpath(library),
+                                                  "-Wl,-rpath," + libdir],
                                    build_directory=folder, with_cuda=True,
                                    is_python_module=False, verbose=verbose)
             except Exception as e:  # the compiler's own words are in e
