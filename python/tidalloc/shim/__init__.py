@@ -94,12 +94,27 @@ def _key(torch, library):
     return h.hexdigest()[:16]
 
 
+def _import_cpp_extension():
+    """torch.utils.cpp_extension, imported without its log line on a machine
+    without a GPU ("No CUDA runtime is found") unless TIDALLOC_VERBOSE."""
+    import logging
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    if not _env_on("TIDALLOC_VERBOSE"):
+        log.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        log.setLevel(level)
+    return cpp_extension
+
+
 def unavailable(any_version=False):
     """Why the shim cannot be built here, or None when it can be tried.
     A torch outside SUPPORTED is a reason unless any_version."""
     try:
         import torch
-        from torch.utils import cpp_extension
+        cpp_extension = _import_cpp_extension()
     except ImportError as e:
         return "PyTorch is not installed (%s)" % e
     if torch.version.cuda is None:
