@@ -56,7 +56,8 @@
 //   2.11 new signatures of snapshot, recordHistory, createOrIncrefPool and
 //        setUseOnOOM
 //   2.12 attachOomRejectionObserver, pure virtual
-//   2.13 markCaptureBegin/End and allocateWithAddress, with defaults
+//   2.13 markCaptureBegin/End and allocateWithAddress, with defaults;
+//        DeviceStats::reserved_bytes_by_private_pools
 //   2.14 supportsUserMetadata and annotateMemory, with defaults; torch's
 //        headers need C++20 (cpp_extension passes -std=c++20)
 //   2.15 nothing for the class
@@ -412,6 +413,19 @@ public:
     out.num_sync_all_streams = static_cast<int64_t>(st.num_sync_all_streams);
     out.num_device_alloc = static_cast<int64_t>(st.num_device_alloc);
     out.num_device_free = static_cast<int64_t>(st.num_device_free);
+#if TIDE_TORCH_AT_LEAST(13)
+    // Each live graph pool's reserved bytes, as tidalloc counts them (a
+    // released pool's entry goes with it; a MemPool's own allocator's memory
+    // is not in it).
+    Device &d = devices[device];
+    std::lock_guard<std::mutex> lock(d.mutex);
+    for (auto &[id, pool] : d.pools) {
+      tide_stats figures;
+      if (tide_pool_get_stats(pool.pool, &figures) != TIDE_OK) continue;
+      auto &stats = out.reserved_bytes_by_private_pools[id];
+      for (int p = 0; p < TIDE_POOL_KINDS; p++) put(stats[p], figures.reserved_bytes[p]);
+    }
+#endif
     return out;
   }
 
