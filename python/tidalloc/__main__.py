@@ -43,8 +43,10 @@ def _fail(prog, message, status=2):
 def _parser():
     parser = _Parser(
         prog=PROG,
-        description="tidalloc from Python. `run` needs PyTorch (pip install torch); "
-        "the tidalloc command (tidalloc --help) runs the benchmarks without it.")
+        description="tidalloc from Python. `python -m tidalloc run [options] script [script "
+        "args]` runs a script with tidalloc as PyTorch's CUDA allocator (the options after the "
+        "script's name are the script's); it needs PyTorch (pip install torch). The tidalloc "
+        "command (tidalloc --help) runs the benchmarks without it.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser(
         "run", help="run a script with tidalloc as PyTorch's CUDA allocator (needs PyTorch)",
