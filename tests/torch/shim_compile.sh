@@ -71,7 +71,6 @@ cxx_std() {
   echo "$std"
 }
 
-labels=()
 dirs=()
 absent=0
 case ${1:-} in
