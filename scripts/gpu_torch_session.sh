@@ -6,7 +6,8 @@
 # (tests/torch/alloc_pair.py), PyTorch's own graph tests under both
 # allocators when their sources are in UPSTREAM_DIR (default .upstream:
 # test/inductor/test_cudagraph_trees.py and test/test_cuda.py of the
-# installed torch's version), and the streaming model (bench/torch) when
+# installed torch's version; tests/torch/upstream/fetch_tests.sh fetches
+# them), and the streaming model (bench/torch) when
 # STREAM_FRAMES is set. Logs and results go to $OUT (default out/torch);
 # the summary is printed last.
 #   OUT=/some/dir STEPS="build shim native alloc upstream" scripts/gpu_torch_session.sh
@@ -55,11 +56,12 @@ fi
 
 if want shim; then
   t0=$SECONDS
-  if "$py" -c 'import tidalloc.shim as s; print(s.build(verbose=True))' >"$out/shim_build.log" 2>&1; then
-    note "shim: built ($((SECONDS - t0)) s)"
+  if "$py" -m tidalloc build-shim --verbose >"$out/shim_build.log" 2>&1; then
+    note "shim: built ($((SECONDS - t0)) s): $(tail -1 "$out/shim_build.log")"
   else
     note "shim: FAILED: $(tail -3 "$out/shim_build.log" | tr '\n' ' ')"
   fi
+  note "info: $("$py" -m tidalloc info 2>&1 | grep -E '^(torch|bridge):' | tr '\n' ' ')"
 fi
 
 if want native; then
@@ -100,6 +102,7 @@ fi
 # the two runs built different sources under one name at once, and one
 # loaded the other's.
 if want upstream; then
+  [[ -f $upstream/VERSION ]] && note "upstream: test files of $(cat "$upstream/VERSION")"
   for f in ${UPSTREAM_FILES:-test/inductor/test_cudagraph_trees.py test/test_cuda.py}; do
     [[ -f $upstream/$f ]] || { note "upstream: $f not in $upstream, skipped"; continue; }
     base=$(basename "$f" .py)

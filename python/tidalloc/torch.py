@@ -13,7 +13,10 @@ graph's memory stays until the process ends, cudagraph trees fail, and
 torch.cuda's figures are patched in Python to report tidalloc's.
 
 TIDALLOC_TORCH_BRIDGE=shim or pluggable (or install(bridge=...)) chooses;
-with shim, a shim that cannot be built is an error instead of a warning."""
+with shim, a shim that cannot be built is an error instead of a warning, and
+a torch outside the supported versions (tidalloc.shim.SUPPORTED) is tried
+all the same. `python -m tidalloc info` says which bridge a process would
+get and why."""
 import functools
 import os
 import warnings
@@ -105,11 +108,18 @@ def _choose(requested):
     return choice
 
 
-def _install_shim(conf):
+def _install_shim(conf, any_version=False):
     from . import shim
     if conf:
         _lib.configure(conf)
-    shim.install()
+    shim.install(any_version=any_version)
+
+
+def fallback_notice(reason):
+    """The one line said when the pluggable path is taken for `reason`."""
+    from . import shim
+    return ("tidalloc: %s; running as a pluggable allocator, without %s"
+            % (reason, ", ".join(shim.LOST)))
 
 
 def _install_pluggable(torch, conf):
@@ -123,8 +133,9 @@ def _install_pluggable(torch, conf):
 def install(conf=None, bridge=None):
     """Make tidalloc PyTorch's CUDA allocator. `conf` ("key:value,...")
     adds to TIDALLOC_CONF. `bridge`: "shim" or "pluggable" (default: the
-    shim where it can be built, else the pluggable allocator with one
-    warning saying what is missing). Raises if CUDA is already initialised."""
+    shim where it can be built for a supported torch, else the pluggable
+    allocator with one warning saying why and what is lost). Raises if CUDA
+    is already initialised."""
     global _installed
     import torch
     if _installed:
@@ -138,16 +149,12 @@ def install(conf=None, bridge=None):
     if choice in ("auto", "shim"):
         from . import shim
         try:
-            _install_shim(conf)
+            _install_shim(conf, any_version=choice == "shim")
             _installed = "shim"
         except shim.ShimUnavailable as e:
             if choice == "shim":
                 raise
-            warnings.warn("tidalloc: PyTorch's own allocator interface could not be built (%s); "
-                          "tidalloc runs as a pluggable allocator instead, where "
-                          "torch.compile(mode='reduce-overhead'), torch.cuda.MemPool and CUDA "
-                          "graph pools do not work and graph memory is kept until exit" % e,
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(fallback_notice(e), RuntimeWarning, stacklevel=2)
     if not _installed:
         _install_pluggable(torch, conf)
         _installed = "pluggable"

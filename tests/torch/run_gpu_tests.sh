@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # run_gpu_tests.sh: the PyTorch tests of tests/torch under tidalloc, for
 # `make gpu-test` (which builds the library and sets TIDALLOC_LIB):
+#   build_shim, info_says_shim, quiet_shim_launch   the shim built for this
+#                    torch and chosen; `run` then silent on stderr (bridge_check.py)
 #   smoke.py         under python -m tidalloc run: tensors, a model, the
 #                    figures, empty_cache, a torch.cuda.graph capture
 #   graph_safety.py  graphs replayed while other tensors are allocated and written
@@ -69,6 +71,13 @@ run_test() {
   esac
 }
 
+# The shim builds for this torch (python -m tidalloc build-shim), and a
+# process started now would get it (python -m tidalloc info).
+run_test build_shim "$py" -m tidalloc build-shim
+run_test info_says_shim bash -c '"$1" -m tidalloc info | tee /dev/stderr | grep -q "^bridge: shim"' _ "$py"
+# With the shim built, `run` says nothing on stderr and runs on the shim.
+run_test quiet_shim_launch bash -c 'err=$("$1" -m tidalloc run tests/torch/bridge_check.py 2>&1 >/dev/null) &&
+  { [[ -z $err ]] || { echo "stderr: $err"; false; }; }' _ "$py"
 run_test smoke "$py" -m tidalloc run tests/torch/smoke.py
 run_test graph_safety "$py" tests/torch/graph_safety.py
 run_test growable_kv "$py" -m tidalloc run tests/torch/growable_kv.py 128 --repeats 1

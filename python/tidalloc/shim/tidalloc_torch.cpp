@@ -48,12 +48,24 @@
 
 #include "tidalloc.h"
 
+// Written for torch 2.8 to 2.15 (python/tidalloc/shim/__init__.py's
+// SUPPORTED, docs/torch_versions.md); each release compiled against by
+// tests/torch/shim_compile.sh --versions. What changed for this class:
+//   2.9  CUDAAllocator became a DeviceAllocator
+//   2.10 setNoSplit and getExpandableSegmentSizes
+//   2.11 new signatures of snapshot, recordHistory, createOrIncrefPool and
+//        setUseOnOOM
+//   2.12 attachOomRejectionObserver, pure virtual
+//   2.13 markCaptureBegin/End and allocateWithAddress, with defaults;
+//        DeviceStats::reserved_bytes_by_private_pools
+//   2.14 supportsUserMetadata and annotateMemory, with defaults; torch's
+//        headers need C++20 (cpp_extension passes -std=c++20)
+//   2.15 nothing for the class
+// A later 2.x is compiled as the newest known; only a build the user asks
+// for reaches it (tidalloc.shim refuses versions outside SUPPORTED).
 #if TORCH_VERSION_MAJOR != 2 || TORCH_VERSION_MINOR < 8
-#error "the tidalloc shim is written for torch 2.8 to 2.11"
+#error "the tidalloc shim needs torch 2.8 or later"
 #endif
-// 2.9 made CUDAAllocator a DeviceAllocator; 2.10 added setNoSplit and
-// getExpandableSegmentSizes; 2.11 changed the signatures of snapshot,
-// recordHistory, createOrIncrefPool and setUseOnOOM.
 #define TIDE_TORCH_AT_LEAST(minor) (TORCH_VERSION_MINOR >= (minor))
 #define TIDE_STR2(x) #x
 #define TIDE_STR(x) TIDE_STR2(x)
@@ -401,6 +413,19 @@ public:
     out.num_sync_all_streams = static_cast<int64_t>(st.num_sync_all_streams);
     out.num_device_alloc = static_cast<int64_t>(st.num_device_alloc);
     out.num_device_free = static_cast<int64_t>(st.num_device_free);
+#if TIDE_TORCH_AT_LEAST(13)
+    // Each live graph pool's reserved bytes, as tidalloc counts them (a
+    // released pool's entry goes with it; a MemPool's own allocator's memory
+    // is not in it).
+    Device &d = devices[device];
+    std::lock_guard<std::mutex> lock(d.mutex);
+    for (auto &[id, pool] : d.pools) {
+      tide_stats figures;
+      if (tide_pool_get_stats(pool.pool, &figures) != TIDE_OK) continue;
+      auto &stats = out.reserved_bytes_by_private_pools[id];
+      for (int p = 0; p < TIDE_POOL_KINDS; p++) put(stats[p], figures.reserved_bytes[p]);
+    }
+#endif
     return out;
   }
 
@@ -633,6 +658,17 @@ public:
     oom_observers_.push_back(std::move(observer));
   }
 
+#if TIDE_TORCH_AT_LEAST(12)
+  // PyTorch's allocator calls these when its throw_on_cudamalloc_oom option
+  // refuses a request before cudaMalloc; tidalloc has no such refusal (it
+  // raises OutOfMemoryError, which the out-of-memory observers hear), so
+  // they are kept and never called.
+  void attachOomRejectionObserver(cca::OomRejectionObserver observer) override {
+    std::lock_guard<std::mutex> lock(observers_mutex_);
+    oom_rejection_observers_.push_back(std::move(observer));
+  }
+#endif
+
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker) override {}
 
   cca::ShareableHandle shareIpcHandle(void *) override {
@@ -670,6 +706,9 @@ private:
   bool enabled_ = true;
   std::mutex observers_mutex_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
+#if TIDE_TORCH_AT_LEAST(12)
+  std::vector<cca::OomRejectionObserver> oom_rejection_observers_;
+#endif
 
   // Own memory's figures added: the peak of the sum is at most the sum of
   // the peaks, which is what is reported.
