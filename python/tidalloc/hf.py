@@ -262,7 +262,8 @@ class GrowableCache(Cache):
                 max_cache_len = DEFAULT_MAX_CACHE_LEN
             super().__init__(layer_class_to_replicate=functools.partial(
                 GrowableLayer, max_cache_len, map_ahead_tokens))
-        self.max_cache_len = max_cache_len
+        # Not `max_cache_len`: some transformers releases define that on Cache.
+        self.capacity = max_cache_len
 
     def close(self):
         """Give every layer's storage back now."""
