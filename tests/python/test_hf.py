@@ -172,3 +172,26 @@ def test_crop_both_meanings_and_errors():
     with pytest.raises(ValueError, match="linear_attention"):
         GrowableCache(config=cfg)
     layer.close()
+
+
+def test_hf_generate_benchmark_runs_on_the_cpu(tmp_path):
+    """bench/torch/hf_generate.py's tiny models: one process per cache, rows
+    in one CSV, and --summarize finds GrowableCache's and StaticCache's
+    greedy outputs equal to DynamicCache's."""
+    import subprocess
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    script = os.path.join(root, "bench", "torch", "hf_generate.py")
+    out = tmp_path / "hf.csv"
+    env = dict(os.environ, TIDALLOC_CONF="backend:host", OMP_NUM_THREADS="1")
+    for cache in ("dynamic", "growable", "static"):
+        r = subprocess.run([sys.executable, script, "--tiny", "--device", "cpu", "--model",
+                            "llama1b", "--batch", "2", "--prompt", "5", "--new-tokens", "12",
+                            "--cache", cache, "--csv", str(out)], env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, script, "--summarize", str(out)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [line.split() for line in r.stdout.splitlines()[1:]]
+    assert sorted(x[3] for x in lines) == ["dynamic", "growable", "static"]
+    assert all(x[-1] == "yes" for x in lines), r.stdout
