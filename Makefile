@@ -6,7 +6,9 @@
 #                     segments, out/stream.csv and a table (FRAMES="64 128 ...")
 #   make test         build/ tests, then every test under ASan+UBSan (build-asan/),
 #                     then the tests labelled stress or threads under TSan (build-tsan/)
-#   make test-unit    only the first step; test-asan and test-tsan: the others
+#   make test-unit    only the first step; test-asan and test-tsan: the others.
+#                     It installs torch and transformers (CPU use) into a cached
+#                     virtual environment first (scripts/torch_venv.sh)
 #   make gpu-test     the GPU tests of tests/gpu (build-gpu/), on a machine with CUDA;
 #                     SANITIZE=1: the same under compute-sanitizer memcheck. Then
 #                     the PyTorch tests of tests/torch (gpu-test-torch) with the
@@ -67,7 +69,7 @@ CTEST := ctest --output-on-failure --no-tests=error -j$(JOBS)
 all: build
 
 help:
-	@sed -n '3,24s/^# \{0,1\}//p' Makefile
+	@sed -n '3,26s/^# \{0,1\}//p' Makefile
 
 deps:
 	@scripts/deps.sh
@@ -90,8 +92,12 @@ test: build
 	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed"; exit 1; fi; \
 	echo "make test: all steps passed"
 
+# The Python tests that need torch and transformers run with the python of a
+# virtual environment kept outside the repository (scripts/torch_venv.sh:
+# made once, about two minutes; TIDE_TORCH_VENV=off skips them).
 test-unit: build
 	@echo "== tests (build/)"
+	@scripts/torch_venv.sh >/dev/null || echo "test-unit: no torch environment: the python_torch test skips"
 	cd build && $(CTEST)
 
 test-asan: deps

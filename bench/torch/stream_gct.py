@@ -16,11 +16,11 @@ per block and iteration, grown every frame and never evicted. Depth and
 confidence (fp32, full resolution) and the pose of every frame stay on the
 device.
 
---growable keeps each global layer's K and V in a tidalloc.GrowableTensor:
-[scale frames][a ring of 64 frame slots][special tokens of evicted frames],
-appended in place (a frame past the window takes the slot of the frame it
-evicts, whose special tokens are appended first), attention reading it where
-it is; the camera caches are GrowableTensors too. --compile compiles the
+--growable keeps each global layer's K and V in a tidalloc.kv.KVCache (the
+package's [B, H, T, D] cache, appended in place): [scale frames][a ring of 64
+frame slots][special tokens of evicted frames] (a frame past the window takes
+the slot of the frame it evicts, whose special tokens are appended first),
+attention reading it where it is; the camera caches are KVCaches too. --compile compiles the
 encoder blocks, frame blocks and the fixed-shape parts of the global blocks
 with torch.compile(mode="reduce-overhead") (CUDA graphs), the cache work
 staying eager.
@@ -309,57 +309,52 @@ class CatKVCache:
 
 
 class GrowableKVCache:
-    """The same cache in a tidalloc.GrowableTensor per K and V, rows of
-    [H, D]: [scale frames][a ring of `window` frame slots][special tokens of
-    evicted frames]. A frame past the window takes the slot of the oldest
-    frame in the ring, whose special tokens are appended at the end first:
-    nothing is rebuilt, and attention reads the buffer where it is (the
-    order of keys does not change attention's result)."""
+    """The same cache in a tidalloc.kv.KVCache (the package's [B, H, T, D]
+    cache, appended in place): [scale frames][a ring of `window` frame
+    slots][special tokens of evicted frames], one step a token. A frame past
+    the window takes the slot of the oldest frame in the ring (KVCache.put),
+    whose special tokens are appended at the end first: nothing is rebuilt,
+    and attention reads the cache where it is (the order of keys does not
+    change attention's result)."""
 
     def __init__(self, shape, device, total_frames, map_ahead_frames=1):
-        import tidalloc
-        h, d, t = shape.heads, shape.head_dim, shape.tokens
+        from tidalloc.kv import KVCache
+        t = shape.tokens
         held = shape.scale_frames + shape.window
         rows = held * t + shape.special * max(0, total_frames - held)
-        index = device_index(device)
         self.shape = shape
-        self.k = tidalloc.GrowableTensor((h, d), torch.float32, rows, device=index,
-                                         map_ahead_rows=map_ahead_frames * t)
-        self.v = tidalloc.GrowableTensor((h, d), COMPUTE_DTYPE, rows, device=index,
-                                         map_ahead_rows=map_ahead_frames * t)
+        # K in fp32 and V in the compute dtype, as the first append brings them.
+        self.kv = KVCache(max_len=rows, map_ahead_steps=map_ahead_frames * t)
         self.frames = 0       # frames held (scale frames and ring)
         self.appended = 0     # frames ever appended: the ring's clock
         self.special_tokens = 0
 
     def append(self, k, v):
+        """k, v: [B, H, T, D] of B new frames, appended a frame at a time."""
+        if not self.kv.initialized:
+            k, v = k.float(), v.to(COMPUTE_DTYPE)
         for i in range(k.shape[0]):
-            self._append_frame(k[i].transpose(0, 1), v[i].transpose(0, 1))
+            self._append_frame(k[i:i + 1], v[i:i + 1])
 
-    def _append_frame(self, k_rows, v_rows):
-        """k_rows, v_rows: [T, H, D] (views; copied into the buffers)."""
+    def _append_frame(self, k, v):
+        """k, v: [1, H, T, D] (views; copied into the cache)."""
         s, w, t = self.shape.scale_frames, self.shape.window, self.shape.tokens
         if self.frames < s + w:
-            self.k.append(k_rows)
-            self.v.append(v_rows)
+            self.kv.append(k, v)
             self.frames += 1
         else:
             slot = s + (self.appended - s) % w
-            rows = slice(slot * t, (slot + 1) * t)
-            first_special = slice(slot * t, slot * t + self.shape.special)
-            for buf, new in ((self.k, k_rows), (self.v, v_rows)):
-                buf.append(buf.tensor()[first_special])
-                buf.tensor()[rows].copy_(new)
+            special = slice(slot * t, slot * t + self.shape.special)
+            self.kv.append(self.kv.keys[:, :, special], self.kv.values[:, :, special])
+            self.kv.put(slot * t, k, v)
             self.special_tokens += self.shape.special
         self.appended += 1
 
     def attention(self, q):
-        k = self.k.tensor().permute(1, 0, 2).unsqueeze(0)
-        v = self.v.tensor().permute(1, 0, 2).unsqueeze(0)
-        return attend(q, k, v)
+        return attend(q, self.kv.keys, self.kv.values)
 
     def close(self):
-        self.k.close()
-        self.v.close()
+        self.kv.close()
 
 
 class CatCameraCache:
@@ -388,30 +383,25 @@ class CatCameraCache:
 
 
 class GrowableCameraCache:
-    """The same in GrowableTensors of rows [H, 1, Dc], one row a frame."""
+    """The same in a tidalloc.kv.KVCache of [1, H, n, Dc], one step a frame."""
 
     def __init__(self, shape, device, total_frames):
-        import tidalloc
-        row = (shape.camera_heads, 1, shape.camera_head_dim)
-        index = device_index(device)
-        self.k = tidalloc.GrowableTensor(row, torch.float32, total_frames, device=index)
-        self.v = tidalloc.GrowableTensor(row, torch.float32, total_frames, device=index)
+        from tidalloc.kv import KVCache
+        self.kv = KVCache(max_len=total_frames, map_ahead_steps=0)
 
     def append(self, k, v):
-        self.k.append(k[:, :, None])
-        self.v.append(v[:, :, None])
+        """k, v: [B, H, Dc] of B new frames."""
+        self.kv.append(k.transpose(0, 1)[None], v.transpose(0, 1)[None])
 
     def keys_values(self):
-        return (self.k.tensor().squeeze(2).transpose(0, 1)[None],
-                self.v.tensor().squeeze(2).transpose(0, 1)[None])
+        return self.kv.keys, self.kv.values
 
     @property
     def frames(self):
-        return self.k.rows
+        return len(self.kv)
 
     def close(self):
-        self.k.close()
-        self.v.close()
+        self.kv.close()
 
 
 class StreamState:
@@ -935,7 +925,7 @@ def parse_args(argv=None):
     p.add_argument("--trace-csv", help="under tidalloc, every allocation and free of the "
                    "process for `tidalloc replay` (gzip'd CSV; needs TIDALLOC_CONF=trace:N)")
     p.add_argument("--growable", action="store_true",
-                   help="KV and camera caches in tidalloc.GrowableTensor instead of torch.cat")
+                   help="KV and camera caches in tidalloc.kv.KVCache instead of torch.cat")
     p.add_argument("--map-ahead-frames", type=int, default=1, metavar="N",
                    help="with --growable, the rows of N frames each KV cache keeps mapped ahead, "
                    "mapped by a worker thread of its own (default 1; 0: none, each append maps "

@@ -202,20 +202,25 @@ held_max, t = shape.scale_frames + shape.window, shape.tokens
 outputs = {}
 for growable in (False, True):
     state = sg.StreamState(shape, "cpu", %(frames)d, growable, %(map_ahead)d)
-    ptrs = [c.k.data_ptr for c in state.kv] if growable else None
+    ptrs = {}  # each cache's storage address, from its first append (made lazily)
 
     def check(batch):
         if not growable:
             return
         n = state.frames_done
         special = shape.special * max(0, n - held_max)
-        for cache, ptr in zip(state.kv, ptrs):
+        for cache in state.kv:
+            ptr = ptrs.setdefault(id(cache), cache.kv.data_ptrs()[0])
             rows = min(n, held_max) * t + special
-            assert cache.k.rows == cache.v.rows == rows, (n, cache.k.rows, rows)
-            assert cache.k.tensor().data_ptr() == ptr
-            assert cache.k.dtype == torch.float32 and cache.v.dtype == torch.bfloat16
+            # The package's KVCache: [1, H, rows, D] views over storage that
+            # never moves (the first step's address, every step).
+            assert len(cache.kv) == rows, (n, len(cache.kv), rows)
+            assert cache.kv.keys.shape[2] == cache.kv.values.shape[2] == rows
+            assert cache.kv.keys.data_ptr() == ptr
+            assert cache.kv.keys.dtype == torch.float32
+            assert cache.kv.values.dtype == torch.bfloat16
         for cache in state.camera:
-            assert cache.k.rows == cache.v.rows == n
+            assert len(cache.kv) == cache.kv.values.shape[2] == n
 
     sg.stream(model, state, %(frames)d, "cpu", torch.Generator().manual_seed(1), on_step=check)
     outputs[growable] = [o[2] for o in state.outputs] + [state.outputs[-1][0]]

@@ -27,8 +27,9 @@ saves a third of the time of two separate pairings. --pairs counts rounds.
 
 Programs: validate.py's (gpt2, vit, stream_gct: bench/torch/stream_gct.py's
 model, built once per worker, --frames frames with fresh caches each run;
-stream_gct_growable: its caches in GrowableTensors; stream_gct_compile: its
-hot modules under torch.compile(mode="reduce-overhead"); compile_kv: the
+stream_gct_growable: its caches in tidalloc.kv.KVCaches; stream_gct_compile: its
+hot modules under torch.compile(mode="reduce-overhead"), and
+stream_gct_growable_compile with KVCaches too; compile_kv: the
 growing-KV decoder compiled so, --frames decoding steps per run).
 
 Configurations as in run_validation.sh: native, expandable
@@ -68,7 +69,7 @@ ratio segment by segment (where in the run a difference lies) and the ratio of
 the summed segment times with an interval over the segments resampled, which a
 single round can give.
 
-For the compiled programs (compile_kv, stream_gct_compile) the first
+For the compiled programs (compile_kv, stream_gct[_growable]_compile) the first
 configuration's worker starts alone and the others once it is ready: inductor
 times some kernels' configurations the first time they run and caches the
 choice on disk, so workers compiling side by side could each choose
@@ -542,7 +543,7 @@ def main():
 # Programs under torch.compile: inductor tunes some kernels by timing them the
 # first time they run, so two processes that compile at once may choose
 # differently and differ in time for that alone.
-COMPILED_PROGRAMS = ("compile_kv", "stream_gct_compile")
+COMPILED_PROGRAMS = ("compile_kv", "stream_gct_compile", "stream_gct_growable_compile")
 
 
 def run_set(args, rounds, budget_s, emit, on_segment=None):

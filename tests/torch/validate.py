@@ -21,9 +21,11 @@ seconds,repeats,median_seconds,min_seconds,max_seconds,peak_reserved_all_mib
   stream_gct: bench/torch/stream_gct.py's model (random weights, seed 0,
         built once), --frames frames (default 128) streamed with fresh
         caches each run, grown by torch.cat; stream_gct_growable: the same
-        with the caches in tidalloc GrowableTensors; stream_gct_compile:
+        with the caches in the package's tidalloc.kv.KVCache; stream_gct_compile:
         the hot modules under torch.compile(mode="reduce-overhead") (the
-        first run, untimed, compiles and records the CUDA graphs). The output is every
+        first run, untimed, compiles and records the CUDA graphs), and
+        stream_gct_growable_compile the same with the caches in KVCaches
+        (the cache work stays eager in both). The output is every
         frame's pose and the last frame's depth and confidence.
   compile_kv: tests/torch/native_shim.py's growing-KV decoder (16 layers,
         width 1024, batch 8) under torch.compile(mode="reduce-overhead"),
@@ -53,7 +55,7 @@ streaming programs) also takes "begin", answered "begun", and then
 "segment" until the run ends: each streams the next N frames, answered
 "segment SECONDS", and the last "end SECONDS" and the run's line.
 
-    python tests/torch/validate.py gpt2|vit|stream_gct[_growable|_compile]|compile_kv native|tidalloc
+    python tests/torch/validate.py gpt2|vit|stream_gct[_growable][_compile]|compile_kv native|tidalloc
                                    [--repeats N] [--frames N] [--trace-csv FILE.csv.gz]
                                    [--serve [--cold] [--label NAME] [--warmup-frames N]
                                     [--segment-frames N]]"""
@@ -125,7 +127,7 @@ def compile_kv(torch, dev, steps, layers=16, width=1024, batch=8):
 
 
 PROGRAMS = ("gpt2", "vit", "stream_gct", "stream_gct_growable", "stream_gct_compile",
-            "compile_kv")
+            "stream_gct_growable_compile", "compile_kv")
 # The programs whose first run may be a shorter stream (--warmup-frames): a
 # compiled program's first runs record the graphs its timed runs replay.
 SHORT_WARMUP_PROGRAMS = ("stream_gct", "stream_gct_growable")
@@ -134,8 +136,8 @@ SHORT_WARMUP_PROGRAMS = ("stream_gct", "stream_gct_growable")
 def make_program(name, torch, dev, frames):
     """The run(digest) function of a validation program."""
     if name.startswith("stream_gct"):
-        return stream_gct(torch, dev, frames, growable=name == "stream_gct_growable",
-                          compiled=name == "stream_gct_compile")
+        return stream_gct(torch, dev, frames, growable="growable" in name,
+                          compiled=name.endswith("_compile"))
     if name == "compile_kv":
         return compile_kv(torch, dev, frames)
     return {"gpt2": gpt2, "vit": vit}[name](torch, dev)

@@ -1,0 +1,313 @@
+"""hf_generate.py: transformers generation with random weights, one cache per
+process: tidalloc.hf.GrowableCache, DynamicCache (torch.cat every token) or
+StaticCache (max_cache_len reserved up front, 2x the tokens produced by
+default). Greedy decoding of exactly --new-tokens tokens from a random
+prompt; appends a CSV row: the time per token over the whole generate call
+(from a synchronized device to a synchronized device, after an untimed
+warm-up generate of 16 tokens with the same kind of cache), the time per
+token of the first and last 10% of the steps (host clock at each step's
+logits: generate synchronizes every step to check its stopping criteria),
+peak memory, and a digest of the generated ids, to compare with
+DynamicCache's (--summarize).
+
+Memory: PyTorch's peak allocated and reserved bytes, tidalloc's peak
+reserved bytes (the growable caches' mapped pages; tidalloc is not PyTorch's
+allocator here), and their sum: an upper bound of the peak of the sum, as
+the cache's pages only grow during a run.
+
+Models (random weights from the config, bf16 on a GPU, fp32 on the CPU,
+attention through SDPA): gpt2 (124M: 12 layers, 12 heads of 64) and
+llama1b (the Llama 3.2 1B shape: 16 layers, 32 query and 8 key/value heads
+of 64, 1.24B parameters), and tiny versions of both for the CPU (--tiny).
+StaticCache runs eager (generate's automatic compilation is turned off) so
+that the three caches are timed on the same path; --static-compile leaves
+it on.
+
+    python bench/torch/hf_generate.py --model llama1b --batch 8 --new-tokens 2048 \\
+        --cache growable --csv hf.csv
+    python bench/torch/hf_generate.py --summarize hf.csv
+    TIDALLOC_CONF=backend:host python bench/torch/hf_generate.py --tiny --device cpu \\
+        --model gpt2 --new-tokens 32 --cache growable --csv hf.csv"""
+import argparse
+import csv
+import hashlib
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+# The package of this source tree, also when PYTHONPATH does not name it.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+
+COLUMNS = ("model", "params_m", "batch", "prompt", "new_tokens", "cache", "max_cache_len",
+           "device", "dtype", "transformers", "torch", "status", "seconds", "ms_per_token",
+           "ms_per_token_first10", "ms_per_token_last10", "torch_peak_allocated_gib",
+           "torch_peak_reserved_gib", "tidalloc_peak_reserved_gib", "peak_total_gib",
+           "kv_bytes_gib", "ids_sha256", "error")
+CACHES = ("growable", "dynamic", "static")
+GiB = float(1 << 30)
+
+
+def make_config(name, tiny, positions):
+    import transformers
+    if name == "gpt2":
+        if tiny:
+            return transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=512,
+                                           n_positions=positions)
+        return transformers.GPT2Config(n_positions=positions)  # 12 layers, 12 heads, 768
+    if name == "llama1b":
+        if tiny:
+            return transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64,
+                                            intermediate_size=128, num_attention_heads=4,
+                                            num_key_value_heads=2, vocab_size=512,
+                                            max_position_embeddings=positions)
+        return transformers.LlamaConfig(hidden_size=2048, intermediate_size=8192,
+                                        num_hidden_layers=16, num_attention_heads=32,
+                                        num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                                        tie_word_embeddings=True, rope_theta=500000.0,
+                                        max_position_embeddings=max(positions, 131072))
+    raise ValueError("unknown model %r" % name)
+
+
+def build_model(args, positions):
+    import transformers
+    config = make_config(args.model, args.tiny, positions)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(args.seed)
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    with torch.device(args.device):
+        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    model.eval()
+    gc = model.generation_config
+    gc.eos_token_id = None          # exactly --new-tokens tokens
+    gc.pad_token_id = 0
+    if not args.static_compile:
+        gc.disable_compile = True
+    return model, dtype
+
+
+def make_cache(kind, model, max_cache_len):
+    if kind == "growable":
+        from tidalloc.hf import GrowableCache
+        return GrowableCache(config=model.config, max_cache_len=max_cache_len)
+    if kind == "dynamic":
+        from transformers import DynamicCache
+        return DynamicCache()
+    from transformers import StaticCache
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+class StepClock:
+    """A logits processor that notes the host clock at every step."""
+
+    def __init__(self):
+        self.marks = []
+
+    def __call__(self, input_ids, scores):
+        self.marks.append(time.perf_counter())
+        return scores
+
+
+def generate(model, ids, cache, new_tokens, clock=None):
+    from transformers import LogitsProcessorList
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens, do_sample=False, past_key_values=cache)
+    if clock is not None:
+        kwargs["logits_processor"] = LogitsProcessorList([clock])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # newer transformers call past_key_values `cache`
+        with torch.no_grad():
+            return model.generate(**kwargs)
+
+
+def synchronize(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def tidalloc_peak(device):
+    """tidalloc's peak reserved bytes on the device, or 0 when unused."""
+    if "tidalloc" not in sys.modules:
+        return 0
+    import tidalloc
+    return tidalloc.stats(torch.device(device).index or 0).reserved_bytes[0].peak
+
+
+def reset_peaks(device):
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    if "tidalloc" in sys.modules:
+        import tidalloc
+        tidalloc.reset_peak(torch.device(device).index or 0)
+
+
+def kv_bytes(model, batch, tokens, dtype):
+    c = model.config.get_text_config(decoder=True)
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * batch * heads * head_dim * tokens * \
+        torch.empty((), dtype=dtype).element_size()
+
+
+def per_token(marks, part):
+    """ms per token over the first (part=0) or last (1) 10% of the steps."""
+    gaps = [b - a for a, b in zip(marks, marks[1:])]
+    if not gaps:
+        return ""
+    n = max(1, len(gaps) // 10)
+    chosen = gaps[:n] if part == 0 else gaps[-n:]
+    return "%.4f" % (1e3 * sum(chosen) / len(chosen))
+
+
+def run(args):
+    import transformers
+    positions = args.prompt + args.new_tokens
+    max_cache_len = args.max_cache_len or max(2 * args.new_tokens, positions)
+    model, dtype = build_model(args, max(positions, max_cache_len))
+    g = torch.Generator().manual_seed(args.seed + 1)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    ids = torch.randint(1, vocab, (args.batch, args.prompt), generator=g).to(args.device)
+    row = dict(model=args.model + ("-tiny" if args.tiny else ""), batch=args.batch,
+               params_m="%.1f" % (sum(p.numel() for p in model.parameters()) / 1e6),
+               prompt=args.prompt, new_tokens=args.new_tokens, cache=args.cache,
+               max_cache_len=max_cache_len if args.cache != "dynamic" else "",
+               device=args.device, dtype=str(dtype).replace("torch.", ""),
+               transformers=transformers.__version__, torch=torch.__version__, status="ok",
+               kv_bytes_gib="%.3f" % (kv_bytes(model, args.batch, positions, dtype) / GiB),
+               error="")
+    # Untimed: kernels, cuBLAS handles, the cache kind's first use.
+    warm = make_cache(args.cache, model, max_cache_len)
+    generate(model, ids, warm, min(16, args.new_tokens))
+    if hasattr(warm, "close"):
+        warm.close()
+    del warm
+    synchronize(args.device)
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    cache = make_cache(args.cache, model, max_cache_len)
+    reset_peaks(args.device)
+    clock = StepClock()
+    try:
+        synchronize(args.device)
+        start = time.perf_counter()
+        out = generate(model, ids, cache, args.new_tokens, clock)
+        synchronize(args.device)
+        seconds = time.perf_counter() - start
+        produced = out.shape[1] - args.prompt
+        if produced != args.new_tokens:
+            raise RuntimeError("generated %d tokens, not %d" % (produced, args.new_tokens))
+        row.update(seconds="%.3f" % seconds, ms_per_token="%.4f" % (1e3 * seconds / produced),
+                   ms_per_token_first10=per_token(clock.marks, 0),
+                   ms_per_token_last10=per_token(clock.marks, 1),
+                   ids_sha256=hashlib.sha256(out.cpu().numpy().tobytes()).hexdigest()[:16])
+        if args.ids_out:
+            torch.save(out.cpu(), args.ids_out)
+    except torch.OutOfMemoryError as e:
+        row.update(status="oom", error=" ".join(str(e).split())[:200])
+    if args.device.startswith("cuda"):
+        tp_alloc = torch.cuda.max_memory_allocated()
+        tp_res = torch.cuda.max_memory_reserved()
+        td = tidalloc_peak(args.device)
+        row.update(torch_peak_allocated_gib="%.3f" % (tp_alloc / GiB),
+                   torch_peak_reserved_gib="%.3f" % (tp_res / GiB),
+                   tidalloc_peak_reserved_gib="%.3f" % (td / GiB),
+                   peak_total_gib="%.3f" % ((tp_res + td) / GiB))
+    if hasattr(cache, "close"):
+        cache.close()
+    return row
+
+
+def append_row(path, row):
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        if new:
+            w.writeheader()
+        w.writerow({k: row.get(k, "") for k in COLUMNS})
+
+
+def summarize(path, out=sys.stdout):
+    """Per (model, batch, new tokens): each cache's time per token and peak
+    against DynamicCache's, and whether its ids equal DynamicCache's.
+    Returns the number of groups whose greedy outputs differ from it."""
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["batch"], r["new_tokens"]), {})[r["cache"]] = r
+    differ = 0
+    print("%-12s %5s %6s  %-9s %10s %8s %8s %10s %7s  %s" % (
+        "model", "batch", "tokens", "cache", "ms/token", "x dyn", "last10%", "peak GiB",
+        "x dyn", "ids = dynamic's"), file=out)
+    for (model, batch, tokens), by in sorted(groups.items()):
+        ref = by.get("dynamic")
+        for kind in CACHES:
+            r = by.get(kind)
+            if r is None:
+                continue
+            if r["status"] != "ok":
+                print("%-12s %5s %6s  %-9s %s" % (model, batch, tokens, kind, r["status"]),
+                      file=out)
+                continue
+            ratio = peak_ratio = same = ""
+            if ref is not None and ref["status"] == "ok":
+                ratio = "%.3f" % (float(r["ms_per_token"]) / float(ref["ms_per_token"]))
+                if r["peak_total_gib"] and float(ref["peak_total_gib"] or 0) > 0:
+                    peak_ratio = "%.3f" % (float(r["peak_total_gib"]) /
+                                           float(ref["peak_total_gib"]))
+                same = "yes" if r["ids_sha256"] == ref["ids_sha256"] else "NO"
+                if kind != "dynamic" and same == "NO":
+                    differ += 1
+            print("%-12s %5s %6s  %-9s %10s %8s %8s %10s %7s  %s" % (
+                model, batch, tokens, kind, r["ms_per_token"], ratio,
+                r["ms_per_token_last10"], r["peak_total_gib"] or "-", peak_ratio, same),
+                file=out)
+    return differ
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--summarize", metavar="CSV", help="print the table of a CSV and exit")
+    p.add_argument("--model", choices=("gpt2", "llama1b"), default="gpt2")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens (default 32)")
+    p.add_argument("--new-tokens", type=int, default=2048)
+    p.add_argument("--cache", choices=CACHES, default="growable")
+    p.add_argument("--max-cache-len", type=int,
+                   help="StaticCache's length and GrowableCache's reservation (default: "
+                   "2x the new tokens, at least prompt + new tokens)")
+    p.add_argument("--static-compile", action="store_true",
+                   help="let generate compile the model for StaticCache (off by default)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny models, for the CPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--csv", help="append the row to this CSV")
+    p.add_argument("--ids-out", help="save the generated ids (torch.save)")
+    args = p.parse_args(argv)
+    if not args.summarize and (args.batch < 1 or args.prompt < 1 or args.new_tokens < 1):
+        p.error("--batch, --prompt and --new-tokens must be positive")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.summarize:
+        differ = summarize(args.summarize)
+        if differ:
+            print("hf_generate: %d configuration(s) whose greedy outputs differ from "
+                  "DynamicCache's" % differ)
+        return 1 if differ else 0
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("hf_generate: no CUDA device; use --device cpu --tiny")
+    row = run(args)
+    if args.csv:
+        append_row(args.csv, row)
+    print(" ".join("%s=%s" % (k, row.get(k, "")) for k in COLUMNS if row.get(k, "") != ""),
+          flush=True)
+    return 0 if row["status"] == "ok" else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

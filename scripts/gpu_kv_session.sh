@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# gpu_kv_session.sh: the KV-cache measurements on one GPU, from the repository
+# root, within SESSION_SECONDS (default 450): a stage or run is not begun with
+# less than its minimum left, and each is cut at what is left. Stages
+# (STAGES, in order; default "kernels stream hf stream_compile hf_long"):
+#   kernels         tests/torch/kv_cache_gpu.py: which SDPA kernels take
+#                   tidalloc.kv.KVCache's views, and a CUDA graph replayed over
+#                   a bucket of lengths (kv_kernels.csv, kv_cache_gpu.txt)
+#   stream          bench/torch/stream_gct.py's model, STREAM_FRAMES frames
+#                   (default 128), paired with tests/torch/paired_time.py, one
+#                   process per configuration, STREAM_ROUNDS rounds (default 2):
+#                   torch.cat under expandable segments (the reference) and the
+#                   native allocator, and the caches in KVCache under both
+#                   (STREAM_CONFIGS) (stream_eager.csv, stream_eager.txt)
+#   stream_compile  the same with the hot modules compiled
+#                   (mode="reduce-overhead"), STREAM_COMPILE_ROUNDS rounds
+#                   (default 1) of STREAM_COMPILE_CONFIGS (default: torch.cat and
+#                   KVCache, both under expandable segments)
+#   hf              bench/torch/hf_generate.py, one process per run, for each
+#                   MODEL:BATCH:NEW_TOKENS of HF_RUNS (default: gpt2 and llama1b,
+#                   batch 8 and 1, 2048 new tokens) and each cache of HF_CACHES
+#                   (default dynamic growable static, run next to each other)
+#   hf_long         the same for HF_LONG_RUNS (default: 8192 new tokens, batch
+#                   8 then 1), with what time is left
+# Rows go to $OUT/hf_generate.csv; summary.txt has every stage's table,
+# including whether each cache's greedy outputs equal DynamicCache's.
+#
+#   OUT=dir scripts/gpu_kv_session.sh
+#   OUT=dir STAGES="kernels hf" HF_RUNS="llama1b:8:2048" SESSION_SECONDS=240 scripts/gpu_kv_session.sh
+#
+# Needs torch and transformers (5.x) in TIDE_PYTHON (default python3); builds
+# the library (Release) into build-kv/.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+out=${OUT:-out/gpu_kv}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+py=${TIDE_PYTHON:-python3}
+budget=${SESSION_SECONDS:-450}
+stages=${STAGES:-kernels stream hf stream_compile hf_long}
+summary=$out/summary.txt
+: >"$summary"
+note() { echo "$*" | tee -a "$summary"; }
+left() { echo $((budget - SECONDS)); }
+want() { [[ " $stages " == *" $1 "* ]]; }
+# enough N WHAT: whether N seconds are left for WHAT (noted when not).
+enough() {
+  if (($(left) < $1)); then
+    note "$2: not begun, $(left) s left of $budget"
+    return 1
+  fi
+}
+
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+export TIDALLOC_LIB=$PWD/build-kv/libtidalloc.so
+{
+  echo "date: $(date -u)"
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  "$py" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)' 2>&1
+  echo "cpus: $(nproc)"
+} | tee -a "$summary" >"$out/machine.txt"
+
+if ! { cmake -S . -B build-kv -DCMAKE_BUILD_TYPE=Release -DTIDE_BUILD_TESTS=OFF \
+  -DTIDE_BUILD_EXAMPLES=OFF -DTIDE_BUILD_TOOLS=OFF && cmake --build build-kv -j"$(nproc)" --target tidalloc; } >"$out/build.log" 2>&1; then
+  note "build: FAILED (build.log)"
+  exit 1
+fi
+note "build: done after $SECONDS s"
+
+if want kernels && enough 30 kernels; then
+  timeout -k 10 "$(left)" "$py" tests/torch/kv_cache_gpu.py --csv "$out/kv_kernels.csv" \
+    >"$out/kv_cache_gpu.txt" 2>&1
+  note "kernels (rc $?): $(tail -1 "$out/kv_cache_gpu.txt")"
+  grep '^FAIL' "$out/kv_cache_gpu.txt" | tee -a "$summary"
+fi
+
+# paired NAME PROGRAM ROUNDS CONFIGS...: paired_time.py over the configurations.
+paired() {
+  local name=$1 program=$2 rounds=$3 limit
+  shift 3
+  limit=$(left)
+  timeout -k 20 "$limit" "$py" tests/torch/paired_time.py "$program" \
+    --frames "${STREAM_FRAMES:-128}" --pairs "$rounds" --budget-s "$((limit * 2 / 3))" \
+    --configs "$@" >"$out/$name.csv" 2>"$out/$name.txt"
+  note "$name (rc $?, $(grep -vc '^#\|^program' "$out/$name.csv") runs):"
+  grep -v '^validate.py\|^\s*$' "$out/$name.txt" | tail -20 | tee -a "$summary"
+}
+
+hf_runs() {
+  local spec model batch tokens cache rc
+  for spec in $1; do
+    IFS=: read -r model batch tokens <<<"$spec"
+    for cache in ${HF_CACHES:-dynamic growable static}; do
+      enough "${HF_MIN_SECONDS:-60}" "hf $spec $cache" || continue
+      timeout -k 10 "$(left)" "$py" bench/torch/hf_generate.py --model "$model" \
+        --batch "$batch" --new-tokens "$tokens" --cache "$cache" --csv "$out/hf_generate.csv" \
+        >>"$out/hf_generate.log" 2>&1
+      rc=$?
+      ((rc == 0)) || note "hf $spec $cache: rc $rc (hf_generate.log)"
+    done
+  done
+}
+
+if want stream && enough 120 stream; then
+  # shellcheck disable=SC2086
+  paired stream_eager stream_gct "${STREAM_ROUNDS:-2}" \
+    ${STREAM_CONFIGS:-expandable native expandable@stream_gct_growable native@stream_gct_growable}
+fi
+if want hf; then
+  hf_runs "${HF_RUNS:-gpt2:8:2048 llama1b:8:2048 gpt2:1:2048 llama1b:1:2048}"
+fi
+if want stream_compile && enough 180 stream_compile; then
+  # shellcheck disable=SC2086
+  paired stream_compile stream_gct_compile "${STREAM_COMPILE_ROUNDS:-1}" \
+    ${STREAM_COMPILE_CONFIGS:-expandable expandable@stream_gct_growable_compile}
+fi
+if want hf_long; then
+  hf_runs "${HF_LONG_RUNS:-llama1b:8:8192 gpt2:8:8192 llama1b:1:8192 gpt2:1:8192}"
+fi
+if [[ -s $out/hf_generate.csv ]]; then
+  note "hf_generate (time per token and peak against DynamicCache's):"
+  "$py" bench/torch/hf_generate.py --summarize "$out/hf_generate.csv" 2>&1 | tee -a "$summary"
+fi
+note "done after $SECONDS s"
