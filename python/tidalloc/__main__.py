@@ -101,6 +101,12 @@ def _run(a):
             _fail(prog, "--conf: %s" % e)
         except OSError as e:  # the library itself is missing
             _fail(prog, str(e), status=1)
+    try:
+        notice = _lib.conf_notice()  # a retired key in TIDALLOC_CONF or --conf
+    except (_lib.TidallocError, OSError):
+        notice = None  # a bad TIDALLOC_CONF is reported by install() below
+    if notice:
+        sys.stderr.write("tidalloc: %s\n" % notice)
     _no_torch(prog)
     from . import torch as tide_torch
     # The fallback's warning, if any, as one line.

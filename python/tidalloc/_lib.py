@@ -140,6 +140,8 @@ def lib():
         l.tide_conf_get.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         l.tide_config_free.argtypes = [ctypes.c_void_p]
         l.tide_config_free.restype = None
+        l.tide_config_notice.argtypes = [ctypes.c_void_p]
+        l.tide_config_notice.restype = ctypes.c_char_p
         l.tide_config_option_count.restype = ctypes.c_size_t
         l.tide_config_option_count.argtypes = []
         l.tide_config_option.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
@@ -288,6 +290,20 @@ def conf_option(key):
     finally:
         l.tide_config_free(config)
     raise KeyError("tidalloc has no option %r" % key)
+
+
+def conf_notice():
+    """A sentence for the user about the process-wide configuration, or
+    None: a key of an earlier version that is accepted but does nothing
+    (release_slack, release_limit, wait_limit), and what to do."""
+    l = lib()
+    config = ctypes.c_void_p()
+    check(l.tide_conf_get(ctypes.byref(config)), "tide_conf_get")
+    try:
+        text = l.tide_config_notice(config)
+        return text.decode() if text else None
+    finally:
+        l.tide_config_free(config)
 
 
 def backend(index=0):

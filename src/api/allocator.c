@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "features/features.h"
 #include "features/pinned.h"
@@ -258,6 +259,30 @@ static void out_of_memory(tide_allocator *a, tide_stream stream, size_t size, si
             : (limited ? "" : "; raise host_capacity (the emulated device's memory)"));
 }
 
+/* How long an allocation the device cannot hold waits for others to give
+ * memory back: a few of their device checks, so that a second process
+ * whose first growth meets the first one's cache gets the pages instead of
+ * an error, and a real out-of-memory error comes within a fraction of a
+ * second. */
+#define OTHERS_TRIES 20
+#define OTHERS_WAIT_NS 5000000L
+
+/* Whether others (another process, another allocator of the device) hold
+ * memory that `rounded` more bytes would need: this allocator's limit has
+ * room for them, but the device has not, and others hold more than the
+ * low-water mark. */
+static bool others_hold_memory(tide_allocator *a, size_t rounded) {
+  size_t free_bytes, total;
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
+  bool known = a->backend.ops->mem_info(a->backend.ctx, &free_bytes, &total) == TIDE_OK;
+  _tide_error_restore(&saved);
+  int64_t reserved = atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
+  if (!known || (size_t)reserved + rounded > atomic_load(&a->limit) || free_bytes >= rounded)
+    return false;
+  return (int64_t)total - (int64_t)free_bytes - reserved > (int64_t)_tide_low_water(a);
+}
+
 static void *malloc_retry(tide_allocator *a, _tide_arena *arena, size_t size, size_t rounded,
                           tide_stream stream) {
   char cause[512];
@@ -267,6 +292,16 @@ static void *malloc_retry(tide_allocator *a, _tide_arena *arena, size_t size, si
   _tide_lock_acquire(&arena->lock);
   int rc = _tide_arena_malloc(arena, size, rounded, &ptr);
   _tide_lock_release(&arena->lock);
+  /* The device, not the limit, in the way: others holding memory they
+   * cache give it back when they see the device low, within a few of
+   * their allocations (arena.c, yield_to_device). */
+  for (unsigned tries = 0;
+       rc == TIDE_ERR_OOM && tries < OTHERS_TRIES && others_hold_memory(a, rounded); tries++) {
+    nanosleep(&(struct timespec){.tv_nsec = OTHERS_WAIT_NS}, NULL);
+    _tide_lock_acquire(&arena->lock);
+    rc = _tide_arena_malloc(arena, size, rounded, &ptr);
+    _tide_lock_release(&arena->lock);
+  }
   if (rc == TIDE_OK) return ptr;
   if (rc == TIDE_ERR_OOM) {
     snprintf(cause, sizeof cause, "%s", tide_last_error());

@@ -38,9 +38,9 @@ def test_missing_script(tmp_path):
 def test_bad_conf_names_the_key_and_what_is_accepted(tmp_path):
     script = tmp_path / "s.py"
     script.write_text("print('ran')\n")
-    line = one_line_error(tidalloc("run", "--conf", "release_slack:abc", str(script)))
+    line = one_line_error(tidalloc("run", "--conf", "memory_fraction:abc", str(script)))
     assert line.startswith("python -m tidalloc run: --conf: ")
-    assert 'bad value "abc" for release_slack' in line and "accepted:" in line
+    assert 'bad value "abc" for memory_fraction' in line and "accepted:" in line
 
 
 def test_unknown_key_in_conf(tmp_path):
@@ -79,3 +79,17 @@ def test_options_after_the_script_are_the_scripts(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout == "script ran ['--conf', 'release_slack:abc', '--report', 'x.json']\n"
     assert not (tmp_path / "x.json").exists()
+
+
+def test_retired_key_named_in_one_line(tmp_path):
+    """release_slack and its followers no longer do anything: the run goes
+    on, and one line says so (here the missing torch ends it after)."""
+    script = tmp_path / "s.py"
+    script.write_text("print('ran')\n")
+    r = tidalloc("run", "--conf", "release_slack:0.02", str(script))
+    assert "Traceback" not in r.stderr
+    notice = [line for line in r.stderr.splitlines() if "release_slack" in line]
+    assert len(notice) == 1, r.stderr
+    assert notice[0].startswith("tidalloc: ") and "has no effect" in notice[0]
+    r = tidalloc("run", "--conf", "memory_limit:1GiB", str(script))
+    assert "has no effect" not in r.stderr

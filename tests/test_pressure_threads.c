@@ -1,0 +1,100 @@
+/* test_pressure_threads.c: two allocators on one emulated device
+ * (host_shared), as two processes on one GPU, each used by a thread of its
+ * own. One holds a large cache and keeps allocating from it; the other's
+ * allocations, which the device cannot hold while that cache is there,
+ * wait for the first to give pages back instead of failing. */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#include <cmocka.h>
+
+#include "testutil.h"
+
+#define SHARED "backend:host,host_capacity:256MiB,host_shared:True,load_handles:False"
+
+typedef struct worker {
+  tide_allocator *a;
+  atomic_bool stop;
+  atomic_int failures;
+} worker;
+
+/* Large blocks of changing sizes from the cache, until told to stop, with
+ * a pause after each, as work between allocations: a's checks of the
+ * device (every 256 allocations) come some 30 ms apart, longer than b's
+ * failing growth takes, so b gets its pages only by waiting. */
+static void *churn(void *arg) {
+  worker *w = arg;
+  void *held[4] = {0};
+  for (unsigned i = 0; !atomic_load(&w->stop); i++) {
+    size_t size = 2 * TU_MiB * (1 + i % 7) + 4096 * (i % 5);
+    void *p = tide_malloc(w->a, size, NULL);
+    if (!p) {
+      atomic_fetch_add(&w->failures, 1);
+      continue;
+    }
+    if (held[i % 4] && tide_free(w->a, held[i % 4], NULL) != TIDE_OK)
+      atomic_fetch_add(&w->failures, 1);
+    held[i % 4] = p;
+    nanosleep(&(struct timespec){.tv_nsec = 100000}, NULL);
+  }
+  for (int i = 0; i < 4; i++)
+    if (held[i]) tide_free(w->a, held[i], NULL);
+  return NULL;
+}
+
+static void test_allocation_waits_for_another_to_give_back(void **state) {
+  (void)state;
+  worker w = {.a = tu_create(SHARED)};
+  tide_allocator *b = tu_create(SHARED);
+  void *big = tide_malloc(w.a, 200 * TU_MiB, NULL);
+  assert_non_null(big);
+  tu_assert_ok(tide_free(w.a, big, NULL)); /* 200 MiB cached by a */
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, churn, &w), 0);
+  /* 52 MiB fit beside a's cache, 60 MiB more do not: b's growths take the
+   * device below its low-water mark (4 MiB), a sees it and gives pages
+   * back, and each of b's allocations that finds the device full waits
+   * for that rather than fail. */
+  void *first = tide_malloc(b, 52 * TU_MiB, NULL);
+  assert_non_null(first);
+  enum { MORE = 20 };
+  void *more[MORE] = {0};
+  for (int i = 0; i < MORE; i++) {
+    more[i] = tide_malloc(b, 3 * TU_MiB, NULL);
+    if (!more[i]) fail_msg("b's allocation %d failed: %s", i, tide_last_error());
+  }
+  atomic_store(&w.stop, true);
+  assert_int_equal(pthread_join(t, NULL), 0);
+  assert_int_equal(atomic_load(&w.failures), 0);
+  tu_assert_ok(tide_check(w.a));
+  tu_assert_ok(tide_check(b));
+  tu_assert_ok(tide_free(b, first, NULL));
+  for (int i = 0; i < MORE; i++) tu_assert_ok(tide_free(b, more[i], NULL));
+  tu_assert_ok(tide_destroy(w.a));
+  tu_assert_ok(tide_destroy(b));
+}
+
+/* With nobody to give memory back, the error comes at once: no wait when
+ * the allocator's own limit, not the device, stands in the way. */
+static void test_own_limit_fails_without_waiting(void **state) {
+  (void)state;
+  tide_allocator *a = tu_create("backend:host,host_capacity:256MiB,memory_limit:64MiB");
+  assert_null(tide_malloc(a, 100 * TU_MiB, NULL));
+  assert_non_null(strstr(tide_last_error(), "memory limit"));
+  tu_assert_ok(tide_destroy(a));
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_allocation_waits_for_another_to_give_back),
+      cmocka_unit_test(test_own_limit_fails_without_waiting),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
