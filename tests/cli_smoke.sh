@@ -105,6 +105,13 @@ grep -Eq 'measurements, roughly [0-9]+-[0-9]+ s' "$dir/err" ||
   fail "micro does not say how long it takes: $(cat "$dir/err")"
 grep -q '100% (1 of 1 measurements' "$dir/err" ||
   fail "micro shows no progress when stderr is not a terminal: $(cat "$dir/err")"
+# Its help names mimalloc exactly when the build has it (--only accepts it).
+"$bin" micro --help >"$dir/out" 2>&1
+if "$bin" micro --only mimalloc --sizes 512 --threads 1 --ops 1 --repeat 1 >/dev/null 2>&1; then
+  grep -q 'next to glibc and mimalloc' "$dir/out" || fail "micro's help omits its mimalloc"
+else
+  grep -q 'this build has no mimalloc' "$dir/out" || fail "micro's help promises a mimalloc"
+fi
 
 # --- replay: peaks computed by hand -----------------------------------------
 # alloc 1 MiB, alloc 2 MiB, free the first, alloc 512 KiB: 3 MiB live at most.

@@ -15,7 +15,7 @@ typedef struct subcommand {
 
 static const subcommand subcommands[] = {
     {"info", tide_cli_info, "print the version, the device and every configuration option"},
-    {"micro", tide_cli_micro, "measure alloc+free latency against glibc and mimalloc"},
+    {"micro", tide_cli_micro, "measure alloc+free latency against the host's allocators"},
     {"replay", tide_cli_replay, "replay a recorded allocation trace and report peak memory"},
     {"stream", tide_cli_stream, "run a streaming-inference memory workload"},
     {"soak", tide_cli_soak, "run a mixed workload for a while, verifying every byte"},

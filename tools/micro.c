@@ -481,15 +481,24 @@ static void print_table(const result *results, size_t n) {
 /* The command                                                               */
 /* ------------------------------------------------------------------------ */
 
+/* The anchors besides tidalloc, as the help says them: only those built in. */
+#if MICRO_WITH_MIMALLOC
+#define MICRO_OTHERS "glibc and mimalloc"
+#else
+#define MICRO_OTHERS "glibc (this build has no mimalloc)"
+#endif
+
 static void print_help(void) {
   printf("usage: tidalloc micro [--csv] [--conf STR] [--repeat N] [--ops N] [--threads L]\n"
          "                      [--only L] [--sizes L]\n"
          "\n"
          "Alloc+free latency of tidalloc (host backend unless --conf or TIDALLOC_CONF\n"
-         "choose another), glibc and mimalloc, on 1 and 8 threads unless --threads says\n"
-         "otherwise (tidalloc: one stream per thread when several run). Workloads:\n"
-         "`pair` (allocate and free one size: 512 B, 4 KiB, 1 MiB, 8 MiB, 64 MiB) and\n"
-         "`mixed` (64 live slots, random sizes).\n"
+         "choose another) next to " MICRO_OTHERS ",\n"
+         "on 1 and 8 threads unless --threads says otherwise (tidalloc: one stream per\n"
+         "thread when several run). Workloads: `pair` (allocate and free one size:\n"
+         "512 B, 4 KiB, 1 MiB, 8 MiB, 64 MiB) and `mixed` (64 live slots, random\n"
+         "sizes). Its first line says how long the run will take: 75-120 s on 2 CPUs\n"
+         "with the defaults.\n"
          "\n"
          "  --csv        print workload,size,threads,allocator,ns_per_op\n"
          "  --conf STR   tidalloc options, \"key:value,...\"\n"
@@ -633,19 +642,26 @@ static int usable_cpus(void) {
   return count > 0 ? count : 1;
 }
 
-/* A rough length of the run, said before it starts: each measurement runs
- * a warm-up and `repeat` batches of at least MIN_BATCH_NS (1.1 times it, as
- * calibrated) per thread, threads beyond the CPUs taking turns, plus the
- * calibration: the least it takes; contention between threads makes their
- * batches longer (up to about twice the total on 2 CPUs). Negative when --ops fixes the batches
- * (their length is then unknown). */
+/* The length of the run, said before it starts. Each measurement runs a
+ * warm-up and `repeat` batches per thread, each batch sized on one thread to
+ * last MIN_BATCH_NS (1.1 times it, as calibrated), plus the calibration.
+ * Threads beyond the CPUs take turns, and threads that share CPUs slow each
+ * other beyond their turns (caches, locks, the barrier before each batch):
+ * on 2 CPUs the defaults' 8-thread batches took 1.8 times their turns on
+ * average, and the run 81 s where turns alone give 45 s. The range is that
+ * model to 1.6 times it, the longer for a machine busy with other work. Negative when
+ * --ops fixes the batches (their length is then unknown). */
+#define MICRO_SHARED_CPU_SLOWDOWN 1.8
 static double estimated_seconds(const micro_args *args, size_t anchors_run) {
   if (args->ops != 0) return -1.0;
   int cpus = usable_cpus();
   double seconds = 0.0;
   for (size_t t = 0; t < args->thread_count; t++) {
-    int rounds = (args->threads[t] + cpus - 1) / cpus;
-    seconds += (double)(args->repeat + 1) * MIN_BATCH_NS * 1.1 / 1e9 * rounds + 0.05;
+    int threads = args->threads[t];
+    int rounds = (threads + cpus - 1) / cpus;
+    double batches = (double)(args->repeat + 1) * MIN_BATCH_NS * 1.1 / 1e9 * rounds;
+    if (threads > cpus) batches *= MICRO_SHARED_CPU_SLOWDOWN;
+    seconds += batches + 0.1; /* calibration: doubling batches up to MIN_BATCH_NS */
   }
   return seconds * (double)args->size_count * (double)anchors_run;
 }
@@ -667,8 +683,8 @@ int tide_cli_micro(int argc, char **argv) {
   int code = parse_args(argc, argv, &args);
   if (code >= 0) return code;
 #if !MICRO_WITH_MIMALLOC
-  fprintf(stderr, "tidalloc micro: built without mimalloc (or under ThreadSanitizer); its rows "
-                  "are skipped\n");
+  fprintf(stderr, "tidalloc micro: this build has no mimalloc (not found when it was built, or "
+                  "under ThreadSanitizer): tidalloc and glibc only\n");
 #endif
   const size_t size_count = args.size_count;
   const size_t thread_count = args.thread_count;
@@ -684,9 +700,9 @@ int tide_cli_micro(int argc, char **argv) {
   double estimate = estimated_seconds(&args, anchors_run);
   if (estimate >= 0.0) {
     fprintf(stderr,
-            "tidalloc micro: %zu measurements, roughly %.0f-%.0f s on %d CPUs (--sizes, "
-            "--threads, --only and --repeat make it shorter)\n",
-            measurements, estimate, 2.0 * estimate, usable_cpus());
+            "tidalloc micro: %zu measurements, roughly %.0f-%.0f s on %d CPUs (the longer "
+            "on a busy machine; --sizes, --threads, --only and --repeat make it shorter)\n",
+            measurements, estimate, 1.6 * estimate, usable_cpus());
   } else {
     fprintf(stderr, "tidalloc micro: %zu measurements of %llu-op batches\n", measurements,
             (unsigned long long)args.ops);

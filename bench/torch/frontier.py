@@ -24,6 +24,7 @@ marked x) is written beside the CSV when matplotlib is importable.
     python bench/torch/frontier.py --programs gpt2 vit --csv out/frontier.csv
     python bench/torch/frontier.py --programs stream_gct:128 --caps none 1.02 1.05
     python bench/torch/frontier.py --summarize out/frontier.csv   # ratios, no GPU
+    python bench/torch/frontier.py --plot out/frontier.csv        # the PNG, no GPU
 
 Programs: stream_gct:N (bench/torch/stream_gct.py at N frames, eager),
 stream_gct_compiled:N (its --compile mode), gpt2 (Hugging Face GPT-2 with
@@ -283,6 +284,21 @@ def plot(path, rows):
     fig.savefig(os.path.splitext(path)[0] + ".png", dpi=110)
 
 
+def plot_csv(path):
+    """The PNG of a CSV that run_frontier wrote, beside it; fails saying why
+    when matplotlib is missing or the CSV has no rows."""
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    if not rows:
+        raise SystemExit("frontier: %s has no rows" % path)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("frontier: --plot needs matplotlib (pip install matplotlib)")
+    plot(path, rows)
+    print(os.path.splitext(path)[0] + ".png")
+
+
 def summarize(path):
     """Each cap's tidalloc time over expandable segments' (ok pairs), and
     each allocator's tightest completing cap, per program."""
@@ -325,6 +341,8 @@ def main():
     p.add_argument("--budget-seconds", type=int, default=0,
                    help="start no run after this many seconds (0: no budget)")
     p.add_argument("--summarize", metavar="CSV")
+    p.add_argument("--plot", metavar="CSV",
+                   help="draw the PNG of a CSV this script wrote, beside it (no GPU)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--program", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -332,6 +350,8 @@ def main():
     args = p.parse_args()
     if args.summarize:
         summarize(args.summarize)
+    elif args.plot:
+        plot_csv(args.plot)
     elif args.child:
         child(args)
     else:

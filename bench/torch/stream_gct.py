@@ -1,6 +1,7 @@
-"""stream_gct.py: the streaming reconstruction workload
-(../shared/workloads/streaming_gct.md, modelled on LingBot-Map) as a PyTorch
-model with random weights, timed over a sweep of frame counts.
+"""stream_gct.py: a streaming 3D reconstruction workload, modelled on
+LingBot-Map, as a PyTorch model with random weights, timed over a sweep of
+frame counts. bench/torch/README.md ("What it runs") gives its shapes and
+sizes; `tidalloc stream` is a C model of the same allocation pattern.
 
 One step runs a frame (the first step: the 8 scale frames as one batch)
 through a ViT-L/14 patch encoder, an aggregator of 24 frame blocks and 24

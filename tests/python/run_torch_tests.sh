@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # run_torch_tests.sh: the Python tests that need torch and transformers
-# (tidalloc.kv, tidalloc.hf, docs/kv_cache.md's code, the streaming
+# (tidalloc.kv, tidalloc.hf, the streaming
 # benchmark's caches), with the python of scripts/torch_venv.sh's
 # environment, on the host backend. `make test` makes the environment
 # first; without it (TIDE_TORCH_VENV=off, no PyPI) this exits 77: skipped.
@@ -15,5 +15,5 @@ if ! [[ -x $py ]] || ! "$py" -c 'import torch, transformers, pytest' >/dev/null 
 fi
 export TIDALLOC_CONF=${TIDALLOC_CONF:-backend:host} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 cd "$here" || exit 1
-exec "$py" -m pytest -q -p no:cacheprovider test_kv.py test_hf.py test_kv_docs.py \
+exec "$py" -m pytest -q -p no:cacheprovider test_kv.py test_hf.py \
   test_stream_gct.py "$@"
