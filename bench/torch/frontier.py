@@ -36,6 +36,7 @@ import csv
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -265,19 +266,35 @@ def plot(path, rows):
         return
     fig, axes = plt.subplots(1, len(programs), figsize=(4.2 * len(programs), 3.4), squeeze=False)
     for ax, program in zip(axes[0], programs):
-        for allocator in ("expandable", "native", "tidalloc", "tidalloc-growable"):
-            mine = [r for r in rows if r["program"] == program and r["allocator"] == allocator]
-            if not mine:
+        mine = [r for r in rows if r["program"] == program]
+        caps = sorted({float(r["cap"]) for r in mine if r["cap"] != "none"})
+        uncapped_x = (caps[-1] if caps else 1.0) + 0.03  # "none" to the right of every cap
+        top = max([float(r["wall_s"]) for r in mine if r["status"] == "ok"] or [1.0])
+        for k, allocator in enumerate(("expandable", "native", "tidalloc", "tidalloc-growable")):
+            runs = [r for r in mine if r["allocator"] == allocator]
+            if not runs:
                 continue
-            pts = [(float(r["cap"]) if r["cap"] != "none" else 1.15, r) for r in mine]
-            pts.sort(key=lambda p: p[0])
-            ok = [(x, float(r["wall_s"])) for x, r in pts if r["status"] == "ok"]
-            line, = ax.plot([x for x, _ in ok], [y for _, y in ok], "o-", label=allocator)
-            top = max([y for _, y in ok] or [1.0])
-            bad = [x for x, r in pts if r["status"] != "ok"]
-            ax.plot(bad, [top] * len(bad), "x", color=line.get_color(), markersize=9)
+            by_x = {}
+            for r in runs:
+                x = float(r["cap"]) if r["cap"] != "none" else uncapped_x
+                by_x.setdefault(x, []).append(r)
+            xs = sorted(by_x)
+            # The line through each cap's median time where a run completed;
+            # every run a dot; a cap where none completed an x at the top.
+            med = [(x, statistics.median(float(r["wall_s"]) for r in by_x[x]
+                                         if r["status"] == "ok"))
+                   for x in xs if any(r["status"] == "ok" for r in by_x[x])]
+            line, = ax.plot([x for x, _ in med], [y for _, y in med], "-", label=allocator)
+            dots = [(x, float(r["wall_s"])) for x in xs for r in by_x[x] if r["status"] == "ok"]
+            ax.plot([x for x, _ in dots], [y for _, y in dots], "o", color=line.get_color(),
+                    markersize=4)
+            bad = [x for x in xs if all(r["status"] != "ok" for r in by_x[x])]
+            ax.plot(bad, [top * (1.02 + 0.025 * k)] * len(bad), "x", color=line.get_color(),
+                    markersize=8)  # one row of x's per allocator
+        ax.set_xticks(caps + [uncapped_x])
+        ax.set_xticklabels(["%g" % c for c in caps] + ["none"], fontsize=7)
         ax.set_title(program, fontsize=9)
-        ax.set_xlabel("cap (x peak allocated; 1.15 = none)")
+        ax.set_xlabel("cap (x peak allocated)")
         ax.set_ylabel("seconds")
         ax.legend(fontsize=7)
     fig.tight_layout()
