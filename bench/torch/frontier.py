@@ -182,6 +182,8 @@ def launch(program, allocator, limit, timeout):
     cmd = [sys.executable]
     if allocator == "expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if allocator == "native":  # said, since a program may default to expandable segments
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:False"
     if allocator.startswith("tidalloc"):
         cmd += ["-m", "tidalloc", "run"]
     result = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
