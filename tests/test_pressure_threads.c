@@ -27,7 +27,7 @@ typedef struct worker {
 
 /* Large blocks of changing sizes from the cache, until told to stop, with
  * a pause after each, as work between allocations: a's checks of the
- * device (every 256 allocations) come some 30 ms apart, longer than b's
+ * device (every 256 allocations) come 5 ms or more apart, longer than b's
  * failing growth takes, so b gets its pages only by waiting. */
 static void *churn(void *arg) {
   worker *w = arg;
@@ -42,7 +42,7 @@ static void *churn(void *arg) {
     if (held[i % 4] && tide_free(w->a, held[i % 4], NULL) != TIDE_OK)
       atomic_fetch_add(&w->failures, 1);
     held[i % 4] = p;
-    nanosleep(&(struct timespec){.tv_nsec = 100000}, NULL);
+    nanosleep(&(struct timespec){.tv_nsec = 20000}, NULL);
   }
   for (int i = 0; i < 4; i++)
     if (held[i]) tide_free(w->a, held[i], NULL);

@@ -260,17 +260,18 @@ static void out_of_memory(tide_allocator *a, tide_stream stream, size_t size, si
 }
 
 /* How long an allocation the device cannot hold waits for others to give
- * memory back: a few of their device checks, so that a second process
- * whose first growth meets the first one's cache gets the pages instead of
- * an error, and a real out-of-memory error comes within a fraction of a
- * second. */
-#define OTHERS_TRIES 20
+ * memory back: many of their device checks (each after 256 of their
+ * allocations), so that a second process whose growth meets the first
+ * one's cache gets the pages instead of an error; a real out-of-memory
+ * error still comes within half a second. */
+#define OTHERS_TRIES 100
 #define OTHERS_WAIT_NS 5000000L
 
-/* Whether others (another process, another allocator of the device) hold
- * memory that `rounded` more bytes would need: this allocator's limit has
- * room for them, but the device has not, and others hold more than the
- * low-water mark. */
+/* Whether others (another process, another allocator of the device) may
+ * give back memory that `rounded` more bytes need: this allocator's limit
+ * has room for them, and others hold more than the low-water mark. (The
+ * device's free memory alone does not say: a growth maps whole pages, and
+ * what others gave back since the failure is what the next try takes.) */
 static bool others_hold_memory(tide_allocator *a, size_t rounded) {
   size_t free_bytes, total;
   _tide_saved_error saved;
@@ -278,8 +279,7 @@ static bool others_hold_memory(tide_allocator *a, size_t rounded) {
   bool known = a->backend.ops->mem_info(a->backend.ctx, &free_bytes, &total) == TIDE_OK;
   _tide_error_restore(&saved);
   int64_t reserved = atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
-  if (!known || (size_t)reserved + rounded > atomic_load(&a->limit) || free_bytes >= rounded)
-    return false;
+  if (!known || (size_t)reserved + rounded > atomic_load(&a->limit)) return false;
   return (int64_t)total - (int64_t)free_bytes - reserved > (int64_t)_tide_low_water(a);
 }
 
