@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # bench_host.sh: the benchmarks that run without a GPU, with their results
 # written under bench/results/<name>/ next to a description of the machine:
-#   replay.csv  the recorded traces (TRACE_DIR's *_generate and STREAM_TRACES:
-#               bench/torch/stream_gct.py's 96 frames on the H200),
+#   replay.csv  the recorded traces (TRACE_DIR's, default bench/traces: GPT-2
+#               generation, ViT, bench/torch/stream_gct.py's 96 frames),
 #               expandable segments (defaults, and without release_holes)
 #               and fixed segments
 #   stream.csv  the streaming workload, fixed vs expandable segments
 #   micro.csv   alloc+free latency: tidalloc's cached path, glibc, mimalloc
 #   machine.txt CPU, system, compiler, commit and date
 #   scripts/bench_host.sh [NAME]     (default: host)
-# Environment: TRACE_DIR (default ../shared/traces), FRAMES (default 64..1024),
+# Environment: TRACE_DIR (default bench/traces), FRAMES (default 64..1024),
 # TIDALLOC (default build/tidalloc).
 set -euo pipefail
 
@@ -17,8 +17,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 name=${1:-host}
 out=bench/results/$name
 tidalloc=${TIDALLOC:-build/tidalloc}
-traces=${TRACE_DIR:-../shared/traces}
-stream_traces=${STREAM_TRACES:-bench/traces/stream_gct_96.csv.gz}
+traces=${TRACE_DIR:-bench/traces}
 frames=${FRAMES:-64 128 256 512 1024}
 
 [[ -x $tidalloc ]] || { echo "bench_host: $tidalloc is not built (make build)" >&2; exit 1; }
@@ -38,7 +37,7 @@ echo "conf,trace,events,peak_live_bytes,peak_allocated_bytes,peak_reserved_bytes
   >"$out/replay.csv"
 for conf in "expandable_segments:True" "expandable_segments:True,release_holes:False" \
   "expandable_segments:False"; do
-  for trace in "$traces"/*_generate.csv.gz $stream_traces; do
+  for trace in "$traces"/*.csv.gz; do
     # The streaming model's trace holds 17 GiB: replayed on an emulated H200.
     c=$conf
     [[ $trace == *stream_gct* ]] && c=$conf,host_capacity:141GiB

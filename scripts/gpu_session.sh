@@ -266,10 +266,9 @@ if [[ ${GPU_BENCH:-1} == 1 && -x build/tidalloc ]]; then
   { head -1 build/stream_True.csv; tail -q -n +2 build/stream_True.csv build/stream_False.csv \
     build/stream_grow.csv build/stream_old.csv; cat build/stream_configs.csv; } \
     >"$out/stream.csv" 2>/dev/null
-  for t in gpt2 llama; do
-    trace=${TRACE_DIR:-shared/traces}/${t}_generate.csv.gz
+  for trace in "${TRACE_DIR:-bench/traces}"/*.csv.gz; do
     [[ -f $trace ]] || continue
-    step "replay $t (cuda)" "$bench_log" 120 build/tidalloc replay "$trace" --conf backend:cuda
+    step "replay $(basename "$trace" .csv.gz) (cuda)" "$bench_log" 120 build/tidalloc replay "$trace" --conf backend:cuda
   done
 fi
 
