@@ -8,11 +8,11 @@
 
 #include "cli.h"
 
-static const char *source_name(tide_conf_source source) {
+static const char *source_name(tide_config_source source) {
   switch (source) {
-  case TIDE_CONF_DEFAULT: return "default";
-  case TIDE_CONF_ENVIRONMENT: return "environment";
-  case TIDE_CONF_CODE: return "code";
+  case TIDE_CONFIG_DEFAULT: return "default";
+  case TIDE_CONFIG_ENVIRONMENT: return "environment";
+  case TIDE_CONFIG_CODE: return "code";
   }
   return "?";
 }

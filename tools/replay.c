@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "tidalloc_testing.h"
 #include "trace_read.h"
 
 enum {

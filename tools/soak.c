@@ -29,6 +29,7 @@
 #include <time.h>
 
 #include "cli.h"
+#include "tidalloc_testing.h"
 
 #define KIB ((size_t)1 << 10)
 #define MIB ((size_t)1 << 20)

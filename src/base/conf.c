@@ -9,7 +9,7 @@
  * that a program's LC_NUMERIC (a decimal comma) cannot change what a config
  * means; their value comes from strtod_l in the "C" locale, which rounds
  * correctly, so that formatting a value and parsing the text gives it back.
- * The process-wide configuration (tide_conf_set/get) lives elsewhere. */
+ * The process-wide configuration (tide_config_process_set/get) lives elsewhere. */
 #include <locale.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -747,14 +747,14 @@ static const char *const retired[] = {"release_slack", "release_limit", "wait_li
 
 struct tide_config {
   _tide_conf_values values;
-  tide_conf_source source[OPTION_COUNT];
+  tide_config_source source[OPTION_COUNT];
   char text[OPTION_COUNT][VALUE_TEXT_LEN]; /* formatted values, for tide_option_info */
   char notice[256];                        /* tide_config_notice; empty: none */
 };
 
 /* Where text being applied came from, for sources and messages. */
 typedef struct origin {
-  tide_conf_source source;
+  tide_config_source source;
   const char *name; /* "TIDALLOC_CONF", "configuration text", ... */
 } origin;
 
@@ -809,7 +809,7 @@ static bool is_retired(const char *key) {
  * key only writes `notice` (of NOTICE_LEN bytes). */
 #define NOTICE_LEN sizeof((tide_config *)0)->notice
 static int apply_pair(const origin *from, const char *kb, const char *ke, const char *vb,
-                      const char *ve, _tide_conf_values *values, tide_conf_source *source,
+                      const char *ve, _tide_conf_values *values, tide_config_source *source,
                       char *notice) {
   trim(&kb, &ke);
   trim(&vb, &ve);
@@ -850,7 +850,7 @@ static const char *entry_end(const char *p) {
  * leaves the config as it was. */
 static int apply_text(tide_config *config, const char *text, const origin *from) {
   _tide_conf_values values = config->values;
-  tide_conf_source source[OPTION_COUNT];
+  tide_config_source source[OPTION_COUNT];
   memcpy(source, config->source, sizeof source);
   char notice[NOTICE_LEN];
   memcpy(notice, config->notice, sizeof notice);
@@ -893,7 +893,7 @@ tide_status tide_config_new(tide_config **out) {
                              "parse (%s); this is a bug in tidalloc",
                              options[i].key, why);
     }
-    config->source[i] = TIDE_CONF_DEFAULT;
+    config->source[i] = TIDE_CONFIG_DEFAULT;
   }
   refresh_texts(config);
   *out = config;
@@ -910,14 +910,14 @@ tide_status tide_config_load_env(tide_config *config) {
   if (!config) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_load_env: config is NULL");
   const char *text = getenv(TIDE_CONF_ENV);
   if (!text || !*text) return TIDE_OK;
-  const origin from = {TIDE_CONF_ENVIRONMENT, "TIDALLOC_CONF (environment variable)"};
+  const origin from = {TIDE_CONFIG_ENVIRONMENT, "TIDALLOC_CONF (environment variable)"};
   return (tide_status)apply_text(config, text, &from);
 }
 
 tide_status tide_config_parse(tide_config *config, const char *text) {
   if (!config) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_parse: config is NULL");
   if (!text) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_parse: text is NULL");
-  const origin from = {TIDE_CONF_CODE, "configuration text"};
+  const origin from = {TIDE_CONFIG_CODE, "configuration text"};
   return (tide_status)apply_text(config, text, &from);
 }
 
@@ -925,7 +925,7 @@ tide_status tide_config_set(tide_config *config, const char *key, const char *va
   if (!config) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_set: config is NULL");
   if (!key) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_set: key is NULL");
   if (!value) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_set: value is NULL");
-  const origin from = {TIDE_CONF_CODE, "tide_config_set"};
+  const origin from = {TIDE_CONFIG_CODE, "tide_config_set"};
   _tide_conf_values values = config->values;
   int status = apply_pair(&from, key, key + strlen(key), value, value + strlen(value), &values,
                           config->source, config->notice);
@@ -946,7 +946,7 @@ tide_status tide_config_get(const tide_config *config, const char *key, char *bu
   char name[KEY_MAX];
   int index = copy_range(kb, ke, name, sizeof name) ? find_option(name) : -1;
   if (index < 0) {
-    const origin from = {TIDE_CONF_CODE, "tide_config_get"};
+    const origin from = {TIDE_CONFIG_CODE, "tide_config_get"};
     return (tide_status)unknown_key_error(&from, kb, ke);
   }
   const char *text = config->text[index];
