@@ -1,9 +1,10 @@
 # check_exports.cmake: checks that a shared libtidalloc exports exactly the
-# functions marked TIDE_API: every one tidalloc.h declares (a missing one is a
-# function users cannot call) and those a source file marks TIDE_API for a
+# functions marked TIDE_API: every one the public headers (INCLUDE/*.h:
+# tidalloc.h, tidalloc_torch.h, tidalloc_testing.h) declare (a missing one is
+# a function users cannot call) and those a source file marks TIDE_API for a
 # plug-in interface; anything else exported is an internal that leaked.
-#   cmake -DLIB=libtidalloc.so -DNM=nm -DHEADER=tidalloc.h -DSRC=src -P check_exports.cmake
-foreach(var LIB NM HEADER SRC)
+#   cmake -DLIB=libtidalloc.so -DNM=nm -DINCLUDE=include -DSRC=src -P check_exports.cmake
+foreach(var LIB NM INCLUDE SRC)
   if(NOT ${var})
     message(FATAL_ERROR "check_exports.cmake needs -D${var}=...")
   endif()
@@ -24,17 +25,20 @@ foreach(line ${nm_lines})
   endif()
 endforeach()
 
-file(READ ${HEADER} header)
-string(REGEX MATCHALL "TIDE_API[^;(]*[ *](tide_[a-z0-9_]+)[ ]*\\(" decls "${header}")
+file(GLOB headers ${INCLUDE}/*.h)
 set(declared "")
-foreach(decl ${decls})
-  string(REGEX MATCH "(tide_[a-z0-9_]+)[ ]*\\($" name "${decl}")
-  list(APPEND declared ${CMAKE_MATCH_1})
+foreach(header ${headers})
+  file(READ ${header} text)
+  string(REGEX MATCHALL "TIDE_API[^;(]*[ *](tide_[a-z0-9_]+)[ ]*\\(" decls "${text}")
+  if(NOT decls)
+    message(FATAL_ERROR "found no TIDE_API declaration in ${header}")
+  endif()
+  foreach(decl ${decls})
+    string(REGEX MATCH "(tide_[a-z0-9_]+)[ ]*\\($" name "${decl}")
+    list(APPEND declared ${CMAKE_MATCH_1})
+  endforeach()
 endforeach()
 list(LENGTH declared n_declared)
-if(n_declared EQUAL 0)
-  message(FATAL_ERROR "found no TIDE_API declaration in ${HEADER}")
-endif()
 
 # Functions a source file exports on purpose, for callers that look them up
 # by name rather than through the header.
@@ -57,19 +61,19 @@ list(REMOVE_ITEM missing ${exported})
 set(failed OFF)
 if(extra)
   list(JOIN extra " " text)
-  message(SEND_ERROR "exported but not declared in tidalloc.h: ${text}")
+  message(SEND_ERROR "exported but not declared in ${INCLUDE}/*.h: ${text}")
   set(failed ON)
 endif()
 if(missing)
   list(JOIN missing " " text)
-  message(SEND_ERROR "declared in tidalloc.h but not exported (not defined yet?): ${text}")
+  message(SEND_ERROR "declared in ${INCLUDE}/*.h but not exported (not defined yet?): ${text}")
   set(failed ON)
 endif()
 if(failed)
-  message(FATAL_ERROR "the exports of ${LIB} do not match ${HEADER}")
+  message(FATAL_ERROR "the exports of ${LIB} do not match ${INCLUDE}/*.h")
 endif()
 list(LENGTH exported n_exported)
 list(REMOVE_DUPLICATES plugin)
 list(JOIN plugin " " text)
-message(STATUS "${LIB}: ${n_exported} symbols exported: the ${n_declared} of tidalloc.h"
+message(STATUS "${LIB}: ${n_exported} symbols exported: the ${n_declared} of ${INCLUDE}/*.h"
                " and those marked TIDE_API in ${SRC} (${text})")

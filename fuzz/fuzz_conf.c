@@ -1,7 +1,7 @@
 /* fuzz_conf.c: the configuration parser on arbitrary text, through every
  * way text reaches it: tide_config_parse, TIDALLOC_CONF (tide_config_load_env),
  * tide_config_set (the text split at its first ':') and the process-wide
- * tide_conf_set. Checked, besides no crash, leak or undefined behaviour:
+ * tide_config_process_set. Checked, besides no crash, leak or undefined behaviour:
  * - a parse that succeeds round-trips: every value, formatted, written back
  *   as "key:value,..." into a fresh config parses to the same values, and
  *   parsing the same text again changes nothing; an option whose value
@@ -31,7 +31,7 @@ static const char *const BASE =
 typedef struct values {
   size_t n;
   char text[MAX_OPTIONS][VALUE_LEN];
-  tide_conf_source source[MAX_OPTIONS];
+  tide_config_source source[MAX_OPTIONS];
 } values;
 
 static void read_values(const tide_config *c, values *out) {
@@ -132,7 +132,7 @@ static tide_status parse_checked(const char *text, values *after) {
     expect_same(&before, after, true, "failed parse", text);
   } else {
     for (size_t i = 0; i < before.n; i++)
-      FZ_CHECK(strcmp(before.text[i], after->text[i]) == 0 || after->source[i] == TIDE_CONF_CODE,
+      FZ_CHECK(strcmp(before.text[i], after->text[i]) == 0 || after->source[i] == TIDE_CONFIG_CODE,
                "option %s changed to \"%s\" but is not marked as set from code", key_of(i),
                after->text[i]);
     check_round_trip(after, text);
@@ -208,8 +208,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   check_set(text);
   /* The process-wide configuration, before any allocator: the same answer. */
   tide_clear_error();
-  tide_status process = tide_conf_set(text);
-  FZ_CHECK(process == rc, "tide_conf_set(\"%s\"): %s, the parse gave %s", text,
+  tide_status process = tide_config_process_set(text);
+  FZ_CHECK(process == rc, "tide_config_process_set(\"%s\"): %s, the parse gave %s", text,
            tide_status_name(process), tide_status_name(rc));
   free(text);
   return 0;

@@ -58,7 +58,7 @@
 #include <string.h>
 
 #include "fuzz.h"
-#include "tidalloc.h"
+#include "tidalloc_testing.h"
 
 #define KiB ((size_t)1 << 10)
 #define MiB ((size_t)1 << 20)

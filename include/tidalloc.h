@@ -29,6 +29,30 @@ extern "C" {
 #define TIDE_API __attribute__((visibility("default")))
 #endif
 
+/* What the compiler may check at the caller. TIDE_NODISCARD, before a
+ * declaration: a warning where the result is dropped (a status whose failure
+ * leaves an output unset or a change not made, or memory that would leak).
+ * TIDE_MALLOC and TIDE_ALLOC_SIZE(n), after one: the function returns memory
+ * no other pointer aliases, of the size its n-th argument gives (its usable
+ * size may be larger, tide_block_info says; code that uses more than it
+ * asked for must ask for more; tide_pinned_malloc, whose rounding is
+ * documented as usable, has no TIDE_ALLOC_SIZE). Empty where the compiler
+ * lacks them. */
+#if defined(__cplusplus) && __cplusplus >= 201703L
+#define TIDE_NODISCARD [[nodiscard]]
+#elif defined(__GNUC__) || defined(__clang__)
+#define TIDE_NODISCARD __attribute__((warn_unused_result))
+#else
+#define TIDE_NODISCARD
+#endif
+#if defined(__GNUC__) || defined(__clang__)
+#define TIDE_MALLOC __attribute__((malloc))
+#define TIDE_ALLOC_SIZE(n) __attribute__((alloc_size(n)))
+#else
+#define TIDE_MALLOC
+#define TIDE_ALLOC_SIZE(n)
+#endif
+
 #define TIDE_VERSION_MAJOR 0
 #define TIDE_VERSION_MINOR 1
 #define TIDE_VERSION_PATCH 0
@@ -73,11 +97,11 @@ TIDE_API const char *tide_version(void);
  * `tidalloc info` prints every option with its value and where it came from. */
 typedef struct tide_config tide_config;
 
-typedef enum tide_conf_source {
-  TIDE_CONF_DEFAULT = 0,     /* nobody set it */
-  TIDE_CONF_ENVIRONMENT = 1, /* from the TIDALLOC_CONF environment variable */
-  TIDE_CONF_CODE = 2,        /* from tide_config_set/parse or tide_conf_set */
-} tide_conf_source;
+typedef enum tide_config_source {
+  TIDE_CONFIG_DEFAULT = 0,     /* nobody set it */
+  TIDE_CONFIG_ENVIRONMENT = 1, /* from the TIDALLOC_CONF environment variable */
+  TIDE_CONFIG_CODE = 2,        /* from tide_config_set/parse or tide_config_process_set */
+} tide_config_source;
 
 /* One option, as tide_config_option describes it. Strings belong to the
  * config and stay valid until it is changed or freed. */
@@ -86,21 +110,22 @@ typedef struct tide_option_info {
   const char *value; /* the current value, formatted */
   const char *default_value;
   const char *meaning; /* one line */
-  tide_conf_source source;
+  tide_config_source source;
 } tide_option_info;
 
 /* A new config holding every default. */
-TIDE_API tide_status tide_config_new(tide_config **out);
+TIDE_NODISCARD TIDE_API tide_status tide_config_new(tide_config **out);
 TIDE_API void tide_config_free(tide_config *config);
 /* Apply the TIDALLOC_CONF environment variable (absent or empty: no change). */
-TIDE_API tide_status tide_config_load_env(tide_config *config);
+TIDE_NODISCARD TIDE_API tide_status tide_config_load_env(tide_config *config);
 /* Apply "key:value,key:value". On error nothing is applied. */
-TIDE_API tide_status tide_config_parse(tide_config *config, const char *text);
+TIDE_NODISCARD TIDE_API tide_status tide_config_parse(tide_config *config, const char *text);
 /* Set one option from its text form. */
-TIDE_API tide_status tide_config_set(tide_config *config, const char *key, const char *value);
+TIDE_NODISCARD TIDE_API tide_status tide_config_set(tide_config *config, const char *key,
+                                                    const char *value);
 /* The current value of one option, formatted, into buf (always terminated). */
-TIDE_API tide_status tide_config_get(const tide_config *config, const char *key, char *buf,
-                                     size_t len);
+TIDE_NODISCARD TIDE_API tide_status tide_config_get(const tide_config *config, const char *key,
+                                                    char *buf, size_t len);
 /* A sentence for the user about the config, or NULL: a key of an earlier
  * version that was accepted but no longer does anything (release_slack,
  * release_limit, wait_limit), naming it and what to do. The library never
@@ -108,16 +133,16 @@ TIDE_API tide_status tide_config_get(const tide_config *config, const char *key,
 TIDE_API const char *tide_config_notice(const tide_config *config);
 /* The number of options, and a description of the i-th (0-based). */
 TIDE_API size_t tide_config_option_count(void);
-TIDE_API tide_status tide_config_option(const tide_config *config, size_t index,
-                                        tide_option_info *out);
+TIDE_NODISCARD TIDE_API tide_status tide_config_option(const tide_config *config, size_t index,
+                                                       tide_option_info *out);
 
 /* The process-wide configuration used by tide_device(): defaults, then
- * TIDALLOC_CONF, then every tide_conf_set() call made before first use. After
+ * TIDALLOC_CONF, then every tide_config_process_set() call made before first use. After
  * the first tide_device() a change is refused with TIDE_ERR_STATE (and the
  * message says which keys would have changed), never silently ignored. */
-TIDE_API tide_status tide_conf_set(const char *text);
+TIDE_NODISCARD TIDE_API tide_status tide_config_process_set(const char *text);
 /* A copy of the process-wide configuration, to read it. Free with tide_config_free. */
-TIDE_API tide_status tide_conf_get(tide_config **out);
+TIDE_NODISCARD TIDE_API tide_status tide_config_process_get(tide_config **out);
 
 /* ------------------------------------------------------------------------ */
 /* Allocators                                                               */
@@ -132,7 +157,8 @@ typedef struct tide_stream_st *tide_stream;
 
 /* An allocator for one device, configured by `config` (NULL: defaults, then
  * TIDALLOC_CONF). The config is copied. */
-TIDE_API tide_status tide_create(int device, const tide_config *config, tide_allocator **out);
+TIDE_NODISCARD TIDE_API tide_status tide_create(int device, const tide_config *config,
+                                                tide_allocator **out);
 /* Destroy an allocator and return all of its memory to the device. Blocks not
  * freed are released too; the call reports them with TIDE_ERR_STATE after
  * doing so (the allocator is gone either way). */
@@ -141,7 +167,7 @@ TIDE_API tide_status tide_destroy(tide_allocator *alloc);
 /* The process-wide allocator of a device, created on first use from the
  * process-wide configuration. NULL (with a message) if it cannot be created
  * or after tide_shutdown. */
-TIDE_API tide_allocator *tide_device(int device);
+TIDE_NODISCARD TIDE_API tide_allocator *tide_device(int device);
 /* Destroy every process-wide allocator. Later tide_device calls fail with
  * TIDE_ERR_STATE. */
 TIDE_API tide_status tide_shutdown(void);
@@ -155,7 +181,8 @@ TIDE_API tide_status tide_shutdown(void);
  * of memory after freeing cached memory and retrying (TIDE_ERR_OOM, with a
  * message naming the request, allocated, reserved, the device's free memory,
  * the largest free block and what to try). */
-TIDE_API void *tide_malloc(tide_allocator *alloc, size_t size, tide_stream stream);
+TIDE_NODISCARD TIDE_API void *tide_malloc(tide_allocator *alloc, size_t size,
+                                          tide_stream stream) TIDE_MALLOC TIDE_ALLOC_SIZE(2);
 
 /* Free a block. `stream` is the stream whose queued work last uses it:
  * normally the stream it was allocated on, in which case the block is reused
@@ -178,8 +205,8 @@ TIDE_API tide_status tide_free_home(tide_allocator *alloc, void *ptr, tide_strea
 TIDE_API tide_status tide_record_stream(tide_allocator *alloc, void *ptr, tide_stream stream);
 
 /* The block containing `ptr`: its start, its usable size and its stream. */
-TIDE_API tide_status tide_block_info(tide_allocator *alloc, const void *ptr, void **base,
-                                     size_t *size, tide_stream *stream);
+TIDE_NODISCARD TIDE_API tide_status tide_block_info(tide_allocator *alloc, const void *ptr,
+                                                    void **base, size_t *size, tide_stream *stream);
 
 /* Return every cached free page and segment to the device. Blocks waiting on
  * other streams are waited for first, and so are the streams of growable
@@ -198,7 +225,7 @@ TIDE_API tide_status tide_set_memory_limit(tide_allocator *alloc, size_t bytes);
 
 /* Create, synchronize and destroy streams through the allocator's backend
  * (on CUDA a plain CUstream; on the host backend an emulated stream). */
-TIDE_API tide_status tide_stream_create(tide_allocator *alloc, tide_stream *out);
+TIDE_NODISCARD TIDE_API tide_status tide_stream_create(tide_allocator *alloc, tide_stream *out);
 TIDE_API tide_status tide_stream_destroy(tide_allocator *alloc, tide_stream stream);
 TIDE_API tide_status tide_stream_synchronize(tide_allocator *alloc, tide_stream stream);
 
@@ -211,8 +238,8 @@ TIDE_API tide_status tide_stream_synchronize(tide_allocator *alloc, tide_stream 
  * addressing); on the host backend the copy is done at once, even on a held
  * stream, and a range that reaches into emulated device memory must be
  * mapped, or the copy is refused. */
-TIDE_API tide_status tide_memcpy(tide_allocator *alloc, void *dst, const void *src, size_t bytes,
-                                 tide_stream stream);
+TIDE_NODISCARD TIDE_API tide_status tide_memcpy(tide_allocator *alloc, void *dst, const void *src,
+                                                size_t bytes, tide_stream stream);
 
 /* ------------------------------------------------------------------------ */
 /* Statistics, snapshots and the trace                                      */
@@ -284,13 +311,14 @@ typedef struct tide_stats {
   uint64_t reserved_u64[4]; /* for future use; zero */
 } tide_stats;
 
-TIDE_API tide_status tide_get_stats(tide_allocator *alloc, tide_stats *out);
+TIDE_NODISCARD TIDE_API tide_status tide_get_stats(tide_allocator *alloc, tide_stats *out);
 /* Set every peak to its current value. */
 TIDE_API tide_status tide_reset_peak_stats(tide_allocator *alloc);
 
 /* A JSON document of every segment and block: address, size, state, stream,
  * requested size, mapped or not. Free the text with tide_string_free. */
-TIDE_API tide_status tide_snapshot_json(tide_allocator *alloc, char **out, size_t *len);
+TIDE_NODISCARD TIDE_API tide_status tide_snapshot_json(tide_allocator *alloc, char **out,
+                                                       size_t *len);
 TIDE_API void tide_string_free(char *text);
 
 /* The same picture as arrays, for programs that build their own (PyTorch's
@@ -332,7 +360,7 @@ typedef struct tide_layout {
 
 /* Fill *out (free it with tide_layout_free). Each arena is read under its
  * lock, one after the other. */
-TIDE_API tide_status tide_layout_get(tide_allocator *alloc, tide_layout *out);
+TIDE_NODISCARD TIDE_API tide_status tide_layout_get(tide_allocator *alloc, tide_layout *out);
 TIDE_API void tide_layout_free(tide_layout *layout);
 
 typedef enum tide_trace_kind {
@@ -358,8 +386,8 @@ typedef struct tide_trace_event {
  * gets how many were copied and `dropped` (if not NULL) how many older events
  * the ring overwrote. The ring holds the `trace` configuration key's count of
  * events (0: tracing off). */
-TIDE_API tide_status tide_trace_read(tide_allocator *alloc, tide_trace_event *out, size_t cap,
-                                     size_t *n, uint64_t *dropped);
+TIDE_NODISCARD TIDE_API tide_status tide_trace_read(tide_allocator *alloc, tide_trace_event *out,
+                                                    size_t cap, size_t *n, uint64_t *dropped);
 
 /* Check the allocator's internal consistency: that the blocks of every
  * segment tile it without gaps or overlaps, that free blocks are merged and
@@ -371,7 +399,7 @@ TIDE_API tide_status tide_trace_read(tide_allocator *alloc, tide_trace_event *ou
  * a walk over all blocks and changes nothing: call it between operations
  * (after each step of a test, or when chasing a corruption), not on a hot
  * path. Safe while other threads use the allocator. */
-TIDE_API tide_status tide_check(tide_allocator *alloc);
+TIDE_NODISCARD TIDE_API tide_status tide_check(tide_allocator *alloc);
 
 /* ------------------------------------------------------------------------ */
 /* Growable buffers                                                         */
@@ -424,8 +452,9 @@ TIDE_API void tide_buf_options_init(tide_buf_options *options);
 /* Reserve the range (and, for a ring, map it whole). TIDE_ERR_INVALID for a
  * zero or too large capacity or an unknown stream; TIDE_ERR_OOM when a ring's
  * pages pass the memory limit or the device has no more. */
-TIDE_API tide_status tide_buf_create(tide_allocator *alloc, const tide_buf_options *options,
-                                     tide_buf **out);
+TIDE_NODISCARD TIDE_API tide_status tide_buf_create(tide_allocator *alloc,
+                                                    const tide_buf_options *options,
+                                                    tide_buf **out);
 /* Unmap and release everything. Waits for the streams of pending shrinks;
  * if that wait fails (TIDE_ERR_NOT_READY on a held host stream, say) the
  * buffer is kept as it was. Work queued that still reads the buffer must be
@@ -446,7 +475,8 @@ TIDE_API tide_status tide_buf_destroy_after(tide_buf *buf, tide_stream stream);
  * shrinking lets pages go once the work queued on `stream` is done. Data
  * below min(old, new) length is kept. TIDE_ERR_INVALID beyond the capacity
  * or for a ring. */
-TIDE_API tide_status tide_buf_resize(tide_buf *buf, size_t length, tide_stream stream);
+TIDE_NODISCARD TIDE_API tide_status tide_buf_resize(tide_buf *buf, size_t length,
+                                                    tide_stream stream);
 /* Map pages for `length` bytes now without changing the length, such as
  * before a frame that will need them. */
 TIDE_API tide_status tide_buf_reserve_ahead(tide_buf *buf, size_t length);
@@ -512,7 +542,7 @@ TIDE_API size_t tide_buf_mapped(const tide_buf *buf);
 typedef struct tide_pool tide_pool;
 
 /* A new pool of `alloc`, with one user (the caller). */
-TIDE_API tide_status tide_pool_create(tide_allocator *alloc, tide_pool **out);
+TIDE_NODISCARD TIDE_API tide_status tide_pool_create(tide_allocator *alloc, tide_pool **out);
 /* One more user of `pool` (a graph that shares it). */
 TIDE_API tide_status tide_pool_retain(tide_pool *pool);
 /* One user fewer. The last one returns the pool's free memory to the
@@ -527,7 +557,7 @@ TIDE_API tide_status tide_pool_release(tide_pool *pool);
 TIDE_API uint64_t tide_pool_id(const tide_pool *pool);
 /* The figures of one pool, as tide_get_stats gives them for the allocator
  * (the counters are those of the pool's blocks; peaks are per stream). */
-TIDE_API tide_status tide_pool_get_stats(tide_pool *pool, tide_stats *out);
+TIDE_NODISCARD TIDE_API tide_status tide_pool_get_stats(tide_pool *pool, tide_stats *out);
 
 /* Allocations of the capture `stream` is in (or, if it is not being
  * captured, of `stream`) go to `pool` until tide_capture_end(alloc, stream).
@@ -539,7 +569,8 @@ TIDE_API tide_status tide_capture_begin(tide_allocator *alloc, tide_stream strea
 TIDE_API tide_status tide_capture_end(tide_allocator *alloc, tide_stream stream);
 /* The pool an allocation on `stream` would go to now; TIDE_ERR_INVALID
  * (and *out NULL) when it would go to the allocator's usual memory. */
-TIDE_API tide_status tide_capture_pool(tide_allocator *alloc, tide_stream stream, tide_pool **out);
+TIDE_NODISCARD TIDE_API tide_status tide_capture_pool(tide_allocator *alloc, tide_stream stream,
+                                                      tide_pool **out);
 
 /* For callers that decide themselves which allocations go to a pool (such
  * as PyTorch, whose beginAllocateToPool gives a filter of streams or
@@ -550,7 +581,8 @@ TIDE_API tide_status tide_capture_pool(tide_allocator *alloc, tide_stream stream
  * whether the streams they wait for are being captured, and are deferred
  * until the capture ends where they must be, as during tide_capture_begin's
  * captures. The calls nest. */
-TIDE_API void *tide_pool_malloc(tide_pool *pool, size_t size, tide_stream stream);
+TIDE_NODISCARD TIDE_API void *tide_pool_malloc(tide_pool *pool, size_t size,
+                                               tide_stream stream) TIDE_MALLOC TIDE_ALLOC_SIZE(2);
 TIDE_API tide_status tide_capture_watch_begin(tide_allocator *alloc);
 /* TIDE_ERR_STATE without a begin to end. */
 TIDE_API tide_status tide_capture_watch_end(tide_allocator *alloc);
@@ -568,7 +600,8 @@ TIDE_API tide_status tide_capture_reuse_set(tide_allocator *alloc, int on);
  * into `out` (may be NULL with cap 0), their number into *count (which may
  * be more than cap: call again with room for them). What PyTorch's
  * checkPoolLiveAllocations compares with the tensors it knows are alive. */
-TIDE_API tide_status tide_pool_allocated(tide_pool *pool, void **out, size_t cap, size_t *count);
+TIDE_NODISCARD TIDE_API tide_status tide_pool_allocated(tide_pool *pool, void **out, size_t cap,
+                                                        size_t *count);
 
 /* Checkpoint and restore: what graph-tree runtimes do between replays of
  * different graphs that share a pool (PyTorch's getCheckpointState and
@@ -604,11 +637,12 @@ typedef struct tide_restore_delta {
 } tide_restore_delta;
 
 /* The state of `pool` now. Free with tide_checkpoint_free. */
-TIDE_API tide_status tide_pool_checkpoint(tide_pool *pool, tide_checkpoint **out);
+TIDE_NODISCARD TIDE_API tide_status tide_pool_checkpoint(tide_pool *pool, tide_checkpoint **out);
 /* Bring `pool` back to `checkpoint`; `delta` (may be NULL) gets the blocks
  * that changed hands, to free with tide_restore_delta_free. */
-TIDE_API tide_status tide_pool_restore(tide_pool *pool, const tide_checkpoint *checkpoint,
-                                       tide_restore_delta *delta);
+TIDE_NODISCARD TIDE_API tide_status tide_pool_restore(tide_pool *pool,
+                                                      const tide_checkpoint *checkpoint,
+                                                      tide_restore_delta *delta);
 TIDE_API void tide_checkpoint_free(tide_checkpoint *checkpoint);
 /* The blocks allocated in a checkpoint, in address order: up to `cap` of
  * them into `out` (may be NULL with cap 0); returns how many there are.
@@ -658,15 +692,17 @@ typedef struct tide_share_piece {
  * owns (tide_share_pieces_close closes and frees them).
  * TIDE_ERR_BAD_POINTER when ptr is not in an allocated block;
  * TIDE_ERR_UNAVAILABLE when the device's memory cannot be exported. */
-TIDE_API tide_status tide_share_export(tide_allocator *alloc, const void *ptr,
-                                       tide_share_desc *desc, tide_share_piece **pieces);
+TIDE_NODISCARD TIDE_API tide_status tide_share_export(tide_allocator *alloc, const void *ptr,
+                                                      tide_share_desc *desc,
+                                                      tide_share_piece **pieces);
 /* Close the descriptors of n pieces and free the array (NULL is a no-op). */
 TIDE_API void tide_share_pieces_close(tide_share_piece *pieces, uint32_t n);
 /* Map exported memory in this process: *out is the block's address here.
  * The pieces' descriptors stay the caller's (they may be closed at once).
  * The allocator must be of the same backend kind as the exporter's. */
-TIDE_API tide_status tide_share_import(tide_allocator *alloc, const tide_share_desc *desc,
-                                       const tide_share_piece *pieces, void **out);
+TIDE_NODISCARD TIDE_API tide_status tide_share_import(tide_allocator *alloc,
+                                                      const tide_share_desc *desc,
+                                                      const tide_share_piece *pieces, void **out);
 /* Unmap memory tide_share_import mapped (ptr: its address). Destroying the
  * allocator unmaps what is left. */
 TIDE_API tide_status tide_share_close(tide_allocator *alloc, void *ptr);
@@ -674,30 +710,10 @@ TIDE_API tide_status tide_share_close(tide_allocator *alloc, void *ptr);
  * Unix-domain socket (stream or seqpacket); the descriptors stay the
  * caller's. tide_share_recv receives them: *pieces is malloc'd, its
  * descriptors the caller's (tide_share_pieces_close). */
-TIDE_API tide_status tide_share_send(int socket, const tide_share_desc *desc,
-                                     const tide_share_piece *pieces);
-TIDE_API tide_status tide_share_recv(int socket, tide_share_desc *desc, tide_share_piece **pieces);
-
-/* ------------------------------------------------------------------------ */
-/* PyTorch                                                                  */
-/* ------------------------------------------------------------------------ */
-
-/* The functions PyTorch's CUDAPluggableAllocator loads from libtidalloc.so:
- *   torch.cuda.memory.CUDAPluggableAllocator(path, "tide_torch_alloc", "tide_torch_free")
- * They use the process-wide allocator of `device` (tide_device); `stream` is
- * a cudaStream_t. A failed allocation returns NULL, with the reason in
- * tide_last_error(). The python/ package (tidalloc.torch.install) uses them
- * and the ones after, which return a tide_status. */
-#if defined(_WIN32)
-typedef long long tide_ssize;
-#else
-typedef long tide_ssize; /* ssize_t on the platforms PyTorch supports */
-#endif
-TIDE_API void *tide_torch_alloc(tide_ssize size, int device, void *stream);
-TIDE_API void tide_torch_free(void *ptr, tide_ssize size, int device, void *stream);
-TIDE_API int tide_torch_record_stream(void *ptr, int device, void *stream);
-TIDE_API int tide_torch_empty_cache(int device);
-TIDE_API int tide_torch_set_memory_fraction(double fraction, int device);
+TIDE_NODISCARD TIDE_API tide_status tide_share_send(int socket, const tide_share_desc *desc,
+                                                    const tide_share_piece *pieces);
+TIDE_NODISCARD TIDE_API tide_status tide_share_recv(int socket, tide_share_desc *desc,
+                                                    tide_share_piece **pieces);
 
 /* ------------------------------------------------------------------------ */
 /* Pinned host memory                                                       */
@@ -725,7 +741,8 @@ TIDE_API int tide_torch_set_memory_fraction(double fraction, int device);
  * to 4 KiB. NULL on failure: size 0 or too large (TIDE_ERR_INVALID), an
  * unknown stream (TIDE_ERR_INVALID), or no pinned memory even after freeing
  * every cached block and retrying (TIDE_ERR_OOM, with a message). */
-TIDE_API void *tide_pinned_malloc(tide_allocator *alloc, size_t size, tide_stream stream);
+TIDE_NODISCARD TIDE_API void *tide_pinned_malloc(tide_allocator *alloc, size_t size,
+                                                 tide_stream stream) TIDE_MALLOC;
 /* Free a pinned block; `stream` as in tide_free. A NULL ptr is a no-op. */
 TIDE_API tide_status tide_pinned_free(tide_allocator *alloc, void *ptr, tide_stream stream);
 /* Mark a pinned block as used on another stream, as tide_record_stream. */
@@ -741,7 +758,7 @@ TIDE_API tide_status tide_pinned_empty_cache(tide_allocator *alloc);
  * the blocks of up to 1 MiB, the large pool the others; inactive_split
  * figures and pages are 0 (blocks are never split), and the memory limit is
  * TIDE_NO_LIMIT (no limit applies to pinned memory). */
-TIDE_API tide_status tide_pinned_get_stats(tide_allocator *alloc, tide_stats *out);
+TIDE_NODISCARD TIDE_API tide_status tide_pinned_get_stats(tide_allocator *alloc, tide_stats *out);
 
 /* ------------------------------------------------------------------------ */
 /* Devices and the backend                                                  */
@@ -759,79 +776,7 @@ typedef struct tide_info {
   uint64_t page_size;   /* the page size expandable segments map */
 } tide_info;
 
-TIDE_API tide_status tide_get_info(tide_allocator *alloc, tide_info *out);
-
-/* ------------------------------------------------------------------------ */
-/* Host backend controls (an emulated device, for tests without a GPU)      */
-/* ------------------------------------------------------------------------ */
-
-/* The backend operations, for counting calls and injecting failures. */
-typedef enum tide_backend_op {
-  TIDE_OP_ANY = 0,
-  TIDE_OP_RESERVE,
-  TIDE_OP_UNRESERVE,
-  TIDE_OP_CREATE,
-  TIDE_OP_RELEASE,
-  TIDE_OP_MAP,
-  TIDE_OP_SET_ACCESS,
-  TIDE_OP_UNMAP,
-  TIDE_OP_STREAM_CREATE,
-  TIDE_OP_STREAM_DESTROY,
-  TIDE_OP_STREAM_SYNCHRONIZE,
-  TIDE_OP_EVENT_CREATE,
-  TIDE_OP_EVENT_DESTROY,
-  TIDE_OP_EVENT_RECORD,
-  TIDE_OP_EVENT_QUERY,
-  TIDE_OP_EVENT_SYNCHRONIZE,
-  TIDE_OP_MEM_INFO,
-  TIDE_OP_HOST_ALLOC,
-  TIDE_OP_HOST_FREE,
-  TIDE_OP_COPY,
-  TIDE_OP_CAPTURE_STATUS,
-  TIDE_OP_EXPORT,        /* a memory handle to a file descriptor (sharing) */
-  TIDE_OP_IMPORT,        /* a file descriptor to a memory handle */
-  TIDE_OP_CAPTURE_GRAPH, /* the dependencies of a stream or node in a capture's graph */
-  TIDE_OP_COUNT
-} tide_backend_op;
-
-/* The name of an operation ("map"). */
-TIDE_API const char *tide_backend_op_name(tide_backend_op op);
-
-/* Hold a stream of the host backend: events recorded on it stay pending (as
- * if a long kernel ran) until tide_host_stream_release completes them. */
-TIDE_API tide_status tide_host_stream_hold(tide_allocator *alloc, tide_stream stream);
-TIDE_API tide_status tide_host_stream_release(tide_allocator *alloc, tide_stream stream);
-/* Emulated graph capture (as cuStreamBeginCapture, a fork into another
- * stream, and cuStreamEndCapture): while a stream is captured, the backend
- * says so with its capture id, waiting for it answers TIDE_ERR_NOT_READY, and
- * an event recorded on it never completes (it belongs to the graph) until it
- * is recorded again outside a capture. Work is not recorded: the emulated
- * device does nothing anyway. The default stream cannot be captured. _join
- * makes `stream` part of the capture of `capturing`; _end ends the capture
- * of `stream` for every stream in it. */
-TIDE_API tide_status tide_host_capture_begin(tide_allocator *alloc, tide_stream stream);
-TIDE_API tide_status tide_host_capture_join(tide_allocator *alloc, tide_stream stream,
-                                            tide_stream capturing);
-TIDE_API tide_status tide_host_capture_end(tide_allocator *alloc, tide_stream stream);
-/* The emulated capture's graph, for graph_capture_record_stream_reuse: _work
- * captures a node of work on `stream` (being captured), after the nodes its
- * work had reached; _wait makes `stream` wait for what `other` (being
- * captured) reached, as an event recorded on `other` and waited for on
- * `stream` (joining `stream` to the capture if it is in none). _begin
- * starts a stream with no dependencies and _join copies those of
- * `capturing`. */
-TIDE_API tide_status tide_host_capture_work(tide_allocator *alloc, tide_stream stream);
-TIDE_API tide_status tide_host_capture_wait(tide_allocator *alloc, tide_stream stream,
-                                            tide_stream other);
-/* Make the n-th call (n >= 1, counted from now) of `op` fail; TIDE_OP_ANY
- * counts calls of every operation. n = 0 disarms. One arming per op. */
-TIDE_API tide_status tide_host_fail_call(tide_allocator *alloc, tide_backend_op op, uint64_t n);
-/* How many times `op` was called on this allocator's host backend. */
-TIDE_API uint64_t tide_host_call_count(tide_allocator *alloc, tide_backend_op op);
-/* Bytes of emulated device memory created and not yet released. */
-TIDE_API uint64_t tide_host_bytes_in_use(tide_allocator *alloc);
-/* Mappings the emulated device holds now (one unmap call may end several). */
-TIDE_API uint64_t tide_host_mappings(tide_allocator *alloc);
+TIDE_NODISCARD TIDE_API tide_status tide_get_info(tide_allocator *alloc, tide_info *out);
 
 #ifdef __cplusplus
 }

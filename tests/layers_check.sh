@@ -7,6 +7,12 @@
 # dependencies then form no cycle, and tide_malloc can be read downward.
 # Every file of src/ lies in one of those folders, with a name unique in src/.
 #
+# Inside memory/ and features/ the files are a stack too (ORDER, lowest
+# first): a file's objects call functions of its own and lower files only.
+# The calls still going up are listed in KNOWN_ORDER, printed at every run,
+# and must leave the list when they go; a new file of those folders must
+# take its place in ORDER.
+#
 # The check also shows it can fail: it runs itself on a copy of src/ with an
 # upward #include added, and on the library's symbols with an upward call
 # added, and fails unless both are caught.
@@ -23,10 +29,26 @@ import os, re, shutil, subprocess, sys, tempfile
 
 LAYERS = ["base", "backend", "memory", "features", "api"]  # lowest first
 RANK = {name: i for i, name in enumerate(LAYERS)}
+PUBLIC = {"tidalloc.h", "tidalloc_testing.h", "tidalloc_torch.h"}  # include/
 
 # Upward uses still in the code, each (file, header or symbol): printed at
 # every run; one that is gone must leave this list too.
 KNOWN = {}
+
+# The files of a folder, lowest first: each calls only itself and those
+# before it.
+ORDER = {
+    "memory": ["trace.c", "ptrmap.c", "bins.c", "mapcalls.c", "segment.c", "arena.c",
+               "arenas.c"],
+    "features": ["stats.c", "pinned.c", "graph_reuse.c", "pool.c", "checkpoint.c", "buffer.c",
+                 "share.c", "snapshot.c", "validate.c"],
+}
+
+# Calls still going up inside a folder, each (file, symbol): why they remain.
+KNOWN_ORDER = {
+    ("memory/segment.c", "_tide_arena_settle_stale"): "segment growth settles stale frees",
+    ("features/graph_reuse.c", "_tide_captures_update_watch"): "the capture watch is pool.c's",
+}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
 NM_LINE = re.compile(r"^[^:]*:([^:]+):\s*(?:[0-9a-fA-F]+)?\s+([A-Za-z])\s+(\S+)$")
@@ -61,8 +83,8 @@ def include_edges(src, files):
         with open(os.path.join(src, rel), encoding="utf-8") as f:
             text = f.read()
         for header in INCLUDE.findall(text):
-            if header == "tidalloc.h":
-                continue  # the public header, below every layer
+            if header in PUBLIC:
+                continue  # the public headers, below every layer
             target = header if "/" in header else f"{folder}/{header}"
             if target.startswith("../") or target not in files:
                 problems.append(f"src/{rel}: #include \"{header}\" is no header of src/<layer>/")
@@ -71,9 +93,10 @@ def include_edges(src, files):
     return edges, problems
 
 
-def symbol_edges(nm_lines, files):
+def symbol_edges(nm_lines, files, target_files=None):
     """(file, its folder, folder used, symbol) for each undefined symbol of an
-    object that another object of the library defines."""
+    object that another object of the library defines; target_files, if a
+    list, gets the defining file of each edge."""
     folder_of = {os.path.basename(rel): folder for rel, folder in files.items()}
     rel_of = {os.path.basename(rel): rel for rel in files}
     defined, undefined = {}, []
@@ -93,7 +116,35 @@ def symbol_edges(nm_lines, files):
     for source, sym in undefined:
         if sym in defined:
             edges.append((rel_of[source], folder_of[source], folder_of[defined[sym]], sym))
+            if target_files is not None:
+                target_files.append(rel_of[defined[sym]])
     return edges
+
+
+def order_problems(nm_lines, files, known_order, met):
+    """Calls inside a folder of ORDER to a file above the caller."""
+    problems = []
+    for folder, names in ORDER.items():
+        present = sorted(os.path.basename(r) for r, f in files.items()
+                         if f == folder and r.endswith(".c"))
+        for name in present:
+            if name not in names:
+                problems.append(f"src/{folder}/{name} has no place in ORDER[{folder!r}]")
+    targets = []
+    edges = symbol_edges(nm_lines, files, targets)
+    for (rel, a, b, sym), target in zip(edges, targets):
+        if a != b or a not in ORDER:
+            continue
+        names = ORDER[a]
+        src_name, dst_name = os.path.basename(rel), os.path.basename(target)
+        if src_name not in names or dst_name not in names:
+            continue
+        if names.index(dst_name) > names.index(src_name):
+            if (rel, sym) in known_order:
+                met.add((rel, sym))
+                continue
+            problems.append(f"src/{rel} uses {sym} of {dst_name}, a file above it in {a}/")
+    return problems
 
 
 def cycles(edges):
@@ -156,6 +207,19 @@ else:
 problems, met, edges = check(src, nm_lines, KNOWN)
 for key in sorted(set(KNOWN) - met):
     problems.append(f"known exception src/{key[0]} -> {key[1]} no longer occurs: remove it")
+if nm_lines is not None:
+    files, _ = sources(src)
+    met_order = set()
+    problems += order_problems(nm_lines, files, KNOWN_ORDER, met_order)
+    for key in sorted(set(KNOWN_ORDER) - met_order):
+        problems.append(f"known upward call src/{key[0]} -> {key[1]} no longer occurs: remove it")
+    print("file order inside folders (lowest first):")
+    for folder, names in ORDER.items():
+        print(f"  {folder}/: " + " < ".join(names))
+    if KNOWN_ORDER:
+        print(f"known upward calls inside a folder, to be removed ({len(KNOWN_ORDER)}):")
+        for (rel, sym), why in sorted(KNOWN_ORDER.items()):
+            print(f"  src/{rel} -> {sym}: {why}")
 pairs = {}
 for kind, rel, a, b, what in edges:
     if a != b:
@@ -186,6 +250,14 @@ if nm_lines is not None:
         problems.append("self-test: a call of tide_malloc from segment.c went unseen")
     else:
         print("self-test: an upward call is caught:", [p for p in caught if "tide_malloc" in p][0])
+    fake = nm_lines + [f"{lib}:bins.c.o:                 U _tide_arena_create"]
+    files, _ = sources(src)
+    caught = order_problems(fake, files, KNOWN_ORDER, set())
+    if not any("memory/bins.c uses _tide_arena_create" in p for p in caught):
+        problems.append("self-test: a call of arena.c from bins.c went unseen")
+    else:
+        print("self-test: a call up inside a folder is caught:",
+              [p for p in caught if "bins.c uses _tide_arena_create" in p][0])
 
 for p in problems:
     print("FAIL:", p, file=sys.stderr)

@@ -465,8 +465,8 @@ static void test_arena_per_stream(void **state) {
   (void)state;
   tide_allocator *a = make(NULL);
   tide_stream s1, s2;
-  tide_stream_create(a, &s1);
-  tide_stream_create(a, &s2);
+  assert_int_equal(tide_stream_create(a, &s1), TIDE_OK);
+  assert_int_equal(tide_stream_create(a, &s2), TIDE_OK);
   void *p1 = tide_malloc(a, 4096, s1), *p2 = tide_malloc(a, 4096, s2);
   tide_stream where = NULL;
   size_t size = 0;

@@ -620,8 +620,8 @@ static void null_outputs(void **state) {
   tu_assert_last_error(rc, NULL);
   expect_error(tide_create(0, NULL, NULL), TIDE_ERR_INVALID, NULL);
   expect_error(tide_config_new(NULL), TIDE_ERR_INVALID, NULL);
-  expect_error(tide_conf_get(NULL), TIDE_ERR_INVALID, NULL);
-  expect_error(tide_conf_set(NULL), TIDE_ERR_INVALID, NULL);
+  expect_error(tide_config_process_get(NULL), TIDE_ERR_INVALID, NULL);
+  expect_error(tide_config_process_set(NULL), TIDE_ERR_INVALID, NULL);
   still_works(f);
 }
 
@@ -780,12 +780,12 @@ static void process_wide_lifecycle(void **state) {
   tide_clear_error();
   assert_null(tide_device(0));
   tu_assert_last_error(TIDE_ERR_CONFIG, "expandable_segments");
-  expect_error(tide_conf_set("page_size_mb:4"), TIDE_ERR_CONFIG, NULL);
+  expect_error(tide_config_process_set("page_size_mb:4"), TIDE_ERR_CONFIG, NULL);
   assert_int_equal(unsetenv("TIDALLOC_CONF"), 0);
 
   /* Configuration before first use is applied; a bad one changes nothing. */
-  tu_assert_ok(tide_conf_set("backend:host,host_capacity:256MiB,page_size_mb:2"));
-  expect_error(tide_conf_set("page_size_mb:zero"), TIDE_ERR_CONFIG, "page_size_mb");
+  tu_assert_ok(tide_config_process_set("backend:host,host_capacity:256MiB,page_size_mb:2"));
+  expect_error(tide_config_process_set("page_size_mb:zero"), TIDE_ERR_CONFIG, "page_size_mb");
   tide_allocator *a = tide_device(0);
   if (!a) fail_msg("tide_device(0): %s", tide_last_error());
   assert_ptr_equal(tide_device(0), a);
@@ -796,12 +796,12 @@ static void process_wide_lifecycle(void **state) {
 
   /* After first use a change is refused, naming the key; the same values
    * are no change and are accepted. */
-  expect_error(tide_conf_set("page_size_mb:4"), TIDE_ERR_STATE, "page_size_mb");
-  expect_error(tide_conf_set("expandable_segments:False,host_capacity:1GiB"), TIDE_ERR_STATE,
-               "host_capacity");
-  tu_assert_ok(tide_conf_set("page_size_mb:2"));
+  expect_error(tide_config_process_set("page_size_mb:4"), TIDE_ERR_STATE, "page_size_mb");
+  expect_error(tide_config_process_set("expandable_segments:False,host_capacity:1GiB"),
+               TIDE_ERR_STATE, "host_capacity");
+  tu_assert_ok(tide_config_process_set("page_size_mb:2"));
   tide_config *now = NULL;
-  tu_assert_ok(tide_conf_get(&now));
+  tu_assert_ok(tide_config_process_get(&now));
   char value[64];
   tu_assert_ok(tide_config_get(now, "page_size_mb", value, sizeof value));
   assert_string_equal(value, "2");
@@ -823,7 +823,7 @@ static void process_wide_lifecycle(void **state) {
   assert_null(tide_device(1));
   tu_assert_last_error(TIDE_ERR_STATE, NULL);
   /* A configuration nothing will use is refused, not silently kept. */
-  expect_error(tide_conf_set("page_size_mb:2"), TIDE_ERR_STATE, "tide_shutdown");
+  expect_error(tide_config_process_set("page_size_mb:2"), TIDE_ERR_STATE, "tide_shutdown");
   tu_assert_ok(tide_shutdown()); /* twice is harmless */
 }
 

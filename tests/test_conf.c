@@ -30,14 +30,14 @@ static const char *get(const tide_config *config, const char *key) {
   return buf;
 }
 
-static tide_conf_source source_of(const tide_config *config, const char *key) {
+static tide_config_source source_of(const tide_config *config, const char *key) {
   for (size_t i = 0; i < tide_config_option_count(); i++) {
     tide_option_info info;
     assert_int_equal(tide_config_option(config, i, &info), TIDE_OK);
     if (strcmp(info.key, key) == 0) return info.source;
   }
   fail_msg("no option %s", key);
-  return TIDE_CONF_DEFAULT;
+  return TIDE_CONFIG_DEFAULT;
 }
 
 /* How many options differ from a fresh config. */
@@ -153,7 +153,7 @@ static void test_option_table(void **state) {
     assert_null(strchr(info.meaning, '\n'));
     /* Defaults are written canonically: a fresh config shows them as is. */
     assert_string_equal(info.value, info.default_value);
-    assert_int_equal(info.source, TIDE_CONF_DEFAULT);
+    assert_int_equal(info.source, TIDE_CONFIG_DEFAULT);
     size_t k = 0;
     while (k < KEY_COUNT && strcmp(all_keys[k], info.key) != 0) k++;
     assert_true(k < KEY_COUNT);
@@ -258,7 +258,7 @@ static void test_good_values(void **state) {
     if (strcmp(get(config, cases[i].key), cases[i].canonical) != 0)
       fail_msg("%s:%s shows as %s, expected %s", cases[i].key, cases[i].input,
                get(config, cases[i].key), cases[i].canonical);
-    assert_int_equal(source_of(config, cases[i].key), TIDE_CONF_CODE);
+    assert_int_equal(source_of(config, cases[i].key), TIDE_CONFIG_CODE);
     /* The canonical text reads back to the same value. */
     tide_config *again = new_config();
     assert_int_equal(tide_config_set(again, cases[i].key, cases[i].canonical), TIDE_OK);
@@ -401,7 +401,7 @@ static void test_bad_values(void **state) {
     if (!strstr(message, quoted)) fail_msg("message lacks %s: %s", quoted, message);
     assert_non_null(strstr(message, "accepted:"));
     assert_int_equal(changed_from_defaults(config), 0);
-    assert_int_equal(source_of(config, cases[i].key), TIDE_CONF_DEFAULT);
+    assert_int_equal(source_of(config, cases[i].key), TIDE_CONFIG_DEFAULT);
     tide_config_free(config);
   }
 }
@@ -542,7 +542,7 @@ static void test_parse_syntax(void **state) {
   assert_int_equal(tide_config_parse(config, "   "), TIDE_OK);
   assert_int_equal(tide_config_parse(config, ",,"), TIDE_OK);
   assert_int_equal(changed_from_defaults(config), 0);
-  assert_int_equal(source_of(config, "trace"), TIDE_CONF_DEFAULT);
+  assert_int_equal(source_of(config, "trace"), TIDE_CONFIG_DEFAULT);
 
   assert_int_equal(tide_config_parse(config, "trace:1,"), TIDE_OK);
   assert_string_equal(get(config, "trace"), "1");
@@ -568,9 +568,9 @@ static void test_atomic(void **state) {
     tide_config *config = new_config();
     assert_int_equal(tide_config_parse(config, texts[i]), TIDE_ERR_CONFIG);
     assert_int_equal(changed_from_defaults(config), 0);
-    assert_int_equal(source_of(config, "trace"), TIDE_CONF_DEFAULT);
-    assert_int_equal(source_of(config, "expandable_segments"), TIDE_CONF_DEFAULT);
-    assert_int_equal(source_of(config, "host_devices"), TIDE_CONF_DEFAULT);
+    assert_int_equal(source_of(config, "trace"), TIDE_CONFIG_DEFAULT);
+    assert_int_equal(source_of(config, "expandable_segments"), TIDE_CONFIG_DEFAULT);
+    assert_int_equal(source_of(config, "host_devices"), TIDE_CONFIG_DEFAULT);
     assert_string_equal(get(config, "trace"), "0");
     tide_config_free(config);
   }
@@ -621,19 +621,19 @@ static void test_sources(void **state) {
   assert_int_equal(tide_config_load_env(config), TIDE_OK);
   assert_string_equal(get(config, "trace"), "5");
   assert_string_equal(get(config, "expandable_segments"), "False");
-  assert_int_equal(source_of(config, "trace"), TIDE_CONF_ENVIRONMENT);
-  assert_int_equal(source_of(config, "expandable_segments"), TIDE_CONF_ENVIRONMENT);
+  assert_int_equal(source_of(config, "trace"), TIDE_CONFIG_ENVIRONMENT);
+  assert_int_equal(source_of(config, "expandable_segments"), TIDE_CONFIG_ENVIRONMENT);
   /* Set to its default value, but set all the same. */
-  assert_int_equal(source_of(config, "host_devices"), TIDE_CONF_ENVIRONMENT);
-  assert_int_equal(source_of(config, "page_size_mb"), TIDE_CONF_DEFAULT);
+  assert_int_equal(source_of(config, "host_devices"), TIDE_CONFIG_ENVIRONMENT);
+  assert_int_equal(source_of(config, "page_size_mb"), TIDE_CONFIG_DEFAULT);
 
   /* Code overrides the environment, key by key. */
   assert_int_equal(tide_config_set(config, "trace", "7"), TIDE_OK);
-  assert_int_equal(source_of(config, "trace"), TIDE_CONF_CODE);
+  assert_int_equal(source_of(config, "trace"), TIDE_CONFIG_CODE);
   assert_string_equal(get(config, "trace"), "7");
   assert_int_equal(tide_config_parse(config, "page_size_mb:8"), TIDE_OK);
-  assert_int_equal(source_of(config, "page_size_mb"), TIDE_CONF_CODE);
-  assert_int_equal(source_of(config, "expandable_segments"), TIDE_CONF_ENVIRONMENT);
+  assert_int_equal(source_of(config, "page_size_mb"), TIDE_CONFIG_CODE);
+  assert_int_equal(source_of(config, "expandable_segments"), TIDE_CONFIG_ENVIRONMENT);
 
   /* A bad environment says where the text came from and changes nothing. */
   assert_int_equal(setenv("TIDALLOC_CONF", "trace:9,page_size_mb:huge", 1), 0);
@@ -641,7 +641,7 @@ static void test_sources(void **state) {
   assert_non_null(strstr(tide_last_error(), "TIDALLOC_CONF"));
   assert_non_null(strstr(tide_last_error(), "\"huge\""));
   assert_string_equal(get(config, "trace"), "7");
-  assert_int_equal(source_of(config, "trace"), TIDE_CONF_CODE);
+  assert_int_equal(source_of(config, "trace"), TIDE_CONFIG_CODE);
   assert_int_equal(unsetenv("TIDALLOC_CONF"), 0);
   tide_config_free(config);
 }
@@ -656,7 +656,7 @@ static void test_clone_and_diff(void **state) {
   char buf[512];
   assert_int_equal(_tide_config_diff(a, b, buf, sizeof buf), 0);
   assert_string_equal(buf, "");
-  assert_int_equal(source_of(b, "trace"), TIDE_CONF_CODE);
+  assert_int_equal(source_of(b, "trace"), TIDE_CONFIG_CODE);
 
   /* The clone is independent, and its strings are its own. */
   assert_int_equal(tide_config_parse(b, "trace:6,expandable_segments:False,memory_limit:2GiB"),

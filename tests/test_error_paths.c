@@ -16,6 +16,7 @@
 
 #include "memory/core.h"
 #include "testutil.h"
+#include "tidalloc_torch.h"
 
 /* ------------------------------------------------------------------------ */
 /* realloc, failed on demand                                                 */
@@ -160,7 +161,7 @@ static void devices_that_do_not_exist(void **state) {
 /* 3 blocks left on 2 devices: both devices and all 3 blocks are told. */
 static void shutdown_names_every_device(void **state) {
   (void)state;
-  tu_assert_ok(tide_conf_set("backend:host,host_devices:2,page_size_mb:2"));
+  tu_assert_ok(tide_config_process_set("backend:host,host_devices:2,page_size_mb:2"));
   tide_allocator *d0 = tide_device(0), *d1 = tide_device(1);
   assert_non_null(d0);
   assert_non_null(d1);

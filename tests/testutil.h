@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "tidalloc.h"
+#include "tidalloc_testing.h"
 
 #define TU_KiB ((size_t)1 << 10)
 #define TU_MiB ((size_t)1 << 20)

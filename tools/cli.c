@@ -67,6 +67,93 @@ bool cli_option_value(int argc, char **argv, int *i, const char *name, const cha
   return true;
 }
 
+/* An argument that names an option: "-x" or "--x", not "-" or a negative
+ * number ("-5" is a bad value, not an option). */
+static bool is_option(const char *arg) {
+  return arg[0] == '-' && arg[1] != '\0' && !(arg[1] >= '0' && arg[1] <= '9');
+}
+
+/* The value of one option into its target; false after a usage message. */
+static bool take(const char *command, const cli_option *opt, const char *value) {
+  uint64_t n = 0;
+  switch (opt->kind) {
+  case CLI_FLAG: *(bool *)opt->target = true; return true;
+  case CLI_TEXT: *(const char **)opt->target = value; return true;
+  case CLI_COUNT:
+    if (cli_parse_u64(value, &n) && n >= opt->min && n <= opt->max) {
+      *(uint64_t *)opt->target = n;
+      return true;
+    }
+    if (opt->wants)
+      cli_error("%s: %s wants %s, not '%s'", command, opt->name, opt->wants, value);
+    else
+      cli_error("%s: %s wants a number from %llu to %llu, not '%s'", command, opt->name,
+                (unsigned long long)opt->min, (unsigned long long)opt->max, value);
+    return false;
+  case CLI_MANY: return opt->parse(value, opt->target); /* with its own message */
+  case CLI_CUSTOM:
+    if (opt->parse(value, opt->target)) return true;
+    if (opt->wants) cli_error("%s: %s wants %s, not '%s'", command, opt->name, opt->wants, value);
+    return false;
+  }
+  return false;
+}
+
+static bool take_value(const char *command, const cli_option *opt, const char *value) {
+  bool taken = take(command, opt, value);
+  if (taken && opt->given) *opt->given = true;
+  return taken;
+}
+
+int cli_parse(int argc, char **argv, const char *command, void (*help)(void),
+              const cli_option *options, size_t count, const char **positional,
+              size_t max_positional) {
+  size_t npositional = 0;
+  for (size_t p = 0; p < max_positional; p++) positional[p] = NULL;
+  for (int i = 1; i < argc; i++) {
+    if (cli_is_help(argv[i])) {
+      help();
+      return CLI_EXIT_OK;
+    }
+    const cli_option *opt = NULL;
+    const char *value = NULL;
+    bool bad = false;
+    for (size_t k = 0; k < count && !opt; k++) {
+      if (options[k].kind == CLI_FLAG || options[k].kind == CLI_MANY) {
+        if (strcmp(argv[i], options[k].name) == 0) opt = &options[k];
+      } else if (cli_option_value(argc, argv, &i, options[k].name, &value, &bad)) {
+        opt = &options[k];
+      }
+    }
+    if (bad) return CLI_EXIT_USAGE;
+    if (opt && opt->kind == CLI_MANY) {
+      int first = i;
+      while (i + 1 < argc && !is_option(argv[i + 1]))
+        if (!take_value(command, opt, argv[++i])) return CLI_EXIT_USAGE;
+      if (i == first) {
+        cli_error("%s: %s needs at least one %s", command, opt->name, opt->wants);
+        return CLI_EXIT_USAGE;
+      }
+      continue;
+    }
+    if (opt) {
+      if (!take_value(command, opt, value)) return CLI_EXIT_USAGE;
+      continue;
+    }
+    if (is_option(argv[i])) {
+      cli_error("%s: unknown argument '%s' (try `tidalloc %s --help`)", command, argv[i], command);
+      return CLI_EXIT_USAGE;
+    }
+    if (npositional == max_positional) {
+      cli_error("%s: unexpected argument '%s' (try `tidalloc %s --help`)", command, argv[i],
+                command);
+      return CLI_EXIT_USAGE;
+    }
+    positional[npositional++] = argv[i];
+  }
+  return -1;
+}
+
 bool cli_parse_u64(const char *text, uint64_t *out) {
   if (text == NULL || *text < '0' || *text > '9') return false;
   errno = 0;

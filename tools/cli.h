@@ -1,6 +1,7 @@
 /* cli.h: what the files of the tidalloc command share: the subcommands'
  * entry points, and helpers every subcommand may reuse: building the
- * allocator's configuration the same way everywhere, argument parsing,
+ * allocator's configuration the same way everywhere, argument parsing from
+ * a table of options,
  * messages, a monotonic clock, a median, and a progress bar.
  *
  * Exit codes of every subcommand: 0 success, 1 a failure while running
@@ -64,6 +65,45 @@ tide_allocator *cli_allocator_create(const char *what, const char *first, const 
  * value prints a usage error and sets *bad. */
 bool cli_option_value(int argc, char **argv, int *i, const char *name, const char **value,
                       bool *bad);
+/* One option of a subcommand, for cli_parse. */
+typedef enum cli_kind {
+  CLI_FLAG,   /* no value: *(bool *)target = true */
+  CLI_TEXT,   /* *(const char **)target = the value */
+  CLI_COUNT,  /* *(uint64_t *)target = a whole number in [min, max] */
+  CLI_CUSTOM, /* parse(value, target); false refuses the value */
+  CLI_MANY,   /* every argument after it that is no option ("-5" is none), each
+               * through parse(value, target), which says why it refuses one;
+               * at least one */
+} cli_kind;
+
+typedef struct cli_option {
+  const char *name; /* "--conf" */
+  cli_kind kind;
+  void *target;
+  uint64_t min, max; /* CLI_COUNT */
+  /* CLI_CUSTOM: true if the value is taken; false after its own message
+   * (cli_error), or without one, then the usage error says what the
+   * option wants. */
+  bool (*parse)(const char *value, void *target);
+  /* What a refused value's message says the option wants ("a count from 1
+   * to 100000"); NULL for CLI_COUNT: "a number from MIN to MAX". For
+   * CLI_MANY, what one value is ("frame count"), for the message when none
+   * follows. */
+  const char *wants;
+  bool *given; /* if not NULL, set when the option's value is taken */
+} cli_option;
+
+/* Parse argv[1..] of the subcommand `command` ("micro"): -h or --help calls
+ * help() and gives CLI_EXIT_OK; each of the `count` options is taken as its
+ * kind says, as "--name value" or "--name=value"; an argument that starts
+ * with '-' and is no option, or a positional argument beyond the
+ * `max_positional` that go into `positional` (in order, NULL-filled), is a
+ * usage error, as is a refused value, each with a message on stderr.
+ * Returns -1 to go on, or the exit code. */
+int cli_parse(int argc, char **argv, const char *command, void (*help)(void),
+              const cli_option *options, size_t count, const char **positional,
+              size_t max_positional);
+
 /* Parse a whole decimal unsigned number; false if `text` is not one. */
 bool cli_parse_u64(const char *text, uint64_t *out);
 /* True for "-h" and "--help". */

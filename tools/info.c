@@ -8,11 +8,11 @@
 
 #include "cli.h"
 
-static const char *source_name(tide_conf_source source) {
+static const char *source_name(tide_config_source source) {
   switch (source) {
-  case TIDE_CONF_DEFAULT: return "default";
-  case TIDE_CONF_ENVIRONMENT: return "environment";
-  case TIDE_CONF_CODE: return "code";
+  case TIDE_CONFIG_DEFAULT: return "default";
+  case TIDE_CONFIG_ENVIRONMENT: return "environment";
+  case TIDE_CONFIG_CODE: return "code";
   }
   return "?";
 }
@@ -102,20 +102,9 @@ static void print_help(void) {
 
 int tide_cli_info(int argc, char **argv) {
   const char *conf = NULL;
-  for (int i = 1; i < argc; i++) {
-    const char *value = NULL;
-    bool bad = false;
-    if (cli_is_help(argv[i])) {
-      print_help();
-      return CLI_EXIT_OK;
-    } else if (cli_option_value(argc, argv, &i, "--conf", &value, &bad)) {
-      if (bad) return CLI_EXIT_USAGE;
-      conf = value;
-    } else {
-      cli_error("info: unexpected argument '%s' (try `tidalloc info --help`)", argv[i]);
-      return CLI_EXIT_USAGE;
-    }
-  }
+  const cli_option options[] = {{.name = "--conf", .kind = CLI_TEXT, .target = &conf}};
+  int code = cli_parse(argc, argv, "info", print_help, options, 1, NULL, 0);
+  if (code >= 0) return code;
 
   /* A configuration that does not parse is the one thing said: the message
    * names the bad entry and what is accepted. */

@@ -536,7 +536,8 @@ static bool selected(const char *list, const char *name) {
 }
 
 /* "1,2,8" into args->threads; false if it is not such a list. */
-static bool parse_thread_list(const char *text, micro_args *args) {
+static bool parse_thread_list(const char *text, void *target) {
+  micro_args *args = target;
   args->thread_count = 0;
   char item[32];
   while (*text != '\0') {
@@ -555,7 +556,8 @@ static bool parse_thread_list(const char *text, micro_args *args) {
 
 /* "512,mixed" into args->sizes (0 stands for mixed); false if it is not
  * such a list. */
-static bool parse_size_list(const char *text, micro_args *args) {
+static bool parse_size_list(const char *text, void *target) {
+  micro_args *args = target;
   args->size_count = 0;
   char item[32];
   while (*text != '\0') {
@@ -573,6 +575,18 @@ static bool parse_size_list(const char *text, micro_args *args) {
   return args->size_count > 0;
 }
 
+/* Allocators of this build named in the list: at least one. */
+static bool parse_only(const char *text, void *target) {
+  bool known = false;
+  for (size_t a = 0; a < anchor_count; a++) known |= selected(text, anchors[a].name);
+  if (known) *(const char **)target = text;
+  return known;
+}
+
+/* The limits the messages of --threads and --sizes name. */
+_Static_assert(MAX_THREADS == 256 && MAX_THREAD_COUNTS == 16 && MAX_SIZES == 16,
+               "update the option table's messages");
+
 /* Returns -1 to go on, or the exit code. */
 static int parse_args(int argc, char **argv, micro_args *args) {
   *args = (micro_args){.repeat = DEFAULT_REPEAT};
@@ -581,56 +595,39 @@ static int parse_args(int argc, char **argv, micro_args *args) {
   args->size_count = sizeof(pair_sizes) / sizeof(pair_sizes[0]) + 1; /* + mixed, last */
   memcpy(args->sizes, pair_sizes, sizeof(pair_sizes));
   args->sizes[args->size_count - 1] = 0;
-  for (int i = 1; i < argc; i++) {
-    const char *value = NULL;
-    bool bad = false;
-    if (cli_is_help(argv[i])) {
-      print_help();
-      return CLI_EXIT_OK;
-    } else if (strcmp(argv[i], "--csv") == 0) {
-      args->csv = true;
-    } else if (cli_option_value(argc, argv, &i, "--conf", &value, &bad)) {
-      args->conf = value;
-    } else if (cli_option_value(argc, argv, &i, "--repeat", &value, &bad)) {
-      if (!bad &&
-          (!cli_parse_u64(value, &args->repeat) || args->repeat == 0 || args->repeat > 100000)) {
-        cli_error("micro: --repeat wants a count from 1 to 100000, not '%s'", value);
-        return CLI_EXIT_USAGE;
-      }
-    } else if (cli_option_value(argc, argv, &i, "--threads", &value, &bad)) {
-      if (!bad && !parse_thread_list(value, args)) {
-        cli_error("micro: --threads wants a list such as 1,8 (each 1 to %d, at most %d), not "
-                  "'%s'",
-                  MAX_THREADS, MAX_THREAD_COUNTS, value);
-        return CLI_EXIT_USAGE;
-      }
-    } else if (cli_option_value(argc, argv, &i, "--sizes", &value, &bad)) {
-      if (!bad && !parse_size_list(value, args)) {
-        cli_error("micro: --sizes wants a list of byte counts and `mixed`, such as 512,mixed "
-                  "(at most %d), not '%s'",
-                  MAX_SIZES, value);
-        return CLI_EXIT_USAGE;
-      }
-    } else if (cli_option_value(argc, argv, &i, "--only", &value, &bad)) {
-      args->only = value;
-      bool known = false;
-      for (size_t a = 0; a < anchor_count; a++) known |= selected(value, anchors[a].name);
-      if (!bad && !known) {
-        cli_error("micro: --only names no allocator this build has: '%s'", value);
-        return CLI_EXIT_USAGE;
-      }
-    } else if (cli_option_value(argc, argv, &i, "--ops", &value, &bad)) {
-      if (!bad && (!cli_parse_u64(value, &args->ops) || args->ops == 0)) {
-        cli_error("micro: --ops wants a positive count, not '%s'", value);
-        return CLI_EXIT_USAGE;
-      }
-    } else {
-      cli_error("micro: unknown argument '%s' (try `tidalloc micro --help`)", argv[i]);
-      return CLI_EXIT_USAGE;
-    }
-    if (bad) return CLI_EXIT_USAGE;
-  }
-  return -1;
+  const cli_option options[] = {
+      {.name = "--csv", .kind = CLI_FLAG, .target = &args->csv},
+      {.name = "--conf", .kind = CLI_TEXT, .target = &args->conf},
+      {.name = "--repeat",
+       .kind = CLI_COUNT,
+       .target = &args->repeat,
+       .min = 1,
+       .max = 100000,
+       .wants = "a count from 1 to 100000"},
+      {.name = "--threads",
+       .kind = CLI_CUSTOM,
+       .target = args,
+       .parse = parse_thread_list,
+       .wants = "a list such as 1,8 (each 1 to 256, at most 16)"},
+      {.name = "--sizes",
+       .kind = CLI_CUSTOM,
+       .target = args,
+       .parse = parse_size_list,
+       .wants = "a list of byte counts and `mixed`, such as 512,mixed (at most 16)"},
+      {.name = "--only",
+       .kind = CLI_CUSTOM,
+       .target = &args->only,
+       .parse = parse_only,
+       .wants = "allocators this build has"},
+      {.name = "--ops",
+       .kind = CLI_COUNT,
+       .target = &args->ops,
+       .min = 1,
+       .max = UINT64_MAX,
+       .wants = "a positive count"},
+  };
+  return cli_parse(argc, argv, "micro", print_help, options, sizeof options / sizeof options[0],
+                   NULL, 0);
 }
 
 /* CPUs the process may run on (at least 1). */

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "tidalloc_testing.h"
 #include "trace_read.h"
 
 enum {
@@ -400,36 +401,20 @@ static bool destroy_everything(tide_allocator *alloc, const trace_streams *strea
 int tide_cli_replay(int argc, char **argv) {
   const char *path = NULL, *conf = NULL;
   bool csv = false;
-  unsigned long pool_mib = 0;
-  for (int i = 1; i < argc; i++) {
-    const char *value = NULL;
-    bool bad = false;
-    if (cli_is_help(argv[i])) {
-      print_help();
-      return CLI_EXIT_OK;
-    } else if (strcmp(argv[i], "--csv") == 0) {
-      csv = true;
-    } else if (cli_option_value(argc, argv, &i, "--conf", &value, &bad)) {
-      if (bad) return CLI_EXIT_USAGE;
-      conf = value;
-    } else if (cli_option_value(argc, argv, &i, "--graph-pool-mib", &value, &bad)) {
-      char *end = NULL;
-      if (bad) return CLI_EXIT_USAGE;
-      pool_mib = strtoul(value, &end, 10);
-      if (end == value || *end != '\0' || value[0] == '-' || pool_mib == 0 ||
-          pool_mib > (1ul << 22)) {
-        cli_error("replay: --graph-pool-mib takes a whole number of MiB from 1 to 4194304, not "
-                  "'%s'",
-                  value);
-        return CLI_EXIT_USAGE;
-      }
-    } else if (argv[i][0] == '-' || path != NULL) {
-      cli_error("replay: unexpected argument '%s' (try `tidalloc replay --help`)", argv[i]);
-      return CLI_EXIT_USAGE;
-    } else {
-      path = argv[i];
-    }
-  }
+  uint64_t pool_mib = 0;
+  const cli_option options[] = {
+      {.name = "--csv", .kind = CLI_FLAG, .target = &csv},
+      {.name = "--conf", .kind = CLI_TEXT, .target = &conf},
+      {.name = "--graph-pool-mib",
+       .kind = CLI_COUNT,
+       .target = &pool_mib,
+       .min = 1,
+       .max = (uint64_t)1 << 22,
+       .wants = "a whole number of MiB from 1 to 4194304"},
+  };
+  int code = cli_parse(argc, argv, "replay", print_help, options,
+                       sizeof options / sizeof options[0], &path, 1);
+  if (code >= 0) return code;
   if (path == NULL) {
     cli_error("replay: which trace? (try `tidalloc replay --help`)");
     return CLI_EXIT_USAGE;

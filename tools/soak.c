@@ -29,6 +29,7 @@
 #include <time.h>
 
 #include "cli.h"
+#include "tidalloc_testing.h"
 
 #define KIB ((size_t)1 << 10)
 #define MIB ((size_t)1 << 20)
@@ -1316,80 +1317,45 @@ static void print_help(void) {
          CSV_HEADER);
 }
 
-static bool parse_count(const char *text, const char *name, uint64_t lo, uint64_t hi,
-                        uint64_t *out) {
-  if (cli_parse_u64(text, out) && *out >= lo && *out <= hi) return true;
-  cli_error("soak: %s wants a number from %llu to %llu, not '%s'", name, (unsigned long long)lo,
-            (unsigned long long)hi, text);
-  return false;
-}
-
-static bool parse_gib(const char *text, double *out) {
+static bool parse_gib(const char *text, void *target) {
+  double *gib = target;
   char *end = NULL;
-  *out = strtod(text, &end);
-  if (end != text && *end == '\0' && *out > 0 && *out <= 1 << 20) return true;
-  cli_error("soak: --max-gib wants a positive number of GiB, not '%s'", text);
-  return false;
-}
-
-/* One option with a value; false after a usage error. */
-static bool parse_value(int argc, char **argv, int *i, soak_args *args, bool *known) {
-  const char *v = NULL;
-  bool bad = false;
-  uint64_t n = 0;
-  *known = true;
-  if (cli_option_value(argc, argv, i, "--seconds", &v, &bad))
-    return !bad && parse_count(v, "--seconds", 1, 100000000, &args->seconds);
-  if (cli_option_value(argc, argv, i, "--seed", &v, &bad)) {
-    args->seed_given = !bad && parse_count(v, "--seed", 0, UINT64_MAX, &args->seed);
-    return args->seed_given;
-  }
-  if (cli_option_value(argc, argv, i, "--threads", &v, &bad)) {
-    bool ok = !bad && parse_count(v, "--threads", 1, MAX_THREADS, &n);
-    args->threads = (int)n;
-    return ok;
-  }
-  if (cli_option_value(argc, argv, i, "--streams", &v, &bad)) {
-    bool ok = !bad && parse_count(v, "--streams", 1, MAX_STREAMS, &n);
-    args->streams = (int)n;
-    return ok;
-  }
-  if (cli_option_value(argc, argv, i, "--max-gib", &v, &bad))
-    return !bad && parse_gib(v, &args->max_gib);
-  if (cli_option_value(argc, argv, i, "--csv", &v, &bad)) {
-    args->csv_path = v;
-    return !bad;
-  }
-  if (cli_option_value(argc, argv, i, "--conf", &v, &bad)) {
-    args->conf = v;
-    return !bad;
-  }
-  *known = false;
-  return true;
+  *gib = strtod(text, &end);
+  return end != text && *end == '\0' && *gib > 0 && *gib <= 1 << 20;
 }
 
 /* Returns -1 to go on, or the exit code. */
 static int parse_args(int argc, char **argv, soak_args *args) {
   memset(args, 0, sizeof *args);
   args->seconds = 600;
-  args->threads = 4;
-  args->streams = 4;
-  for (int i = 1; i < argc; i++) {
-    bool known = false;
-    if (cli_is_help(argv[i])) {
-      print_help();
-      return CLI_EXIT_OK;
-    }
-    if (strcmp(argv[i], "--quiet") == 0) {
-      args->quiet = true;
-      continue;
-    }
-    if (!parse_value(argc, argv, &i, args, &known)) return CLI_EXIT_USAGE;
-    if (!known) {
-      cli_error("soak: unknown argument '%s' (try `tidalloc soak --help`)", argv[i]);
-      return CLI_EXIT_USAGE;
-    }
-  }
+  uint64_t threads = 4, streams = 4;
+  const cli_option options[] = {
+      {.name = "--quiet", .kind = CLI_FLAG, .target = &args->quiet},
+      {.name = "--seconds",
+       .kind = CLI_COUNT,
+       .target = &args->seconds,
+       .min = 1,
+       .max = 100000000},
+      {.name = "--seed",
+       .kind = CLI_COUNT,
+       .target = &args->seed,
+       .max = UINT64_MAX,
+       .given = &args->seed_given},
+      {.name = "--threads", .kind = CLI_COUNT, .target = &threads, .min = 1, .max = MAX_THREADS},
+      {.name = "--streams", .kind = CLI_COUNT, .target = &streams, .min = 1, .max = MAX_STREAMS},
+      {.name = "--max-gib",
+       .kind = CLI_CUSTOM,
+       .target = &args->max_gib,
+       .parse = parse_gib,
+       .wants = "a positive number of GiB"},
+      {.name = "--csv", .kind = CLI_TEXT, .target = &args->csv_path},
+      {.name = "--conf", .kind = CLI_TEXT, .target = &args->conf},
+  };
+  int code = cli_parse(argc, argv, "soak", print_help, options, sizeof options / sizeof options[0],
+                       NULL, 0);
+  if (code >= 0) return code;
+  args->threads = (int)threads;
+  args->streams = (int)streams;
   if (!args->seed_given) args->seed = mix64(cli_now_ns()) % 1000000000ull;
   return -1;
 }

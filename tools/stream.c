@@ -669,32 +669,39 @@ static void print_help(void) {
 /* --frames takes the numbers that follow it ("64 128" or "64,128"); a
  * repeated --frames adds its counts to the earlier ones' (the first one
  * replaces the default sweep). */
-static int parse_frames(int argc, char **argv, int *i, stream_args *args) {
+static bool parse_frames(const char *text, void *target) {
+  stream_args *args = target;
   if (!args->frames_given) args->sweep_length = 0;
   args->frames_given = true;
   int before = args->sweep_length;
-  /* "-5" is a bad frame count, not an option: it gets the same message as 0. */
-  while (*i + 1 < argc &&
-         (argv[*i + 1][0] != '-' || (argv[*i + 1][1] >= '0' && argv[*i + 1][1] <= '9'))) {
-    char *text = argv[++*i];
-    for (char *item = strtok(text, ","); item; item = strtok(NULL, ",")) {
-      uint64_t n;
-      if (!cli_parse_u64(item, &n) || n == 0 || n > MAX_FRAMES) {
-        cli_error("stream: --frames wants frame counts from 1 to %d, not '%s'", MAX_FRAMES, item);
-        return CLI_EXIT_USAGE;
-      }
-      if (args->sweep_length == MAX_SWEEP) {
-        cli_error("stream: --frames takes at most %d frame counts", MAX_SWEEP);
-        return CLI_EXIT_USAGE;
-      }
-      args->frames[args->sweep_length++] = (int)n;
+  for (const char *at = text; *at != '\0';) {
+    size_t len = strcspn(at, ",");
+    char item[32];
+    uint64_t n = 0;
+    snprintf(item, sizeof item, "%.*s", (int)len, at);
+    at += len + (at[len] == ',');
+    if (len == 0) continue; /* "64,,128" as strtok read it */
+    if (len >= sizeof item || !cli_parse_u64(item, &n) || n == 0 || n > MAX_FRAMES) {
+      cli_error("stream: --frames wants frame counts from 1 to %d, not '%s'", MAX_FRAMES, item);
+      return false;
     }
+    if (args->sweep_length == MAX_SWEEP) {
+      cli_error("stream: --frames takes at most %d frame counts", MAX_SWEEP);
+      return false;
+    }
+    args->frames[args->sweep_length++] = (int)n;
   }
   if (args->sweep_length == before) {
-    cli_error("stream: --frames needs at least one frame count");
-    return CLI_EXIT_USAGE;
+    cli_error("stream: --frames needs at least one frame count, not '%s'", text);
+    return false;
   }
-  return -1;
+  return true;
+}
+
+static bool parse_mode(const char *text, void *target) {
+  bool *grow = target;
+  *grow = strcmp(text, "grow") == 0;
+  return *grow || strcmp(text, "cat") == 0;
 }
 
 /* Returns -1 to go on, or the exit code. */
@@ -702,45 +709,28 @@ static int parse_args(int argc, char **argv, stream_args *args) {
   memset(args, 0, sizeof *args);
   args->sweep_length = (int)(sizeof default_sweep / sizeof default_sweep[0]);
   memcpy(args->frames, default_sweep, sizeof default_sweep);
-  for (int i = 1; i < argc; i++) {
-    const char *value = NULL;
-    bool bad = false;
-    if (cli_is_help(argv[i])) {
-      print_help();
-      return CLI_EXIT_OK;
-    } else if (strcmp(argv[i], "--frames") == 0) {
-      int code = parse_frames(argc, argv, &i, args);
-      if (code >= 0) return code;
-    } else if (cli_option_value(argc, argv, &i, "--mode", &value, &bad)) {
-      if (bad) return CLI_EXIT_USAGE;
-      args->grow = strcmp(value, "grow") == 0;
-      if (!args->grow && strcmp(value, "cat") != 0) {
-        cli_error("stream: --mode wants cat or grow, not '%s'", value);
-        return CLI_EXIT_USAGE;
-      }
-    } else if (cli_option_value(argc, argv, &i, "--conf", &value, &bad)) {
-      args->conf = value;
-    } else if (cli_option_value(argc, argv, &i, "--csv", &value, &bad)) {
-      args->csv_path = value;
-    } else if (cli_option_value(argc, argv, &i, "--driver-csv", &value, &bad)) {
-      args->driver_csv_path = value;
-    } else if (cli_option_value(argc, argv, &i, "--trace-csv", &value, &bad)) {
-      args->trace_path = value;
-    } else if (cli_option_value(argc, argv, &i, "--frames-csv", &value, &bad)) {
-      args->frames_csv_path = value;
-    } else if (cli_option_value(argc, argv, &i, "--label", &value, &bad)) {
-      args->label = value;
-    } else if (strcmp(argv[i], "--stop-on-oom") == 0) {
-      args->stop_on_oom = true;
-    } else if (strcmp(argv[i], "--sync-frames") == 0) {
-      args->sync_frames = true;
-    } else {
-      cli_error("stream: unknown argument '%s' (try `tidalloc stream --help`)", argv[i]);
-      return CLI_EXIT_USAGE;
-    }
-    if (bad) return CLI_EXIT_USAGE;
-  }
-  return -1;
+  const cli_option options[] = {
+      {.name = "--frames",
+       .kind = CLI_MANY,
+       .target = args,
+       .parse = parse_frames,
+       .wants = "frame count"},
+      {.name = "--mode",
+       .kind = CLI_CUSTOM,
+       .target = &args->grow,
+       .parse = parse_mode,
+       .wants = "cat or grow"},
+      {.name = "--conf", .kind = CLI_TEXT, .target = &args->conf},
+      {.name = "--csv", .kind = CLI_TEXT, .target = &args->csv_path},
+      {.name = "--driver-csv", .kind = CLI_TEXT, .target = &args->driver_csv_path},
+      {.name = "--trace-csv", .kind = CLI_TEXT, .target = &args->trace_path},
+      {.name = "--frames-csv", .kind = CLI_TEXT, .target = &args->frames_csv_path},
+      {.name = "--label", .kind = CLI_TEXT, .target = &args->label},
+      {.name = "--stop-on-oom", .kind = CLI_FLAG, .target = &args->stop_on_oom},
+      {.name = "--sync-frames", .kind = CLI_FLAG, .target = &args->sync_frames},
+  };
+  return cli_parse(argc, argv, "stream", print_help, options, sizeof options / sizeof options[0],
+                   NULL, 0);
 }
 
 int tide_cli_stream(int argc, char **argv) {

@@ -90,7 +90,7 @@ def int_arg(value, what, bits=32):
     return value
 
 
-# tide_conf_source: where an option's value came from.
+# tide_config_source: where an option's value came from.
 CONF_SOURCES = ("default", "environment", "code")
 
 
@@ -136,8 +136,8 @@ def lib():
         l.tide_last_error.restype = ctypes.c_char_p
         l.tide_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(Stats)]
         l.tide_reset_peak_stats.argtypes = [ctypes.c_void_p]
-        l.tide_conf_set.argtypes = [ctypes.c_char_p]
-        l.tide_conf_get.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        l.tide_config_process_set.argtypes = [ctypes.c_char_p]
+        l.tide_config_process_get.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         l.tide_config_free.argtypes = [ctypes.c_void_p]
         l.tide_config_free.restype = None
         l.tide_config_notice.argtypes = [ctypes.c_void_p]
@@ -181,7 +181,7 @@ class TidallocError(RuntimeError):
 # The functions lib() declares: a library without one of them is not
 # tidalloc's (ctypes would raise AttributeError at the first).
 _SYMBOLS = ("tide_device", "tide_last_error", "tide_get_stats", "tide_reset_peak_stats",
-            "tide_conf_set", "tide_conf_get", "tide_config_free", "tide_config_option_count",
+            "tide_config_process_set", "tide_config_process_get", "tide_config_free", "tide_config_option_count",
             "tide_config_option", "tide_get_info", "tide_block_info", "tide_torch_alloc",
             "tide_torch_free", "tide_torch_empty_cache", "tide_torch_set_memory_fraction",
             "tide_torch_record_stream", "tide_buf_create", "tide_buf_destroy", "tide_buf_resize",
@@ -269,9 +269,9 @@ def configure(conf):
                         "bytes in UTF-8), not %s" % type(conf).__name__)
     if "\0" in conf:
         # C text ends at its first NUL: what follows would be dropped unseen.
-        raise TidallocError("tide_conf_set(%r) refused: a NUL character at index %d (the "
+        raise TidallocError("tide_config_process_set(%r) refused: a NUL character at index %d (the "
                             "configuration is text without NULs)" % (conf, conf.index("\0")))
-    check(lib().tide_conf_set(conf.encode()), "tide_conf_set(%r)" % conf)
+    check(lib().tide_config_process_set(conf.encode()), "tide_config_process_set(%r)" % conf)
 
 
 def conf_option(key):
@@ -280,7 +280,7 @@ def conf_option(key):
     "default", "environment" or "code"."""
     l = lib()
     config = ctypes.c_void_p()
-    check(l.tide_conf_get(ctypes.byref(config)), "tide_conf_get")
+    check(l.tide_config_process_get(ctypes.byref(config)), "tide_config_process_get")
     try:
         info = OptionInfo()
         for i in range(l.tide_config_option_count()):
@@ -298,7 +298,7 @@ def conf_notice():
     (release_slack, release_limit, wait_limit), and what to do."""
     l = lib()
     config = ctypes.c_void_p()
-    check(l.tide_conf_get(ctypes.byref(config)), "tide_conf_get")
+    check(l.tide_config_process_get(ctypes.byref(config)), "tide_config_process_get")
     try:
         text = l.tide_config_notice(config)
         return text.decode() if text else None

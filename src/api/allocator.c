@@ -1,7 +1,7 @@
 /* allocator.c: the device allocator behind the public API — creation,
  * malloc and free, the memory limit and the out-of-memory path, streams,
- * copies, the entry points of the pinned pool (pinned.c), and the host
- * backend's controls. The arenas of streams and capture pools are
+ * copies and the entry points of the pinned pool (pinned.c); the host
+ * backend's controls are testing.c's. The arenas of streams and capture pools are
  * arenas.c's; this file calls down into them and into the features, and
  * nothing below calls back into it.
  *
@@ -823,75 +823,4 @@ tide_status tide_get_info(tide_allocator *a, tide_info *out) {
   out->granularity = a->granularity;
   out->page_size = a->page_size;
   return (tide_status)rc;
-}
-
-static int need_host(tide_allocator *a, const char *what) {
-  if (a->backend.is_host) return TIDE_OK;
-  return _tide_error_set(TIDE_ERR_UNAVAILABLE,
-                         "%s works only on the host backend (this "
-                         "allocator uses %s)",
-                         what, a->backend.ops->name);
-}
-
-tide_status tide_host_stream_hold(tide_allocator *a, tide_stream stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
-  int rc = need_host(a, __func__);
-  return (tide_status)(rc ? rc : _tide_host_stream_hold(&a->backend, stream));
-}
-
-tide_status tide_host_stream_release(tide_allocator *a, tide_stream stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
-  int rc = need_host(a, __func__);
-  return (tide_status)(rc ? rc : _tide_host_stream_release(&a->backend, stream));
-}
-
-tide_status tide_host_capture_begin(tide_allocator *a, tide_stream stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
-  int rc = need_host(a, __func__);
-  return (tide_status)(rc ? rc : _tide_host_capture_begin(&a->backend, stream));
-}
-
-tide_status tide_host_capture_join(tide_allocator *a, tide_stream stream, tide_stream capturing) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
-  int rc = need_host(a, __func__);
-  return (tide_status)(rc ? rc : _tide_host_capture_join(&a->backend, stream, capturing));
-}
-
-tide_status tide_host_capture_end(tide_allocator *a, tide_stream stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
-  int rc = need_host(a, __func__);
-  return (tide_status)(rc ? rc : _tide_host_capture_end(&a->backend, stream));
-}
-
-tide_status tide_host_capture_work(tide_allocator *a, tide_stream stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
-  int rc = need_host(a, __func__);
-  return (tide_status)(rc ? rc : _tide_host_capture_work(&a->backend, stream));
-}
-
-tide_status tide_host_capture_wait(tide_allocator *a, tide_stream stream, tide_stream other) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
-  int rc = need_host(a, __func__);
-  return (tide_status)(rc ? rc : _tide_host_capture_wait(&a->backend, stream, other));
-}
-
-tide_status tide_host_fail_call(tide_allocator *a, tide_backend_op op, uint64_t n) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
-  int rc = need_host(a, __func__);
-  return (tide_status)(rc ? rc : _tide_host_fail_call(&a->backend, op, n));
-}
-
-uint64_t tide_host_call_count(tide_allocator *a, tide_backend_op op) {
-  CHECK_ALLOCATOR(a, 0);
-  return a->backend.is_host ? _tide_host_call_count(&a->backend, op) : 0;
-}
-
-uint64_t tide_host_mappings(tide_allocator *a) {
-  CHECK_ALLOCATOR(a, 0);
-  return a->backend.is_host ? _tide_host_mappings(&a->backend) : 0;
-}
-
-uint64_t tide_host_bytes_in_use(tide_allocator *a) {
-  CHECK_ALLOCATOR(a, 0);
-  return a->backend.is_host ? _tide_host_bytes_in_use(&a->backend) : 0;
 }

@@ -1,6 +1,6 @@
 /* device.c: the process-wide allocator of each device and the process-wide
  * configuration they are created from (defaults, then TIDALLOC_CONF, then
- * tide_conf_set calls made before first use). */
+ * tide_config_process_set calls made before first use). */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,12 +29,13 @@ static int ensure_config(void) {
   return TIDE_OK;
 }
 
-tide_status tide_conf_set(const char *text) {
-  if (!text) return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_conf_set: text is NULL");
+tide_status tide_config_process_set(const char *text) {
+  if (!text)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_config_process_set: text is NULL");
   pthread_mutex_lock(&process_mutex);
   /* No allocator will be created from it any more: refused, not ignored. */
   int rc = shut_down ? _tide_error_set(TIDE_ERR_STATE,
-                                       "tide_conf_set(\"%s\") after tide_shutdown: the "
+                                       "tide_config_process_set(\"%s\") after tide_shutdown: the "
                                        "process-wide allocators are gone, nothing would use it",
                                        text)
                      : ensure_config();
@@ -44,11 +45,12 @@ tide_status tide_conf_set(const char *text) {
   if (!rc && any_created) {
     char changes[512];
     if (_tide_config_diff(process_config, next, changes, sizeof changes))
-      rc = _tide_error_set(TIDE_ERR_STATE,
-                           "tide_conf_set(\"%s\") after the first allocator was created: not "
-                           "applied (%s). Set TIDALLOC_CONF before the program starts, or call "
-                           "tide_conf_set before the first allocation",
-                           text, changes);
+      rc = _tide_error_set(
+          TIDE_ERR_STATE,
+          "tide_config_process_set(\"%s\") after the first allocator was created: not "
+          "applied (%s). Set TIDALLOC_CONF before the program starts, or call "
+          "tide_config_process_set before the first allocation",
+          text, changes);
   }
   if (!rc) {
     tide_config_free(process_config);
@@ -60,8 +62,9 @@ tide_status tide_conf_set(const char *text) {
   return (tide_status)rc;
 }
 
-tide_status tide_conf_get(tide_config **out) {
-  if (!out) return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_conf_get: out is NULL");
+tide_status tide_config_process_get(tide_config **out) {
+  if (!out)
+    return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_config_process_get: out is NULL");
   pthread_mutex_lock(&process_mutex);
   int rc = ensure_config();
   *out = rc ? NULL : _tide_config_clone(process_config);

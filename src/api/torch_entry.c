@@ -9,6 +9,7 @@
  * tide_last_error() for the Python layer to show. */
 
 #include "memory/core.h"
+#include "tidalloc_torch.h"
 
 void *tide_torch_alloc(tide_ssize size, int device, void *stream) {
   if (size <= 0) {

@@ -64,7 +64,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "tidalloc.h"
+#include "tidalloc_testing.h"
 
 typedef uint64_t _tide_handle; /* physical memory: never 0 */
 typedef void *_tide_event;

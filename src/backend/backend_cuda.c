@@ -509,38 +509,55 @@ static int fail(const cuda_device *d, CUresult r, const char *call, const char *
                          error_text(&d->drv, r, err, sizeof err), hint);
 }
 
-/* Around every call that touches the device: the primary context current
- * (pushed only if the thread had another or none) and the thread in relaxed
- * capture mode; leave() restores both. */
+/* The sequence of every driver operation: enter a scope (the primary
+ * context current, pushed only if the thread had another or none, and the
+ * thread in relaxed capture mode), make the call, leave (restoring both),
+ * and report a failure with fail(). SCOPED gives the call's result, or the
+ * result of whichever call refused the scope; `call` of the scope names the
+ * driver function that gave it, for the message. */
 typedef struct scope {
   bool pushed;
   bool exchanged;
   CUstreamCaptureMode mode; /* the thread's, to restore */
+  CUresult result;          /* why the scope could not be entered */
+  const char *call;         /* the driver function whose result counts */
 } scope;
 
-static int enter(const cuda_device *d, scope *s, const char *what) {
+/* Enter the scope for the driver function `call`: false, or true when the
+ * context could not be made current (s->result and s->call say why). */
+static bool cannot_enter(const cuda_device *d, scope *s, const char *call) {
   CUcontext current = NULL;
   s->pushed = s->exchanged = false;
-  CUresult r = d->drv.ctx_get_current(&current);
-  if (r != CUDA_SUCCESS) return fail(d, r, "cuCtxGetCurrent", "%s", what);
+  s->call = "cuCtxGetCurrent";
+  s->result = d->drv.ctx_get_current(&current);
+  if (s->result != CUDA_SUCCESS) return true;
   if (current != d->ctx) {
-    r = d->drv.ctx_push_current(d->ctx);
-    if (r != CUDA_SUCCESS) return fail(d, r, "cuCtxPushCurrent", "%s", what);
+    s->call = "cuCtxPushCurrent";
+    s->result = d->drv.ctx_push_current(d->ctx);
+    if (s->result != CUDA_SUCCESS) return true;
     s->pushed = true;
   }
   s->mode = CU_STREAM_CAPTURE_MODE_RELAXED;
   /* Without the exchange the call still runs, as the thread's mode allows. */
   s->exchanged = d->drv.exchange_capture_mode(&s->mode) == CUDA_SUCCESS;
-  return TIDE_OK;
+  s->call = call;
+  return false;
 }
 
-static void leave(const cuda_device *d, scope *s) {
+/* Leave the scope; gives back `r`, the result of the call made in it. */
+static CUresult leave(const cuda_device *d, scope *s, CUresult r) {
   if (s->exchanged) d->drv.exchange_capture_mode(&s->mode);
   if (s->pushed) {
     CUcontext popped;
     d->drv.ctx_pop_current(&popped);
   }
+  return r;
 }
+
+/* `expr` (a CUresult) made inside a scope for the driver function `call`;
+ * not evaluated when the scope cannot be entered. */
+#define SCOPED(d, s, call, expr)                                                                   \
+  (cannot_enter((d), (s), (call)) ? (s)->result : leave((d), (s), (expr)))
 
 static const char *bytes_text(uint64_t bytes, char *buf) {
   return _tide_format_bytes(bytes, buf, 32);
@@ -592,11 +609,8 @@ static int cuda_mem_info(void *ctx, size_t *free_bytes, size_t *total_bytes) {
   if (!free_bytes || !total_bytes)
     return _tide_error_set(TIDE_ERR_INVALID, "mem_info: NULL output");
   scope s;
-  int rc = enter(d, &s, "reading free memory");
-  if (rc) return rc;
-  CUresult r = d->drv.mem_get_info(free_bytes, total_bytes);
-  leave(d, &s);
-  return r == CUDA_SUCCESS ? TIDE_OK : fail(d, r, "cuMemGetInfo", "reading free memory");
+  CUresult r = SCOPED(d, &s, "cuMemGetInfo", d->drv.mem_get_info(free_bytes, total_bytes));
+  return r == CUDA_SUCCESS ? TIDE_OK : fail(d, r, s.call, "reading free memory");
 }
 
 /* ------------------------------------------------------------------------ */
@@ -668,23 +682,18 @@ static int cuda_reserve(void *ctx, size_t size, size_t align, uintptr_t *addr) {
                            "space",
                            size, align);
   scope s;
-  int rc = enter(d, &s, "reserving address space");
-  if (rc) return rc;
   CUdeviceptr base = 0;
-  CUresult r = d->drv.mem_address_reserve(&base, total, shift ? 0 : align, 0, 0);
-  leave(d, &s);
+  CUresult r = SCOPED(d, &s, "cuMemAddressReserve",
+                      d->drv.mem_address_reserve(&base, total, shift ? 0 : align, 0, 0));
   if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuMemAddressReserve", "reserving %s of address space aligned to %s",
-                bytes_text(total, a), bytes_text(align, b));
+    return fail(d, r, s.call, "reserving %s of address space aligned to %s", bytes_text(total, a),
+                bytes_text(align, b));
   uintptr_t at = (uintptr_t)base;
   if (shift) {
     at = ((uintptr_t)base + align - 1) / align * align;
-    rc = remember_shifted(d, (shifted_range){.addr = at, .base = base, .size = total});
+    int rc = remember_shifted(d, (shifted_range){.addr = at, .base = base, .size = total});
     if (rc) {
-      if (enter(d, &s, "reserving address space") == TIDE_OK) {
-        d->drv.mem_address_free(base, total);
-        leave(d, &s);
-      }
+      (void)SCOPED(d, &s, "cuMemAddressFree", d->drv.mem_address_free(base, total));
       return rc;
     }
   }
@@ -699,12 +708,9 @@ static int cuda_unreserve(void *ctx, uintptr_t addr, size_t size) {
   size_t total;
   really_reserved(d, addr, size, &base, &total);
   scope s;
-  int rc = enter(d, &s, "freeing address space");
-  if (rc) return rc;
-  CUresult r = d->drv.mem_address_free(base, total);
-  leave(d, &s);
+  CUresult r = SCOPED(d, &s, "cuMemAddressFree", d->drv.mem_address_free(base, total));
   if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuMemAddressFree", "freeing %s of address space at %p", bytes_text(total, a),
+    return fail(d, r, s.call, "freeing %s of address space at %p", bytes_text(total, a),
                 (void *)addr);
   if (base != (CUdeviceptr)addr) forget_shifted(d, addr);
   return TIDE_OK;
@@ -722,8 +728,8 @@ static int cuda_create(void *ctx, size_t size, _tide_handle *out) {
   CUmemAllocationProp prop = allocation_prop(d, shareable);
   CUmemGenericAllocationHandle h = 0;
   scope s;
-  int rc = enter(d, &s, "creating physical memory");
-  if (rc) return rc;
+  if (cannot_enter(d, &s, "cuMemCreate"))
+    return fail(d, s.result, s.call, "creating %s of device memory", bytes_text(size, a));
   CUresult r = d->drv.mem_create(&h, size, &prop, 0);
   if (shareable && (r == CUDA_ERROR_NOT_SUPPORTED || r == CUDA_ERROR_NOT_PERMITTED ||
                     r == CUDA_ERROR_INVALID_VALUE)) {
@@ -733,9 +739,9 @@ static int cuda_create(void *ctx, size_t size, _tide_handle *out) {
     prop = allocation_prop(d, false);
     r = d->drv.mem_create(&h, size, &prop, 0);
   }
-  leave(d, &s);
+  leave(d, &s, r);
   if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuMemCreate", "creating %s of device memory", bytes_text(size, a));
+    return fail(d, r, s.call, "creating %s of device memory", bytes_text(size, a));
   /* The contract promises handles are never 0; no driver hands one out. */
   if (h == 0)
     return _tide_error_set(TIDE_ERR_BACKEND, "CUDA device %d: cuMemCreate returned handle 0",
@@ -747,12 +753,10 @@ static int cuda_create(void *ctx, size_t size, _tide_handle *out) {
 static int cuda_release(void *ctx, _tide_handle handle) {
   cuda_device *d = ctx;
   scope s;
-  int rc = enter(d, &s, "releasing physical memory");
-  if (rc) return rc;
-  CUresult r = d->drv.mem_release((CUmemGenericAllocationHandle)handle);
-  leave(d, &s);
+  CUresult r =
+      SCOPED(d, &s, "cuMemRelease", d->drv.mem_release((CUmemGenericAllocationHandle)handle));
   if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuMemRelease", "releasing memory handle 0x%llx", (unsigned long long)handle);
+    return fail(d, r, s.call, "releasing memory handle 0x%llx", (unsigned long long)handle);
   return TIDE_OK;
 }
 
@@ -760,12 +764,11 @@ static int cuda_map(void *ctx, uintptr_t addr, size_t size, _tide_handle handle)
   cuda_device *d = ctx;
   char a[32];
   scope s;
-  int rc = enter(d, &s, "mapping memory");
-  if (rc) return rc;
-  CUresult r = d->drv.mem_map((CUdeviceptr)addr, size, 0, (CUmemGenericAllocationHandle)handle, 0);
-  leave(d, &s);
+  CUresult r =
+      SCOPED(d, &s, "cuMemMap",
+             d->drv.mem_map((CUdeviceptr)addr, size, 0, (CUmemGenericAllocationHandle)handle, 0));
   if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuMemMap", "mapping %s at %p", bytes_text(size, a), (void *)addr);
+    return fail(d, r, s.call, "mapping %s at %p", bytes_text(size, a), (void *)addr);
   return TIDE_OK;
 }
 
@@ -782,14 +785,11 @@ static int cuda_export_fd(void *ctx, _tide_handle handle, int *fd, uint64_t *off
                            d->ordinal);
   int out = -1;
   scope s;
-  int rc = enter(d, &s, "exporting memory");
-  if (rc) return rc;
-  CUresult r = d->drv.mem_export(&out, (CUmemGenericAllocationHandle)handle,
-                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
-  leave(d, &s);
+  CUresult r = SCOPED(d, &s, "cuMemExportToShareableHandle",
+                      d->drv.mem_export(&out, (CUmemGenericAllocationHandle)handle,
+                                        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
   if (r != CUDA_SUCCESS) {
-    fail(d, r, "cuMemExportToShareableHandle", "exporting memory handle 0x%llx",
-         (unsigned long long)handle);
+    fail(d, r, s.call, "exporting memory handle 0x%llx", (unsigned long long)handle);
     if (atomic_load(&d->shareable)) return TIDE_ERR_BACKEND;
     /* Not an accident: the memory was made without a shareable handle. */
     return _tide_error_set(TIDE_ERR_UNAVAILABLE,
@@ -818,14 +818,11 @@ static int cuda_import_fd(void *ctx, int fd, uint64_t offset, size_t size, _tide
                            (unsigned long long)offset);
   CUmemGenericAllocationHandle h = 0;
   scope s;
-  int rc = enter(d, &s, "importing memory");
-  if (rc) return rc;
   CUresult r =
-      d->drv.mem_import(&h, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-  leave(d, &s);
+      SCOPED(d, &s, "cuMemImportFromShareableHandle",
+             d->drv.mem_import(&h, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
   if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuMemImportFromShareableHandle", "importing %s from descriptor %d",
-                bytes_text(size, a), fd);
+    return fail(d, r, s.call, "importing %s from descriptor %d", bytes_text(size, a), fd);
   *out = (_tide_handle)h;
   return TIDE_OK;
 }
@@ -846,13 +843,11 @@ static int cuda_set_access(void *ctx, uintptr_t addr, size_t size) {
   cuda_device *d = ctx;
   char a[32], who[256];
   scope s;
-  int rc = enter(d, &s, "making memory accessible");
-  if (rc) return rc;
-  CUresult r = d->drv.mem_set_access((CUdeviceptr)addr, size, d->access, d->naccess);
-  leave(d, &s);
+  CUresult r = SCOPED(d, &s, "cuMemSetAccess",
+                      d->drv.mem_set_access((CUdeviceptr)addr, size, d->access, d->naccess));
   if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuMemSetAccess", "making %s at %p readable and writable by %s",
-                bytes_text(size, a), (void *)addr, access_text(d, who, sizeof who));
+    return fail(d, r, s.call, "making %s at %p readable and writable by %s", bytes_text(size, a),
+                (void *)addr, access_text(d, who, sizeof who));
   return TIDE_OK;
 }
 
@@ -860,41 +855,40 @@ static int cuda_unmap(void *ctx, uintptr_t addr, size_t size) {
   cuda_device *d = ctx;
   char a[32];
   scope s;
-  int rc = enter(d, &s, "unmapping memory");
-  if (rc) return rc;
-  CUresult r = d->drv.mem_unmap((CUdeviceptr)addr, size);
-  leave(d, &s);
+  CUresult r = SCOPED(d, &s, "cuMemUnmap", d->drv.mem_unmap((CUdeviceptr)addr, size));
   if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuMemUnmap", "unmapping %s at %p", bytes_text(size, a), (void *)addr);
+    return fail(d, r, s.call, "unmapping %s at %p", bytes_text(size, a), (void *)addr);
   return TIDE_OK;
 }
 
 /* One cuMemUnmap over the whole run where the driver takes it (each call
  * costs about the same whatever it covers), else one per mapping. A refused
  * span changes nothing, so the mappings are then unmapped one by one. */
+static CUresult unmap_pages(cuda_device *d, uintptr_t addr, size_t page, size_t count,
+                            size_t *done) {
+  CUresult r = CUDA_SUCCESS;
+  if (count > 1 && !atomic_load_explicit(&d->unmap_spans_refused, memory_order_relaxed)) {
+    r = d->drv.mem_unmap((CUdeviceptr)addr, count * page);
+    if (r == CUDA_SUCCESS) {
+      *done = count;
+      return r;
+    }
+    atomic_store_explicit(&d->unmap_spans_refused, true, memory_order_relaxed);
+  }
+  for (; *done < count; ++*done)
+    if ((r = d->drv.mem_unmap((CUdeviceptr)(addr + *done * page), page)) != CUDA_SUCCESS) break;
+  return r;
+}
+
 static int cuda_unmap_run(void *ctx, uintptr_t addr, size_t page, size_t count, size_t *done) {
   cuda_device *d = ctx;
   char a[32];
   *done = 0;
   if (count == 0) return TIDE_OK;
   scope s;
-  int rc = enter(d, &s, "unmapping memory");
-  if (rc) return rc;
-  CUresult r = CUDA_SUCCESS;
-  if (count > 1 && !atomic_load_explicit(&d->unmap_spans_refused, memory_order_relaxed)) {
-    r = d->drv.mem_unmap((CUdeviceptr)addr, count * page);
-    if (r == CUDA_SUCCESS) {
-      *done = count;
-      leave(d, &s);
-      return TIDE_OK;
-    }
-    atomic_store_explicit(&d->unmap_spans_refused, true, memory_order_relaxed);
-  }
-  for (; *done < count; ++*done)
-    if ((r = d->drv.mem_unmap((CUdeviceptr)(addr + *done * page), page)) != CUDA_SUCCESS) break;
-  leave(d, &s);
+  CUresult r = SCOPED(d, &s, "cuMemUnmap", unmap_pages(d, addr, page, count, done));
   if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuMemUnmap", "unmapping %s at %p", bytes_text(page, a),
+    return fail(d, r, s.call, "unmapping %s at %p", bytes_text(page, a),
                 (void *)(addr + *done * page));
   return TIDE_OK;
 }
@@ -925,13 +919,11 @@ static int cuda_host_alloc(void *ctx, size_t size, void **out) {
   if (!d->drv.mem_host_alloc) return driver_lacks(d, "cuMemHostAlloc", "pinned host memory");
   void *p = NULL;
   scope s;
-  int rc = enter(d, &s, "allocating pinned host memory");
-  if (rc) return rc;
   CUresult r =
-      d->drv.mem_host_alloc(&p, size, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
-  leave(d, &s);
+      SCOPED(d, &s, "cuMemHostAlloc",
+             d->drv.mem_host_alloc(&p, size, CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP));
   if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuMemHostAlloc", "allocating %s of pinned host memory", bytes_text(size, a));
+    return fail(d, r, s.call, "allocating %s of pinned host memory", bytes_text(size, a));
   *out = p;
   return TIDE_OK;
 }
@@ -940,12 +932,8 @@ static int cuda_host_free(void *ctx, void *ptr) {
   cuda_device *d = ctx;
   if (!d->drv.mem_free_host) return driver_lacks(d, "cuMemFreeHost", "freeing pinned memory");
   scope s;
-  int rc = enter(d, &s, "freeing pinned host memory");
-  if (rc) return rc;
-  CUresult r = d->drv.mem_free_host(ptr);
-  leave(d, &s);
-  if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuMemFreeHost", "freeing pinned host memory at %p", ptr);
+  CUresult r = SCOPED(d, &s, "cuMemFreeHost", d->drv.mem_free_host(ptr));
+  if (r != CUDA_SUCCESS) return fail(d, r, s.call, "freeing pinned host memory at %p", ptr);
   return TIDE_OK;
 }
 
@@ -954,14 +942,12 @@ static int cuda_copy(void *ctx, void *dst, const void *src, size_t bytes, tide_s
   char a[32], text[48];
   if (!d->drv.memcpy_async) return driver_lacks(d, "cuMemcpyAsync", "copying");
   scope s;
-  int rc = enter(d, &s, "copying memory");
-  if (rc) return rc;
-  CUresult r = d->drv.memcpy_async((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src, bytes,
-                                   cu_stream(stream));
-  leave(d, &s);
+  CUresult r = SCOPED(d, &s, "cuMemcpyAsync",
+                      d->drv.memcpy_async((CUdeviceptr)(uintptr_t)dst, (CUdeviceptr)(uintptr_t)src,
+                                          bytes, cu_stream(stream)));
   if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuMemcpyAsync", "copying %s from %p to %p on %s", bytes_text(bytes, a), src,
-                dst, stream_text(stream, text, sizeof text));
+    return fail(d, r, s.call, "copying %s from %p to %p on %s", bytes_text(bytes, a), src, dst,
+                stream_text(stream, text, sizeof text));
   return TIDE_OK;
 }
 
@@ -1001,11 +987,9 @@ static int cuda_stream_create(void *ctx, tide_stream *out) {
   if (!out) return _tide_error_set(TIDE_ERR_INVALID, "stream_create: NULL output");
   CUstream stream = NULL;
   scope s;
-  int rc = enter(d, &s, "creating a stream");
-  if (rc) return rc;
-  CUresult r = d->drv.stream_create(&stream, CU_STREAM_NON_BLOCKING);
-  leave(d, &s);
-  if (r != CUDA_SUCCESS) return fail(d, r, "cuStreamCreate", "creating a stream");
+  CUresult r =
+      SCOPED(d, &s, "cuStreamCreate", d->drv.stream_create(&stream, CU_STREAM_NON_BLOCKING));
+  if (r != CUDA_SUCCESS) return fail(d, r, s.call, "creating a stream");
   *out = (tide_stream)(void *)stream;
   return TIDE_OK;
 }
@@ -1017,12 +1001,9 @@ static int cuda_stream_destroy(void *ctx, tide_stream stream) {
     return _tide_error_set(TIDE_ERR_INVALID,
                            "stream_destroy: the default stream cannot be destroyed");
   scope s;
-  int rc = enter(d, &s, "destroying a stream");
-  if (rc) return rc;
-  CUresult r = d->drv.stream_destroy(cu_stream(stream));
-  leave(d, &s);
+  CUresult r = SCOPED(d, &s, "cuStreamDestroy", d->drv.stream_destroy(cu_stream(stream)));
   if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuStreamDestroy", "destroying %s", stream_text(stream, text, sizeof text));
+    return fail(d, r, s.call, "destroying %s", stream_text(stream, text, sizeof text));
   return TIDE_OK;
 }
 
@@ -1030,15 +1011,13 @@ static int cuda_stream_synchronize(void *ctx, tide_stream stream) {
   cuda_device *d = ctx;
   char text[48];
   scope s;
-  int rc = enter(d, &s, "waiting for a stream");
-  if (rc) return rc;
-  rc = check_not_capturing(d, stream, "stream_synchronize");
-  CUresult r = rc ? CUDA_SUCCESS : d->drv.stream_synchronize(cu_stream(stream));
-  leave(d, &s);
+  if (cannot_enter(d, &s, "cuStreamSynchronize"))
+    return fail(d, s.result, s.call, "waiting for %s", stream_text(stream, text, sizeof text));
+  int rc = check_not_capturing(d, stream, "stream_synchronize");
+  CUresult r = leave(d, &s, rc ? CUDA_SUCCESS : d->drv.stream_synchronize(cu_stream(stream)));
   if (rc) return rc;
   if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuStreamSynchronize", "waiting for %s",
-                stream_text(stream, text, sizeof text));
+    return fail(d, r, s.call, "waiting for %s", stream_text(stream, text, sizeof text));
   return TIDE_OK;
 }
 
@@ -1055,13 +1034,12 @@ static int cuda_stream_check(void *ctx, tide_stream stream) {
   if (!stream) return TIDE_OK;
   char text[48];
   scope s;
-  int rc = enter(d, &s, "checking a stream");
-  if (rc) return rc;
+  if (cannot_enter(d, &s, "cuStreamGetCtx"))
+    return fail(d, s.result, s.call, "checking %s", stream_text(stream, text, sizeof text));
   CUcontext owner = NULL;
-  CUresult r = d->drv.stream_get_ctx(cu_stream(stream), &owner);
-  leave(d, &s);
+  CUresult r = leave(d, &s, d->drv.stream_get_ctx(cu_stream(stream), &owner));
   if (r == CUDA_ERROR_INVALID_HANDLE || r == CUDA_ERROR_CONTEXT_IS_DESTROYED)
-    return fail(d, r, "cuStreamGetCtx", "checking %s", stream_text(stream, text, sizeof text));
+    return fail(d, r, s.call, "checking %s", stream_text(stream, text, sizeof text));
   if (r == CUDA_SUCCESS && owner != d->ctx)
     return _tide_error_set(TIDE_ERR_INVALID,
                            "CUDA device %d: %s belongs to another CUDA context (another device, "
@@ -1088,6 +1066,7 @@ static int cuda_stream_capture_status(void *ctx, tide_stream stream, bool *captu
   CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
   cuuint64_t id = 0;
   CUresult r;
+  const char *call = "cuStreamGetCaptureInfo";
   CUcontext current = NULL;
   /* capture_detection asks this on every allocation and free: with the
    * device's context already current (as under PyTorch) the query goes
@@ -1097,13 +1076,12 @@ static int cuda_stream_capture_status(void *ctx, tide_stream stream, bool *captu
     r = d->drv.stream_get_capture_info(cu_stream(stream), &status, &id, NULL, NULL, NULL);
   } else {
     scope s;
-    int rc = enter(d, &s, "asking whether a stream is being captured");
-    if (rc) return rc;
-    r = d->drv.stream_get_capture_info(cu_stream(stream), &status, &id, NULL, NULL, NULL);
-    leave(d, &s);
+    r = SCOPED(d, &s, "cuStreamGetCaptureInfo",
+               d->drv.stream_get_capture_info(cu_stream(stream), &status, &id, NULL, NULL, NULL));
+    call = s.call;
   }
   if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuStreamGetCaptureInfo", "asking whether %s is being captured",
+    return fail(d, r, call, "asking whether %s is being captured",
                 stream_text(stream, text, sizeof text));
   /* An invalidated capture still owns the stream until it ends: its
    * allocations belong to it as well. */
@@ -1137,16 +1115,17 @@ static int cuda_capture_deps(void *ctx, tide_stream stream, uint64_t *capture_id
   size_t ndeps = 0;
   char text[48];
   scope s;
-  int rc = enter(d, &s, "asking what a captured stream's next work depends on");
-  if (rc) return rc;
+  if (cannot_enter(d, &s, "cuStreamGetCaptureInfo"))
+    return fail(d, s.result, s.call, "asking what %s's captured work depends on",
+                stream_text(stream, text, sizeof text));
   CUresult r = d->drv.stream_get_capture_info(cu_stream(stream), &status, &id, NULL, &deps, &ndeps);
   if (r == CUDA_SUCCESS && status == CU_STREAM_CAPTURE_STATUS_ACTIVE) {
     *capture_id = id ? (uint64_t)id : UINT64_MAX; /* ids are never 0 */
     give_nodes(deps, ndeps, out, cap, n);
   }
-  leave(d, &s);
+  leave(d, &s, r);
   if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuStreamGetCaptureInfo", "asking what %s's captured work depends on",
+    return fail(d, r, s.call, "asking what %s's captured work depends on",
                 stream_text(stream, text, sizeof text));
   return TIDE_OK;
 }
@@ -1182,12 +1161,9 @@ static int cuda_node_deps(void *ctx, _tide_node node, _tide_node *out, size_t ca
                            "CUDA device %d: the driver has no cuGraphNodeGetDependencies",
                            d->ordinal);
   scope s;
-  int rc = enter(d, &s, "asking what a graph node depends on");
-  if (rc) return rc;
-  CUresult r = node_deps_query(d, (CUgraphNode)(uintptr_t)node, out, cap, n);
-  leave(d, &s);
-  if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuGraphNodeGetDependencies", "asking what a captured graph node depends on");
+  CUresult r = SCOPED(d, &s, "cuGraphNodeGetDependencies",
+                      node_deps_query(d, (CUgraphNode)(uintptr_t)node, out, cap, n));
+  if (r != CUDA_SUCCESS) return fail(d, r, s.call, "asking what a captured graph node depends on");
   return TIDE_OK;
 }
 
@@ -1196,11 +1172,8 @@ static int cuda_event_create(void *ctx, _tide_event *out) {
   if (!out) return _tide_error_set(TIDE_ERR_INVALID, "event_create: NULL output");
   CUevent event = NULL;
   scope s;
-  int rc = enter(d, &s, "creating an event");
-  if (rc) return rc;
-  CUresult r = d->drv.event_create(&event, CU_EVENT_DISABLE_TIMING);
-  leave(d, &s);
-  if (r != CUDA_SUCCESS) return fail(d, r, "cuEventCreate", "creating an event");
+  CUresult r = SCOPED(d, &s, "cuEventCreate", d->drv.event_create(&event, CU_EVENT_DISABLE_TIMING));
+  if (r != CUDA_SUCCESS) return fail(d, r, s.call, "creating an event");
   *out = (_tide_event)event;
   return TIDE_OK;
 }
@@ -1208,11 +1181,8 @@ static int cuda_event_create(void *ctx, _tide_event *out) {
 static int cuda_event_destroy(void *ctx, _tide_event event) {
   cuda_device *d = ctx;
   scope s;
-  int rc = enter(d, &s, "destroying an event");
-  if (rc) return rc;
-  CUresult r = d->drv.event_destroy((CUevent)event);
-  leave(d, &s);
-  if (r != CUDA_SUCCESS) return fail(d, r, "cuEventDestroy", "destroying event %p", event);
+  CUresult r = SCOPED(d, &s, "cuEventDestroy", d->drv.event_destroy((CUevent)event));
+  if (r != CUDA_SUCCESS) return fail(d, r, s.call, "destroying event %p", event);
   return TIDE_OK;
 }
 
@@ -1220,16 +1190,16 @@ static int cuda_event_record(void *ctx, _tide_event event, tide_stream stream) {
   cuda_device *d = ctx;
   char text[48];
   scope s;
-  int rc = enter(d, &s, "recording an event");
-  if (rc) return rc;
+  if (cannot_enter(d, &s, "cuEventRecord"))
+    return fail(d, s.result, s.call, "recording an event on %s",
+                stream_text(stream, text, sizeof text));
   /* Only the legacy stream can be dragged into someone else's capture. */
-  if (!stream) rc = check_not_capturing(d, stream, "event_record");
-  CUresult r = rc ? CUDA_SUCCESS : d->drv.event_record((CUevent)event, cu_stream(stream));
-  leave(d, &s);
+  int rc = stream ? TIDE_OK : check_not_capturing(d, stream, "event_record");
+  CUresult r =
+      leave(d, &s, rc ? CUDA_SUCCESS : d->drv.event_record((CUevent)event, cu_stream(stream)));
   if (rc) return rc;
   if (r != CUDA_SUCCESS)
-    return fail(d, r, "cuEventRecord", "recording an event on %s",
-                stream_text(stream, text, sizeof text));
+    return fail(d, r, s.call, "recording an event on %s", stream_text(stream, text, sizeof text));
   return TIDE_OK;
 }
 
@@ -1243,29 +1213,27 @@ static int captured_event(_tide_event event, const char *op) {
 static int cuda_event_query(void *ctx, _tide_event event) {
   cuda_device *d = ctx;
   scope s;
-  int rc = enter(d, &s, "querying an event");
-  if (rc) return rc;
-  CUresult r = d->drv.event_query((CUevent)event);
-  leave(d, &s);
+  CUresult r = SCOPED(d, &s, "cuEventQuery", d->drv.event_query((CUevent)event));
   if (r == CUDA_SUCCESS) return TIDE_OK;
   if (r == CUDA_ERROR_NOT_READY)
     return _tide_error_set(TIDE_ERR_NOT_READY, "event not complete yet");
   if (r == CUDA_ERROR_CAPTURED_EVENT) return captured_event(event, "event_query");
-  return fail(d, r, "cuEventQuery", "querying event %p", event);
+  return fail(d, r, s.call, "querying event %p", event);
+}
+
+/* A query first: an event of a capture must not be waited for. */
+static CUresult query_then_wait(const cuda_device *d, CUevent event) {
+  CUresult r = d->drv.event_query(event);
+  return r == CUDA_ERROR_NOT_READY ? d->drv.event_synchronize(event) : r;
 }
 
 static int cuda_event_synchronize(void *ctx, _tide_event event) {
   cuda_device *d = ctx;
   scope s;
-  int rc = enter(d, &s, "waiting for an event");
-  if (rc) return rc;
-  /* A query first: an event of a capture must not be waited for. */
-  CUresult r = d->drv.event_query((CUevent)event);
-  if (r == CUDA_ERROR_NOT_READY) r = d->drv.event_synchronize((CUevent)event);
-  leave(d, &s);
+  CUresult r = SCOPED(d, &s, "cuEventSynchronize", query_then_wait(d, (CUevent)event));
   if (r == CUDA_SUCCESS) return TIDE_OK;
   if (r == CUDA_ERROR_CAPTURED_EVENT) return captured_event(event, "event_synchronize");
-  return fail(d, r, "cuEventSynchronize", "waiting for event %p", event);
+  return fail(d, r, s.call, "waiting for event %p", event);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1349,11 +1317,9 @@ static int open_device(cuda_device *d) {
   }
   CUmemAllocationProp prop = allocation_prop(d, false);
   scope s;
-  int rc = enter(d, &s, "reading the granularity");
-  if (rc) return rc;
-  r = d->drv.mem_get_granularity(&d->granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
-  leave(d, &s);
-  if (r != CUDA_SUCCESS) return unavailable(d, r, "cuMemGetAllocationGranularity");
+  r = SCOPED(d, &s, "cuMemGetAllocationGranularity",
+             d->drv.mem_get_granularity(&d->granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  if (r != CUDA_SUCCESS) return unavailable(d, r, s.call);
   if (!power_of_two(d->granularity))
     return _tide_error_set(TIDE_ERR_UNAVAILABLE,
                            "CUDA device %d cannot be used: its mapping granularity of %zu bytes "

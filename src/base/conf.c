@@ -9,9 +9,10 @@
  * that a program's LC_NUMERIC (a decimal comma) cannot change what a config
  * means; their value comes from strtod_l in the "C" locale, which rounds
  * correctly, so that formatting a value and parsing the text gives it back.
- * The process-wide configuration (tide_conf_set/get) lives elsewhere. */
+ * The process-wide configuration (tide_config_process_set/get) lives elsewhere. */
 #include <locale.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,18 +24,6 @@
 #define ITEM_VALUE_MAX 1024 /* longer values are refused, not truncated */
 #define KEY_MAX 64
 #define SHOWN_MAX 80 /* bytes of a bad key or value quoted in a message */
-
-typedef bool (*parse_fn)(const char *text, _tide_conf_values *v, char *why, size_t why_len);
-typedef void (*format_fn)(const _tide_conf_values *v, char *buf, size_t len);
-
-typedef struct option {
-  const char *key;
-  const char *default_text; /* canonical: formatting the default gives it back */
-  const char *meaning;
-  const char *accepts; /* what a message says is accepted */
-  parse_fn parse;
-  format_fn format;
-} option;
 
 /* ------------------------------------------------------------------------ */
 /* Characters and numbers                                                   */
@@ -278,76 +267,6 @@ static void format_backend(const _tide_conf_values *v, char *buf, size_t len) {
   snprintf(buf, len, "%s", v->backend >= 0 && v->backend <= 2 ? names[v->backend] : "?");
 }
 
-static bool parse_expandable(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  return parse_bool(s, &v->expandable_segments, why, why_len);
-}
-
-static void format_expandable(const _tide_conf_values *v, char *buf, size_t len) {
-  format_bool(v->expandable_segments, buf, len);
-}
-
-static bool parse_page_size(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  uint64_t mib;
-  if (!parse_uint(s, 1024, &mib, why, why_len)) return false;
-  if (mib == 0) return set_why(why, why_len, "zero"), false;
-  v->page_size = (size_t)mib * TIDE_MiB;
-  return true;
-}
-
-static void format_page_size(const _tide_conf_values *v, char *buf, size_t len) {
-  snprintf(buf, len, "%zu", v->page_size / TIDE_MiB);
-}
-
-static bool parse_handle_size(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  uint64_t mib;
-  if (!parse_uint(s, 1024, &mib, why, why_len)) return false;
-  v->handle_size = (size_t)mib * TIDE_MiB;
-  return true;
-}
-
-static void format_handle_size(const _tide_conf_values *v, char *buf, size_t len) {
-  snprintf(buf, len, "%zu", v->handle_size / TIDE_MiB);
-}
-
-static bool parse_handle_threshold(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  if (equals_nocase(s, "auto")) return v->handle_threshold = SIZE_MAX, true;
-  uint64_t mib;
-  if (!parse_uint(s, TIDE_MAX_ALLOC / TIDE_MiB, &mib, why, why_len)) return false;
-  v->handle_threshold = (size_t)mib * TIDE_MiB;
-  return true;
-}
-
-/* A size in MiB, or `word` for SIZE_MAX. */
-static void format_mib_or(size_t bytes, const char *word, char *buf, size_t len) {
-  if (bytes == SIZE_MAX)
-    snprintf(buf, len, "%s", word);
-  else
-    snprintf(buf, len, "%zu", bytes / TIDE_MiB);
-}
-
-static void format_handle_threshold(const _tide_conf_values *v, char *buf, size_t len) {
-  format_mib_or(v->handle_threshold, "auto", buf, len);
-}
-
-/* Blocks this large stay whole; PyTorch refuses less than its 20 MiB large
- * buffer, and above TIDE_MAX_ALLOC a limit means nothing. */
-#define SPLIT_MIN_MB (TIDE_LARGE_BUFFER / TIDE_MiB)
-#define SPLIT_MAX_MB (TIDE_MAX_ALLOC / TIDE_MiB)
-
-static bool parse_max_split(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  if (equals_nocase(s, "unlimited") || equals_nocase(s, "none"))
-    return v->max_split_size = SIZE_MAX, true;
-  uint64_t mib;
-  if (!parse_uint(s, SPLIT_MAX_MB, &mib, why, why_len)) return false;
-  if (mib < SPLIT_MIN_MB) return set_why(why, why_len, "too small"), false;
-  v->max_split_size = (size_t)mib * TIDE_MiB;
-  return true;
-}
-
-static void format_max_split(const _tide_conf_values *v, char *buf, size_t len) {
-  format_mib_or(v->max_split_size, "unlimited", buf, len);
-}
-
 #define ROUNDUP_MAX_DIVISIONS 1024
 #define ROUNDUP_LAST (TIDE_ROUNDUP_INTERVALS - 1)
 
@@ -448,267 +367,349 @@ static void format_roundup(const _tide_conf_values *v, char *buf, size_t len) {
   if (used < len) snprintf(buf + used, len - used, "]");
 }
 
-static bool parse_gc(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  double value;
-  if (!parse_decimal(s, &value, why, why_len)) return false;
-  if (value >= 1.0) return set_why(why, why_len, "not below 1"), false;
-  v->gc_threshold = value;
-  return true;
-}
-
-/* 0 as "0", any other value as format_decimal writes it. */
-static void format_zero_or_decimal(double value, char *buf, size_t len) {
-  if (value == 0.0)
-    snprintf(buf, len, "0");
-  else
-    format_decimal(value, buf, len);
-}
-
-static void format_gc(const _tide_conf_values *v, char *buf, size_t len) {
-  format_zero_or_decimal(v->gc_threshold, buf, len);
-}
-
-static bool parse_fraction(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  double value;
-  if (!parse_decimal(s, &value, why, why_len)) return false;
-  if (value == 0.0) return set_why(why, why_len, "zero"), false;
-  if (value > 1.0) return set_why(why, why_len, "above 1"), false;
-  v->memory_fraction = value;
-  return true;
-}
-
-static void format_fraction(const _tide_conf_values *v, char *buf, size_t len) {
-  format_decimal(v->memory_fraction, buf, len);
-}
-
-static bool parse_memory_limit(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  uint64_t bytes;
-  if (!parse_bytes(s, TIDE_MAX_ALLOC, &bytes, why, why_len)) return false;
-  v->memory_limit = (size_t)bytes;
-  return true;
-}
-
-static void format_memory_limit(const _tide_conf_values *v, char *buf, size_t len) {
-  format_bytes(v->memory_limit, buf, len);
-}
-
-static bool parse_load_handles(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  return parse_bool(s, &v->load_handles, why, why_len);
-}
-
-static void format_load_handles(const _tide_conf_values *v, char *buf, size_t len) {
-  format_bool(v->load_handles, buf, len);
-}
-
-static bool parse_release_holes(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  return parse_bool(s, &v->release_holes, why, why_len);
-}
-
-static void format_release_holes(const _tide_conf_values *v, char *buf, size_t len) {
-  format_bool(v->release_holes, buf, len);
-}
-
-#define TRACE_MAX ((uint64_t)1 << 24)
-
-static bool parse_trace(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  uint64_t events;
-  if (!parse_uint(s, TRACE_MAX, &events, why, why_len)) return false;
-  v->trace_capacity = (size_t)events;
-  return true;
-}
-
-static void format_trace(const _tide_conf_values *v, char *buf, size_t len) {
-  snprintf(buf, len, "%zu", v->trace_capacity);
-}
-
+/* Limits of the options below, each with its reason. Blocks this large stay
+ * whole; PyTorch refuses less than its 20 MiB large buffer, and above
+ * TIDE_MAX_ALLOC a limit means nothing. */
+#define SPLIT_MIN_MB (TIDE_LARGE_BUFFER / TIDE_MiB)
+#define MAX_ALLOC_MB (TIDE_MAX_ALLOC / TIDE_MiB)
+/* The emulated device is mapped with mmap, which works in whole host pages. */
 #define HOST_MIN_BYTES ((uint64_t)4 << 10)
+/* Every emulated handle is at least a granularity: beyond 1 GiB a small
+ * request would hold gigabytes. */
 #define HOST_MAX_GRANULARITY ((uint64_t)TIDE_GiB)
-
-static bool parse_host_capacity(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  uint64_t bytes;
-  if (equals_nocase(s, "auto")) {
-    v->host_capacity = 0; /* the backend derives it from the machine */
-    return true;
-  }
-  if (!parse_bytes(s, TIDE_MAX_ALLOC, &bytes, why, why_len)) return false;
-  if (bytes < HOST_MIN_BYTES) return set_why(why, why_len, "too small"), false;
-  v->host_capacity = (size_t)bytes;
-  return true;
-}
-
-static void format_host_capacity(const _tide_conf_values *v, char *buf, size_t len) {
-  if (v->host_capacity == 0)
-    snprintf(buf, len, "auto");
-  else
-    format_bytes(v->host_capacity, buf, len);
-}
-
-static bool parse_host_granularity(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  uint64_t bytes;
-  if (!parse_bytes(s, HOST_MAX_GRANULARITY, &bytes, why, why_len)) return false;
-  if (bytes < HOST_MIN_BYTES) return set_why(why, why_len, "too small"), false;
-  if (!is_pow2(bytes)) return set_why(why, why_len, "not a power of two"), false;
-  v->host_granularity = (size_t)bytes;
-  return true;
-}
-
-static void format_host_granularity(const _tide_conf_values *v, char *buf, size_t len) {
-  format_bytes(v->host_granularity, buf, len);
-}
-
-static bool parse_host_devices(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  uint64_t n;
-  if (!parse_uint(s, TIDE_HOST_MAX_DEVICES, &n, why, why_len)) return false;
-  if (n == 0) return set_why(why, why_len, "zero"), false;
-  v->host_devices = (int)n;
-  return true;
-}
-
-static void format_host_devices(const _tide_conf_values *v, char *buf, size_t len) {
-  snprintf(buf, len, "%d", v->host_devices);
-}
-
+/* The trace ring is host memory taken at creation: a bound keeps a typo from
+ * taking gigabytes. */
+#define TRACE_MAX ((uint64_t)1 << 24)
+/* Far beyond any queue a GPU holds; it only bounds the number. */
 #define HOST_MAX_QUEUE_DEPTH 1000000
 
-static bool parse_host_queue_depth(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  uint64_t n;
-  if (!parse_uint(s, HOST_MAX_QUEUE_DEPTH, &n, why, why_len)) return false;
-  v->host_queue_depth = (unsigned)n;
+/* How an option's text maps to its field of _tide_conf_values. */
+typedef enum kind {
+  KIND_BOOL,     /* True/False (also true/false/1/0) into a bool */
+  KIND_UINT,     /* a whole number in [min, max] into an int, unsigned or size_t */
+  KIND_MIB,      /* a whole number of MiB in [min, max], stored in bytes (size_t) */
+  KIND_BYTES,    /* bytes with an optional unit in [min, max] (size_t) */
+  KIND_FRACTION, /* a decimal number in [0, 1] (double), see FLAG_* */
+  KIND_CUSTOM,   /* the option's own parse and format functions */
+} kind;
+
+enum {
+  FLAG_NONZERO = 1,   /* KIND_FRACTION: 0 is refused ("zero") */
+  FLAG_BELOW_ONE = 2, /* KIND_FRACTION: 1 is refused ("not below 1") */
+  FLAG_POW2 = 4,      /* KIND_BYTES: a power of two */
+};
+
+typedef bool (*parse_fn)(const char *text, _tide_conf_values *v, char *why, size_t why_len);
+typedef void (*format_fn)(const _tide_conf_values *v, char *buf, size_t len);
+
+typedef struct option {
+  const char *key;
+  const char *default_text; /* canonical: formatting the default gives it back */
+  const char *meaning;
+  const char *accepts; /* what a message says is accepted */
+  kind kind;
+  size_t offset, size; /* the field (FIELD) */
+  uint64_t min, max;   /* limits of KIND_UINT, KIND_MIB (in MiB) and KIND_BYTES */
+  unsigned flags;
+  /* KIND_MIB and KIND_BYTES: a word (and an alias) for the value `special`,
+   * in bytes, which formats as the word. */
+  const char *word, *alias;
+  size_t special;
+  parse_fn parse; /* KIND_CUSTOM */
+  format_fn format;
+} option;
+
+#define FIELD(name)                                                                                \
+  .offset = offsetof(_tide_conf_values, name), .size = sizeof(((_tide_conf_values *)0)->name)
+
+static void *field_of(const option *opt, _tide_conf_values *v) { return (char *)v + opt->offset; }
+
+static const void *const_field_of(const option *opt, const _tide_conf_values *v) {
+  return (const char *)v + opt->offset;
+}
+
+/* A whole number into a field of its size (the limits keep it in range). */
+static void store_uint(const option *opt, _tide_conf_values *v, uint64_t value) {
+  void *field = field_of(opt, v);
+  if (opt->size == sizeof(uint32_t)) {
+    uint32_t narrow = (uint32_t)value;
+    memcpy(field, &narrow, sizeof narrow);
+  } else {
+    size_t wide = (size_t)value;
+    memcpy(field, &wide, sizeof wide);
+  }
+}
+
+static uint64_t load_uint(const option *opt, const _tide_conf_values *v) {
+  const void *field = const_field_of(opt, v);
+  if (opt->size == sizeof(uint32_t)) {
+    uint32_t narrow;
+    memcpy(&narrow, field, sizeof narrow);
+    return narrow;
+  }
+  size_t wide;
+  memcpy(&wide, field, sizeof wide);
+  return wide;
+}
+
+static bool below_min(const option *opt, uint64_t value, char *why, size_t why_len) {
+  if (value >= opt->min) return false;
+  set_why(why, why_len, value == 0 ? "zero" : "too small");
   return true;
 }
 
-static void format_host_queue_depth(const _tide_conf_values *v, char *buf, size_t len) {
-  snprintf(buf, len, "%u", v->host_queue_depth);
+static bool parse_option(const option *opt, const char *s, _tide_conf_values *v, char *why,
+                         size_t why_len) {
+  uint64_t n;
+  double x;
+  if (opt->word && (equals_nocase(s, opt->word) || (opt->alias && equals_nocase(s, opt->alias)))) {
+    store_uint(opt, v, opt->special);
+    return true;
+  }
+  switch (opt->kind) {
+  case KIND_BOOL: return parse_bool(s, (bool *)field_of(opt, v), why, why_len);
+  case KIND_UINT:
+    if (!parse_uint(s, opt->max, &n, why, why_len) || below_min(opt, n, why, why_len)) return false;
+    store_uint(opt, v, n);
+    return true;
+  case KIND_MIB:
+    if (!parse_uint(s, opt->max, &n, why, why_len) || below_min(opt, n, why, why_len)) return false;
+    store_uint(opt, v, n * TIDE_MiB);
+    return true;
+  case KIND_BYTES:
+    if (!parse_bytes(s, opt->max, &n, why, why_len) || below_min(opt, n, why, why_len))
+      return false;
+    if ((opt->flags & FLAG_POW2) && !is_pow2(n))
+      return set_why(why, why_len, "not a power of two"), false;
+    store_uint(opt, v, n);
+    return true;
+  case KIND_FRACTION:
+    if (!parse_decimal(s, &x, why, why_len)) return false;
+    if ((opt->flags & FLAG_NONZERO) && x == 0.0) return set_why(why, why_len, "zero"), false;
+    if ((opt->flags & FLAG_BELOW_ONE) && x >= 1.0)
+      return set_why(why, why_len, "not below 1"), false;
+    if (x > 1.0) return set_why(why, why_len, "above 1"), false;
+    memcpy(field_of(opt, v), &x, sizeof x);
+    return true;
+  case KIND_CUSTOM: return opt->parse(s, v, why, why_len);
+  }
+  return false;
 }
 
-static bool parse_host_shared(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  return parse_bool(s, &v->host_shared, why, why_len);
+static void format_option(const option *opt, const _tide_conf_values *v, char *buf, size_t len) {
+  if (opt->kind == KIND_CUSTOM) {
+    opt->format(v, buf, len);
+    return;
+  }
+  if (opt->kind == KIND_BOOL) {
+    format_bool(*(const bool *)const_field_of(opt, v), buf, len);
+    return;
+  }
+  if (opt->kind == KIND_FRACTION) {
+    double x;
+    memcpy(&x, const_field_of(opt, v), sizeof x);
+    if (x == 0.0)
+      snprintf(buf, len, "0");
+    else
+      format_decimal(x, buf, len);
+    return;
+  }
+  uint64_t n = load_uint(opt, v);
+  if (opt->word && n == opt->special)
+    snprintf(buf, len, "%s", opt->word);
+  else if (opt->kind == KIND_BYTES)
+    format_bytes(n, buf, len);
+  else
+    snprintf(buf, len, "%llu", (unsigned long long)(opt->kind == KIND_MIB ? n / TIDE_MiB : n));
 }
 
-static void format_host_shared(const _tide_conf_values *v, char *buf, size_t len) {
-  format_bool(v->host_shared, buf, len);
-}
-
-static bool parse_peer_access(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  return parse_bool(s, &v->peer_access, why, why_len);
-}
-
-static void format_peer_access(const _tide_conf_values *v, char *buf, size_t len) {
-  format_bool(v->peer_access, buf, len);
-}
-
-static bool parse_capture_detection(const char *s, _tide_conf_values *v, char *why,
-                                    size_t why_len) {
-  return parse_bool(s, &v->capture_detection, why, why_len);
-}
-
-static void format_capture_detection(const _tide_conf_values *v, char *buf, size_t len) {
-  format_bool(v->capture_detection, buf, len);
-}
-
-static bool parse_graph_reuse(const char *s, _tide_conf_values *v, char *why, size_t why_len) {
-  return parse_bool(s, &v->graph_reuse, why, why_len);
-}
-
-static void format_graph_reuse(const _tide_conf_values *v, char *buf, size_t len) {
-  format_bool(v->graph_reuse, buf, len);
-}
+#define BOOL_ACCEPTS "True or False (also true/false/1/0)"
 
 static const option options[] = {
-    {"backend", "auto",
-     "device backend: cuda, host (an emulated device in host memory), or auto (cuda where a "
-     "GPU is usable, else host)",
-     "auto, host or cuda", parse_backend, format_backend},
-    {"expandable_segments", "True",
-     "one large virtual range per pool and stream, pages mapped on demand (False: fixed "
-     "segments as cudaMalloc gives)",
-     "True or False (also true/false/1/0)", parse_expandable, format_expandable},
-    {"page_size_mb", "2",
-     "MiB an expandable segment maps at once (rounded up to the backend's granularity)",
-     "a whole number of MiB from 1 to 1024", parse_page_size, format_page_size},
-    {"handle_size_mb", "8",
-     "the most MiB one physical handle of an expandable segment holds: above page_size_mb, "
-     "a stream holding handle_threshold_mb gives its requests of at least 4 such handles "
-     "segments of handles this large (fewer driver mappings; a handle is unmapped only "
-     "whole); at page_size_mb or below, one handle per page",
-     "a whole number of MiB from 0 to 1024", parse_handle_size, format_handle_size},
-    {"handle_threshold_mb", "auto",
-     "MiB a stream's memory reaches before its large requests get large handles "
-     "(handle_size_mb); auto: 1024 of those handles' worth",
-     "auto, or a whole number of MiB from 0 to 4294967296", parse_handle_threshold,
-     format_handle_threshold},
-    {"max_split_size_mb", "unlimited",
-     "blocks at least this many MiB are never split, so large free blocks stay whole",
-     "a whole number of MiB from 20 to 4294967296, or unlimited (or none)", parse_max_split,
-     format_max_split},
-    {"roundup_power2_divisions", "0",
-     "round sizes above 1 MiB up to one of N equal divisions of their power-of-two interval "
-     "(0: plain 512 B rounding)",
-     "0 or a power of two up to 1024 for every interval, or a list such as "
-     "[256:1,512:2,1024:4,>:8] keyed by rising powers of two of MiB from 1 to 65536, \">\" "
-     "for every interval after the last named",
-     parse_roundup, format_roundup},
-    {"garbage_collection_threshold", "0",
-     "when reserved memory is above this fraction of the limit, cached free memory is "
-     "returned before growing (0: off)",
-     "0 (off) or a fraction strictly between 0 and 1, such as 0.8", parse_gc, format_gc},
-    {"memory_fraction", "1.0",
-     "reserved memory may reach this fraction of the device's total memory (1.0: the whole "
-     "device)",
-     "a fraction above 0 and at most 1, such as 0.5", parse_fraction, format_fraction},
-    {"memory_limit", "0",
-     "reserved memory may reach this many bytes (0: no limit); the smaller of this and "
-     "memory_fraction applies",
-     "0 or bytes up to 4096TiB with an optional unit B, KiB, MiB, GiB, TiB (KB, MB, GB, TB "
-     "mean the same), such as 512MiB",
-     parse_memory_limit, format_memory_limit},
-    {"release_holes", "True",
-     "when growing would raise reserved memory past its peak, first unmap whole free pages "
-     "inside the segments, so physical memory is reused instead of added",
-     "True or False (also true/false/1/0)", parse_release_holes, format_release_holes},
-    {"load_handles", "True",
-     "until a stream first frees a block (a model loading its weights), each growth of an "
-     "expandable segment for large requests maps its pages as one physical handle: far fewer "
-     "driver calls for memory that is kept, and freed, if ever, whole",
-     "True or False (also true/false/1/0)", parse_load_handles, format_load_handles},
-    {"peer_access", "True",
-     "CUDA: every other GPU that can access this one's memory (cuDeviceCanAccessPeer) may read "
-     "and write the allocator's blocks, so kernels on several GPUs can share them; the host "
-     "backend has one address space and ignores it",
-     "True or False (also true/false/1/0)", parse_peer_access, format_peer_access},
-    {"capture_detection", "False",
-     "allocations from a stream being captured into a CUDA graph go to a private pool of that "
-     "capture even without tide_capture_begin (costs a driver query per allocation and free)",
-     "True or False (also true/false/1/0)", parse_capture_detection, format_capture_detection},
-    {"graph_capture_record_stream_reuse", "False",
-     "a capture pool's block freed during a capture after use on other streams "
-     "(tide_record_stream) is reused in the same capture once the graph orders those uses "
-     "before the allocating stream's next work, instead of at the capture's end (graph queries "
-     "per allocation while such a free waits; tide_capture_reuse_set changes it at run time)",
-     "True or False (also true/false/1/0)", parse_graph_reuse, format_graph_reuse},
-    {"trace", "0", "events kept in the trace ring, read with tide_trace_read (0: off)",
-     "a whole number from 0 to 16777216", parse_trace, format_trace},
-    {"host_capacity", "auto",
-     "memory of each emulated device of the host backend (auto: half the machine's memory, "
-     "or of its control group's limit if lower, shared among host_devices, at most 24GiB "
-     "each, so that filling it ends in out of memory rather than the process being killed)",
-     "auto, or bytes from 4KiB to 4096TiB with an optional unit, such as 24GiB",
-     parse_host_capacity, format_host_capacity},
-    {"host_granularity", "2MiB", "mapping granularity of the host backend",
-     "a power of two of bytes from 4KiB to 1GiB, such as 2MiB", parse_host_granularity,
-     format_host_granularity},
-    {"host_devices", "1", "emulated devices of the host backend", "a whole number from 1 to 64",
-     parse_host_devices, format_host_devices},
-    {"host_queue_depth", "0",
-     "host backend: an event completes only once this many more have been recorded on its "
-     "stream, or it has been queried this many times while pending, or the stream is waited "
-     "for, as work queued on a GPU completes behind the CPU; 0: at once",
-     "a whole number from 0 to 1000000", parse_host_queue_depth, format_host_queue_depth},
-    {"host_shared", "False",
-     "host backend: the allocators of this process that set it share the capacity of each "
-     "emulated device number, as processes share a GPU: what one holds, the others see gone "
-     "from the device's free memory (host_capacity must agree)",
-     "True or False (also true/false/1/0)", parse_host_shared, format_host_shared},
+    {.key = "backend",
+     .default_text = "auto",
+     .meaning = "device backend: cuda, host (an emulated device in host memory), or auto (cuda "
+                "where a GPU is usable, else host)",
+     .accepts = "auto, host or cuda",
+     .kind = KIND_CUSTOM,
+     .parse = parse_backend,
+     .format = format_backend},
+    {.key = "expandable_segments",
+     .default_text = "True",
+     .meaning = "one large virtual range per pool and stream, pages mapped on demand (False: "
+                "fixed segments as cudaMalloc gives)",
+     .accepts = BOOL_ACCEPTS,
+     .kind = KIND_BOOL,
+     FIELD(expandable_segments)},
+    {.key = "page_size_mb",
+     .default_text = "2",
+     .meaning = "MiB an expandable segment maps at once (rounded up to the backend's granularity)",
+     .accepts = "a whole number of MiB from 1 to 1024",
+     .kind = KIND_MIB,
+     FIELD(page_size),
+     .min = 1,
+     .max = 1024},
+    {.key = "handle_size_mb",
+     .default_text = "8",
+     .meaning = "the most MiB one physical handle of an expandable segment holds: above "
+                "page_size_mb, a stream holding handle_threshold_mb gives its requests of at "
+                "least 4 such handles segments of handles this large (fewer driver mappings; a "
+                "handle is unmapped only whole); at page_size_mb or below, one handle per page",
+     .accepts = "a whole number of MiB from 0 to 1024",
+     .kind = KIND_MIB,
+     FIELD(handle_size),
+     .max = 1024},
+    {.key = "handle_threshold_mb",
+     .default_text = "auto",
+     .meaning = "MiB a stream's memory reaches before its large requests get large handles "
+                "(handle_size_mb); auto: 1024 of those handles' worth",
+     .accepts = "auto, or a whole number of MiB from 0 to 4294967296",
+     .kind = KIND_MIB,
+     FIELD(handle_threshold),
+     .max = MAX_ALLOC_MB,
+     .word = "auto",
+     .special = SIZE_MAX},
+    {.key = "max_split_size_mb",
+     .default_text = "unlimited",
+     .meaning = "blocks at least this many MiB are never split, so large free blocks stay whole",
+     .accepts = "a whole number of MiB from 20 to 4294967296, or unlimited (or none)",
+     .kind = KIND_MIB,
+     FIELD(max_split_size),
+     .min = SPLIT_MIN_MB,
+     .max = MAX_ALLOC_MB,
+     .word = "unlimited",
+     .alias = "none",
+     .special = SIZE_MAX},
+    {.key = "roundup_power2_divisions",
+     .default_text = "0",
+     .meaning = "round sizes above 1 MiB up to one of N equal divisions of their power-of-two "
+                "interval (0: plain 512 B rounding)",
+     .accepts = "0 or a power of two up to 1024 for every interval, or a list such as "
+                "[256:1,512:2,1024:4,>:8] keyed by rising powers of two of MiB from 1 to 65536, "
+                "\">\" for every interval after the last named",
+     .kind = KIND_CUSTOM,
+     .parse = parse_roundup,
+     .format = format_roundup},
+    {.key = "garbage_collection_threshold",
+     .default_text = "0",
+     .meaning = "when reserved memory is above this fraction of the limit, cached free memory is "
+                "returned before growing (0: off)",
+     .accepts = "0 (off) or a fraction strictly between 0 and 1, such as 0.8",
+     .kind = KIND_FRACTION,
+     FIELD(gc_threshold),
+     .flags = FLAG_BELOW_ONE},
+    {.key = "memory_fraction",
+     .default_text = "1.0",
+     .meaning = "reserved memory may reach this fraction of the device's total memory (1.0: the "
+                "whole device)",
+     .accepts = "a fraction above 0 and at most 1, such as 0.5",
+     .kind = KIND_FRACTION,
+     FIELD(memory_fraction),
+     .flags = FLAG_NONZERO},
+    {.key = "memory_limit",
+     .default_text = "0",
+     .meaning = "reserved memory may reach this many bytes (0: no limit); the smaller of this and "
+                "memory_fraction applies",
+     .accepts = "0 or bytes up to 4096TiB with an optional unit B, KiB, MiB, GiB, TiB (KB, MB, "
+                "GB, TB mean the same), such as 512MiB",
+     .kind = KIND_BYTES,
+     FIELD(memory_limit),
+     .max = TIDE_MAX_ALLOC},
+    {.key = "release_holes",
+     .default_text = "True",
+     .meaning = "when growing would raise reserved memory past its peak, first unmap whole free "
+                "pages inside the segments, so physical memory is reused instead of added",
+     .accepts = BOOL_ACCEPTS,
+     .kind = KIND_BOOL,
+     FIELD(release_holes)},
+    {.key = "load_handles",
+     .default_text = "True",
+     .meaning = "until a stream first frees a block (a model loading its weights), each growth of "
+                "an expandable segment for large requests maps its pages as one physical handle: "
+                "far fewer driver calls for memory that is kept, and freed, if ever, whole",
+     .accepts = BOOL_ACCEPTS,
+     .kind = KIND_BOOL,
+     FIELD(load_handles)},
+    {.key = "peer_access",
+     .default_text = "True",
+     .meaning = "CUDA: every other GPU that can access this one's memory (cuDeviceCanAccessPeer) "
+                "may read and write the allocator's blocks, so kernels on several GPUs can share "
+                "them; the host backend has one address space and ignores it",
+     .accepts = BOOL_ACCEPTS,
+     .kind = KIND_BOOL,
+     FIELD(peer_access)},
+    {.key = "capture_detection",
+     .default_text = "False",
+     .meaning = "allocations from a stream being captured into a CUDA graph go to a private pool "
+                "of that capture even without tide_capture_begin (costs a driver query per "
+                "allocation and free)",
+     .accepts = BOOL_ACCEPTS,
+     .kind = KIND_BOOL,
+     FIELD(capture_detection)},
+    {.key = "graph_capture_record_stream_reuse",
+     .default_text = "False",
+     .meaning = "a capture pool's block freed during a capture after use on other streams "
+                "(tide_record_stream) is reused in the same capture once the graph orders those "
+                "uses before the allocating stream's next work, instead of at the capture's end "
+                "(graph queries per allocation while such a free waits; tide_capture_reuse_set "
+                "changes it at run time)",
+     .accepts = BOOL_ACCEPTS,
+     .kind = KIND_BOOL,
+     FIELD(graph_reuse)},
+    {.key = "trace",
+     .default_text = "0",
+     .meaning = "events kept in the trace ring, read with tide_trace_read (0: off)",
+     .accepts = "a whole number from 0 to 16777216",
+     .kind = KIND_UINT,
+     FIELD(trace_capacity),
+     .max = TRACE_MAX},
+    {.key = "host_capacity",
+     .default_text = "auto",
+     .meaning = "memory of each emulated device of the host backend (auto: half the machine's "
+                "memory, or of its control group's limit if lower, shared among host_devices, at "
+                "most 24GiB each, so that filling it ends in out of memory rather than the "
+                "process being killed)",
+     .accepts = "auto, or bytes from 4KiB to 4096TiB with an optional unit, such as 24GiB",
+     .kind = KIND_BYTES,
+     FIELD(host_capacity),
+     .min = HOST_MIN_BYTES,
+     .max = TIDE_MAX_ALLOC,
+     .word = "auto",
+     .special = 0 /* the backend derives it from the machine */},
+    {.key = "host_granularity",
+     .default_text = "2MiB",
+     .meaning = "mapping granularity of the host backend",
+     .accepts = "a power of two of bytes from 4KiB to 1GiB, such as 2MiB",
+     .kind = KIND_BYTES,
+     FIELD(host_granularity),
+     .min = HOST_MIN_BYTES,
+     .max = HOST_MAX_GRANULARITY,
+     .flags = FLAG_POW2},
+    {.key = "host_devices",
+     .default_text = "1",
+     .meaning = "emulated devices of the host backend",
+     .accepts = "a whole number from 1 to 64",
+     .kind = KIND_UINT,
+     FIELD(host_devices),
+     .min = 1,
+     .max = TIDE_HOST_MAX_DEVICES},
+    {.key = "host_queue_depth",
+     .default_text = "0",
+     .meaning = "host backend: an event completes only once this many more have been recorded on "
+                "its stream, or it has been queried this many times while pending, or the stream "
+                "is waited for, as work queued on a GPU completes behind the CPU; 0: at once",
+     .accepts = "a whole number from 0 to 1000000",
+     .kind = KIND_UINT,
+     FIELD(host_queue_depth),
+     .max = HOST_MAX_QUEUE_DEPTH},
+    {.key = "host_shared",
+     .default_text = "False",
+     .meaning = "host backend: the allocators of this process that set it share the capacity of "
+                "each emulated device number, as processes share a GPU: what one holds, the "
+                "others see gone from the device's free memory (host_capacity must agree)",
+     .accepts = BOOL_ACCEPTS,
+     .kind = KIND_BOOL,
+     FIELD(host_shared)},
 };
 
 #define OPTION_COUNT (sizeof options / sizeof options[0])
@@ -747,20 +748,20 @@ static const char *const retired[] = {"release_slack", "release_limit", "wait_li
 
 struct tide_config {
   _tide_conf_values values;
-  tide_conf_source source[OPTION_COUNT];
+  tide_config_source source[OPTION_COUNT];
   char text[OPTION_COUNT][VALUE_TEXT_LEN]; /* formatted values, for tide_option_info */
   char notice[256];                        /* tide_config_notice; empty: none */
 };
 
 /* Where text being applied came from, for sources and messages. */
 typedef struct origin {
-  tide_conf_source source;
+  tide_config_source source;
   const char *name; /* "TIDALLOC_CONF", "configuration text", ... */
 } origin;
 
 static void refresh_texts(tide_config *config) {
   for (size_t i = 0; i < OPTION_COUNT; i++)
-    options[i].format(&config->values, config->text[i], VALUE_TEXT_LEN);
+    format_option(&options[i], &config->values, config->text[i], VALUE_TEXT_LEN);
 }
 
 static int find_option(const char *key) {
@@ -809,7 +810,7 @@ static bool is_retired(const char *key) {
  * key only writes `notice` (of NOTICE_LEN bytes). */
 #define NOTICE_LEN sizeof((tide_config *)0)->notice
 static int apply_pair(const origin *from, const char *kb, const char *ke, const char *vb,
-                      const char *ve, _tide_conf_values *values, tide_conf_source *source,
+                      const char *ve, _tide_conf_values *values, tide_config_source *source,
                       char *notice) {
   trim(&kb, &ke);
   trim(&vb, &ve);
@@ -827,7 +828,8 @@ static int apply_pair(const origin *from, const char *kb, const char *ke, const 
   if (vb == ve) return bad_value_error(from, opt, vb, ve, "empty");
   if (!copy_range(vb, ve, value, sizeof value))
     return bad_value_error(from, opt, vb, ve, "too long");
-  if (!opt->parse(value, values, why, sizeof why)) return bad_value_error(from, opt, vb, ve, why);
+  if (!parse_option(opt, value, values, why, sizeof why))
+    return bad_value_error(from, opt, vb, ve, why);
   source[index] = from->source;
   return TIDE_OK;
 }
@@ -850,7 +852,7 @@ static const char *entry_end(const char *p) {
  * leaves the config as it was. */
 static int apply_text(tide_config *config, const char *text, const origin *from) {
   _tide_conf_values values = config->values;
-  tide_conf_source source[OPTION_COUNT];
+  tide_config_source source[OPTION_COUNT];
   memcpy(source, config->source, sizeof source);
   char notice[NOTICE_LEN];
   memcpy(notice, config->notice, sizeof notice);
@@ -886,14 +888,14 @@ tide_status tide_config_new(tide_config **out) {
   if (!config) return _tide_error_set(TIDE_ERR_OOM, "tide_config_new: no host memory for a config");
   for (size_t i = 0; i < OPTION_COUNT; i++) {
     char why[160];
-    if (!options[i].parse(options[i].default_text, &config->values, why, sizeof why)) {
+    if (!parse_option(&options[i], options[i].default_text, &config->values, why, sizeof why)) {
       free(config);
       return _tide_error_set(TIDE_ERR_STATE,
                              "tide_config_new: the default of %s does not "
                              "parse (%s); this is a bug in tidalloc",
                              options[i].key, why);
     }
-    config->source[i] = TIDE_CONF_DEFAULT;
+    config->source[i] = TIDE_CONFIG_DEFAULT;
   }
   refresh_texts(config);
   *out = config;
@@ -910,14 +912,14 @@ tide_status tide_config_load_env(tide_config *config) {
   if (!config) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_load_env: config is NULL");
   const char *text = getenv(TIDE_CONF_ENV);
   if (!text || !*text) return TIDE_OK;
-  const origin from = {TIDE_CONF_ENVIRONMENT, "TIDALLOC_CONF (environment variable)"};
+  const origin from = {TIDE_CONFIG_ENVIRONMENT, "TIDALLOC_CONF (environment variable)"};
   return (tide_status)apply_text(config, text, &from);
 }
 
 tide_status tide_config_parse(tide_config *config, const char *text) {
   if (!config) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_parse: config is NULL");
   if (!text) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_parse: text is NULL");
-  const origin from = {TIDE_CONF_CODE, "configuration text"};
+  const origin from = {TIDE_CONFIG_CODE, "configuration text"};
   return (tide_status)apply_text(config, text, &from);
 }
 
@@ -925,7 +927,7 @@ tide_status tide_config_set(tide_config *config, const char *key, const char *va
   if (!config) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_set: config is NULL");
   if (!key) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_set: key is NULL");
   if (!value) return _tide_error_set(TIDE_ERR_INVALID, "tide_config_set: value is NULL");
-  const origin from = {TIDE_CONF_CODE, "tide_config_set"};
+  const origin from = {TIDE_CONFIG_CODE, "tide_config_set"};
   _tide_conf_values values = config->values;
   int status = apply_pair(&from, key, key + strlen(key), value, value + strlen(value), &values,
                           config->source, config->notice);
@@ -946,7 +948,7 @@ tide_status tide_config_get(const tide_config *config, const char *key, char *bu
   char name[KEY_MAX];
   int index = copy_range(kb, ke, name, sizeof name) ? find_option(name) : -1;
   if (index < 0) {
-    const origin from = {TIDE_CONF_CODE, "tide_config_get"};
+    const origin from = {TIDE_CONFIG_CODE, "tide_config_get"};
     return (tide_status)unknown_key_error(&from, kb, ke);
   }
   const char *text = config->text[index];

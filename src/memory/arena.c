@@ -11,58 +11,6 @@
 
 #include "memory/quick.h"
 
-#define BLOCKS_PER_CHUNK 128
-
-/* ------------------------------------------------------------------------ */
-/* Block records                                                             */
-/* ------------------------------------------------------------------------ */
-
-_tide_block *_tide_block_new(_tide_arena *arena) {
-  if (TIDE_UNLIKELY(!arena->spare)) {
-    _tide_block_chunk *chunk = calloc(1, sizeof *chunk + BLOCKS_PER_CHUNK * sizeof(_tide_block));
-    if (!chunk) return NULL;
-    chunk->next = arena->chunks;
-    arena->chunks = chunk;
-    for (int i = BLOCKS_PER_CHUNK - 1; i >= 0; i--) {
-      chunk->blocks[i].link_next = arena->spare;
-      arena->spare = &chunk->blocks[i];
-    }
-  }
-  _tide_block *b = arena->spare;
-  arena->spare = b->link_next;
-  memset(b, 0, sizeof *b);
-  return b;
-}
-
-void _tide_block_delete(_tide_arena *arena, _tide_block *b) {
-  free(b->more_streams);
-  b->more_streams = NULL;
-  b->link_next = arena->spare;
-  arena->spare = b;
-}
-
-/* ------------------------------------------------------------------------ */
-/* Bins with the inactive-split figures                                      */
-/* ------------------------------------------------------------------------ */
-
-void _tide_pool_insert(_tide_arena *arena, _tide_block *b) {
-  int kind = b->segment->pool;
-  _tide_bins_insert(&arena->pools[kind].bins, b);
-  if (_tide_block_is_split(b)) {
-    _tide_stat_add(&arena->stats, _TIDE_ST_INACTIVE_SPLIT, kind, (int64_t)b->size);
-    _tide_stat_add(&arena->stats, _TIDE_ST_INACTIVE_SPLIT_BLOCKS, kind, 1);
-  }
-}
-
-void _tide_pool_remove(_tide_arena *arena, _tide_block *b) {
-  int kind = b->segment->pool;
-  _tide_bins_remove(&arena->pools[kind].bins, b);
-  if (_tide_block_is_split(b)) {
-    _tide_stat_add(&arena->stats, _TIDE_ST_INACTIVE_SPLIT, kind, -(int64_t)b->size);
-    _tide_stat_add(&arena->stats, _TIDE_ST_INACTIVE_SPLIT_BLOCKS, kind, -1);
-  }
-}
-
 /* ------------------------------------------------------------------------ */
 /* Life of an arena                                                          */
 /* ------------------------------------------------------------------------ */
@@ -106,12 +54,7 @@ size_t _tide_arena_destroy(_tide_arena *arena, _tide_first_error *first) {
                                                   "refused to give back could not be recorded "
                                                   "(out of host memory) and stay held",
                                                   arena->orphans_lost));
-  while (arena->chunks) {
-    _tide_block_chunk *next = arena->chunks->next;
-    for (int i = 0; i < BLOCKS_PER_CHUNK; i++) free(arena->chunks->blocks[i].more_streams);
-    free(arena->chunks);
-    arena->chunks = next;
-  }
+  _tide_blocks_free_all(arena);
   _tide_ptrmap_destroy(&arena->live);
   free(arena->pending);
   free(arena->spare_events);

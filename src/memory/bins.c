@@ -1,10 +1,15 @@
-/* bins.c: free mapped blocks sorted into size bins, and the best-fit search.
+/* bins.c: block records, and free mapped blocks sorted into size bins with
+ * the best-fit search: the bottom of the memory layer, which segments and
+ * arenas build on.
  *
  * A request is served by the smallest free block that holds it (PyTorch's
  * policy, which keeps large blocks whole for large requests). Exact bins
  * below 1 MiB make that a list head; graded bins above are short lists that
  * are scanned. Equal sizes in exact bins are served last-freed first, which
  * keeps recently used memory hot. */
+#include <stdlib.h>
+#include <string.h>
+
 #include "memory/core.h"
 
 #define SUB_COUNT (1u << _TIDE_SUB_BITS)
@@ -119,4 +124,66 @@ size_t _tide_bins_collect(const _tide_bins *bins, _tide_block **out, size_t cap)
       for (_tide_block *b = bins->head[bin]; b && n < cap; b = b->link_next) out[n++] = b;
     }
   return n;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Block records                                                             */
+/* ------------------------------------------------------------------------ */
+
+#define BLOCKS_PER_CHUNK 128
+
+_tide_block *_tide_block_new(_tide_arena *arena) {
+  if (TIDE_UNLIKELY(!arena->spare)) {
+    _tide_block_chunk *chunk = calloc(1, sizeof *chunk + BLOCKS_PER_CHUNK * sizeof(_tide_block));
+    if (!chunk) return NULL;
+    chunk->next = arena->chunks;
+    arena->chunks = chunk;
+    for (int i = BLOCKS_PER_CHUNK - 1; i >= 0; i--) {
+      chunk->blocks[i].link_next = arena->spare;
+      arena->spare = &chunk->blocks[i];
+    }
+  }
+  _tide_block *b = arena->spare;
+  arena->spare = b->link_next;
+  memset(b, 0, sizeof *b);
+  return b;
+}
+
+void _tide_block_delete(_tide_arena *arena, _tide_block *b) {
+  free(b->more_streams);
+  b->more_streams = NULL;
+  b->link_next = arena->spare;
+  arena->spare = b;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Bins with the inactive-split figures                                      */
+/* ------------------------------------------------------------------------ */
+
+void _tide_pool_insert(_tide_arena *arena, _tide_block *b) {
+  int kind = b->segment->pool;
+  _tide_bins_insert(&arena->pools[kind].bins, b);
+  if (_tide_block_is_split(b)) {
+    _tide_stat_add(&arena->stats, _TIDE_ST_INACTIVE_SPLIT, kind, (int64_t)b->size);
+    _tide_stat_add(&arena->stats, _TIDE_ST_INACTIVE_SPLIT_BLOCKS, kind, 1);
+  }
+}
+
+void _tide_pool_remove(_tide_arena *arena, _tide_block *b) {
+  int kind = b->segment->pool;
+  _tide_bins_remove(&arena->pools[kind].bins, b);
+  if (_tide_block_is_split(b)) {
+    _tide_stat_add(&arena->stats, _TIDE_ST_INACTIVE_SPLIT, kind, -(int64_t)b->size);
+    _tide_stat_add(&arena->stats, _TIDE_ST_INACTIVE_SPLIT_BLOCKS, kind, -1);
+  }
+}
+
+void _tide_blocks_free_all(_tide_arena *arena) {
+  while (arena->chunks) {
+    _tide_block_chunk *next = arena->chunks->next;
+    for (int i = 0; i < BLOCKS_PER_CHUNK; i++) free(arena->chunks->blocks[i].more_streams);
+    free(arena->chunks);
+    arena->chunks = next;
+  }
+  arena->spare = NULL;
 }

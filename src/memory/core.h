@@ -419,9 +419,11 @@ int _tide_arena_create(struct tide_allocator *a, tide_stream stream, _tide_arena
  * lost) is noted in *first. */
 size_t _tide_arena_destroy(_tide_arena *arena, _tide_first_error *first);
 
-/* Under the arena lock. */
+/* Block records (bins.c), under the arena lock; _tide_blocks_free_all frees
+ * every record of a dying arena. */
 _tide_block *_tide_block_new(_tide_arena *arena);
 void _tide_block_delete(_tide_arena *arena, _tide_block *b);
+void _tide_blocks_free_all(_tide_arena *arena);
 /* Put a free block into / take it out of its pool's bins, keeping the
  * inactive-split figures. */
 void _tide_pool_insert(_tide_arena *arena, _tide_block *b);

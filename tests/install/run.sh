@@ -24,7 +24,7 @@ step() { printf '\n== %s\n' "$*"; }
 
 step "install into $prefix"
 cmake --install "$build" --prefix "$prefix"
-for f in include/tidalloc.h; do
+for f in include/tidalloc.h include/tidalloc_torch.h include/tidalloc_testing.h; do
   test -f "$prefix/$f" || { echo "missing $prefix/$f" >&2; exit 1; }
 done
 pcdir=$(dirname "$(find "$prefix" -name tidalloc.pc -print -quit)")

@@ -72,7 +72,7 @@ def test_empty_cache_and_fraction():
 
 def test_configure_after_first_use_is_refused():
     tidalloc.stats(0)
-    with pytest.raises(tidalloc.TidallocError, match="tide_conf_set"):
+    with pytest.raises(tidalloc.TidallocError, match="tide_config_process_set"):
         tidalloc.configure("memory_limit:1GiB")
 
 

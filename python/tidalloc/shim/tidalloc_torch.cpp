@@ -809,10 +809,11 @@ private:
     if (!observers.empty()) {
       size_t free_bytes = 0, total = 0;
       (void)cudaMemGetInfo(&free_bytes, &total);
-      tide_stats st;
-      tide_get_stats(allocator_of(device), &st);
-      for (auto &o : observers)
-        o(device, static_cast<size_t>(st.allocated_bytes[0].current), total, free_bytes);
+      tide_stats st{};
+      const size_t allocated = tide_get_stats(allocator_of(device), &st) == TIDE_OK
+                                   ? static_cast<size_t>(st.allocated_bytes[0].current)
+                                   : 0;
+      for (auto &o : observers) o(device, allocated, total, free_bytes);
     }
     throw_oom(n, why);
     return nullptr;
