@@ -131,7 +131,6 @@ tide_status tide_reset_peak_stats(tide_allocator *a) {
   memset(a->retired_stats.active_peak, 0, sizeof a->retired_stats.active_peak);
   pthread_mutex_unlock(&a->arenas_mutex);
   atomic_store(&a->allocated.peak, atomic_load(&a->allocated.cur));
-  atomic_store(&a->usual_allocated.peak, atomic_load(&a->usual_allocated.cur));
   atomic_store(&a->reserved.peak, atomic_load(&a->reserved.cur));
   return TIDE_OK;
 }

@@ -817,7 +817,6 @@ static bool check_disjoint(checker *c, _tide_arena *const *arenas, size_t n) {
 static bool check_allocator(checker *c, _tide_arena *const *arenas, size_t n) {
   struct tide_allocator *a = (struct tide_allocator *)c->a;
   int64_t reserved = 0, allocated = 0, unpublished = 0;
-  int64_t pools_reserved = 0, usual_allocated = 0, usual_unpublished = 0;
   for (size_t i = 0; i < n; i++) {
     sums s;
     memset(&s, 0, sizeof s);
@@ -833,12 +832,6 @@ static bool check_allocator(checker *c, _tide_arena *const *arenas, size_t n) {
     reserved += s.cur[_TIDE_ST_RESERVED][0];
     allocated += s.cur[_TIDE_ST_ALLOCATED][0] - s.quick_bytes;
     unpublished += arenas[i]->unpublished;
-    if (arenas[i]->pool_id) {
-      pools_reserved += s.cur[_TIDE_ST_RESERVED][0];
-    } else {
-      usual_allocated += s.cur[_TIDE_ST_ALLOCATED][0] - s.quick_bytes;
-      usual_unpublished += arenas[i]->unpublished;
-    }
   }
   c->arena = NULL;
   if (!check_disjoint(c, arenas, n)) return false;
@@ -846,22 +839,11 @@ static bool check_allocator(checker *c, _tide_arena *const *arenas, size_t n) {
   CHECK(c, held == reserved, "the allocator counts %lld reserved bytes, its arenas %lld",
         (long long)held, (long long)reserved);
   CHECK(c, atomic_load(&a->reserved.peak) >= held, "the reserved peak is below current");
-  int64_t in_pools = atomic_load(&a->pools_reserved);
-  CHECK(c, in_pools == pools_reserved,
-        "the allocator counts %lld bytes reserved by capture pools, their arenas %lld",
-        (long long)in_pools, (long long)pools_reserved);
   if (atomic_load(&a->shared_peak)) {
     int64_t shared = atomic_load(&a->allocated.cur);
     CHECK(c, shared + unpublished == allocated,
           "the shared allocated counter is %lld with %lld unpublished, the arenas hold %lld",
           (long long)shared, (long long)unpublished, (long long)allocated);
-    int64_t usual = atomic_load(&a->usual_allocated.cur);
-    CHECK(c, usual + usual_unpublished == usual_allocated,
-          "the usual memory's allocated counter is %lld with %lld unpublished, its arenas hold "
-          "%lld",
-          (long long)usual, (long long)usual_unpublished, (long long)usual_allocated);
-    CHECK(c, atomic_load(&a->usual_allocated.peak) >= usual,
-          "the usual memory's allocated peak is below current");
   } else {
     CHECK(c, n <= 1 && unpublished == 0,
           "%zu arenas but no shared allocated counter (%lld bytes unpublished)", n,

@@ -77,7 +77,6 @@ void _tide_arena_publish(_tide_arena *arena, int64_t delta) {
 
 void _tide_arena_publish_now(_tide_arena *arena) {
   _tide_global_add(&arena->alloc->allocated, arena->unpublished);
-  if (arena->pool_id == 0) _tide_global_add(&arena->alloc->usual_allocated, arena->unpublished);
   arena->unpublished = 0;
 }
 

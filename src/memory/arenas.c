@@ -50,9 +50,6 @@ static void share_peak(tide_allocator *a, _tide_arena *first) {
   _tide_arena_figures(first, &figures);
   atomic_store(&a->allocated.cur, figures.cur[_TIDE_ST_ALLOCATED][0]);
   atomic_store(&a->allocated.peak, first->stats.peak[_TIDE_ST_ALLOCATED][0]);
-  bool usual = first->pool_id == 0;
-  atomic_store(&a->usual_allocated.cur, usual ? figures.cur[_TIDE_ST_ALLOCATED][0] : 0);
-  atomic_store(&a->usual_allocated.peak, usual ? first->stats.peak[_TIDE_ST_ALLOCATED][0] : 0);
   atomic_store(&a->shared_peak, true);
   atomic_store(&a->hit_extras, true);
   _tide_lock_release(&first->lock);

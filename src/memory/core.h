@@ -613,11 +613,6 @@ struct tide_allocator {
    * is allocated 64-byte aligned for this). */
   _Alignas(64) _tide_global_stat reserved;  /* all arenas: physical bytes held */
   _Alignas(64) _tide_global_stat allocated; /* all arenas, once shared_peak is set */
-  /* For the release policy (arena.c), which judges the usual memory by
-   * itself: the allocated bytes of the usual memory's arenas (pool_id 0),
-   * kept like `allocated`, and the bytes the arenas of capture pools hold. */
-  _Alignas(64) _tide_global_stat usual_allocated;
-  _Atomic int64_t pools_reserved;
   _Alignas(64) char after_counters;
   pthread_mutex_t arenas_mutex; /* guards the arena table */
   _tide_arena **arenas;

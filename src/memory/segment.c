@@ -88,27 +88,16 @@ static void segment_counted(_tide_arena *arena, _tide_segment *seg, int delta) {
   arena->stats.counters[delta > 0 ? _TIDE_CT_SEGMENTS_CREATED : _TIDE_CT_SEGMENTS_RELEASED]++;
 }
 
-/* A graph pool's reserved bytes, counted apart so that the release policy can
- * judge the usual memory without them. */
-static void count_pool_bytes(_tide_arena *arena, int64_t delta) {
-  if (arena->pool_id)
-    atomic_fetch_add_explicit(&arena->alloc->pools_reserved, delta, memory_order_relaxed);
-}
-
 /* Physical memory taken from the device under the limit, and given back. */
 static int hold_bytes(_tide_arena *arena, int pool, size_t bytes, size_t request) {
   int rc = _tide_budget_take(arena->alloc, bytes, request);
-  if (!rc) {
-    _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, (int64_t)bytes);
-    count_pool_bytes(arena, (int64_t)bytes);
-  }
+  if (!rc) _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, (int64_t)bytes);
   return rc;
 }
 
 static void drop_bytes(_tide_arena *arena, int pool, size_t bytes) {
   _tide_budget_give(arena->alloc, bytes);
   _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, pool, -(int64_t)bytes);
-  count_pool_bytes(arena, -(int64_t)bytes);
 }
 
 /* A handle held for pool `from` now serves pool `to`: its bytes move from
@@ -1371,7 +1360,6 @@ static bool teardown_handle(_tide_arena *arena, uintptr_t at, size_t size, _tide
     return false;
   }
   _tide_budget_give(arena->alloc, size);
-  count_pool_bytes(arena, -(int64_t)size);
   return true;
 }
 
