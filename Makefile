@@ -140,7 +140,7 @@ fuzz: deps
 
 # The fuzz programs built from the committed sources and copied to fuzz-stage/
 # with what they were built from, to run on another machine's cores
-# (scripts/gpu_stream_session.sh's fuzz lane, with fuzz-stage carried).
+# (bench/torch/gpu_stream_session.sh's fuzz lane, with fuzz-stage carried).
 fuzz-stage: deps
 	cmake -S . -B build-fuzz $(FUZZ_CMAKE) -DCMAKE_C_FLAGS="$(FUZZ_CFLAGS)" -DTIDE_FUZZ=ON \
 	  -DTIDE_BUILD_TESTS=OFF -DTIDE_BUILD_TOOLS=OFF -DTIDE_BUILD_EXAMPLES=OFF $(CMAKE_ARGS)

@@ -64,7 +64,7 @@ commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
 # and the fuzz programs (src/, include/, fuzz/, and tools/trace_read.c, which
 # fuzz_trace compiles, where the commit has it) as committed, "+dirty" when
 # the working tree differs there. Runs with the same sources fuzzed the same code,
-# so their executions add up (scripts/fuzz_totals.sh sums them).
+# so their executions add up (experiments/fuzz_totals.sh sums them).
 sources_of() { # COMMIT: the hash, or nothing where the commit is unknown here
   local trees
   local reader

@@ -12,7 +12,7 @@
 # GPU_TESTS=0 or GPU_BENCH=0 leave a part out, MICRO=0 the micro benchmarks
 # and the PyTorch anchor (about 200 s); TRACE_DIR holds the traces.
 # STREAM_CONFIGS="LABEL=OPTIONS ..." adds an interleaved run of those
-# configurations (scripts/stream_configs.sh; CONFIG_FRAMES, default 64 128
+# configurations (bench/stream_configs.sh; CONFIG_FRAMES, default 64 128
 # 256) to stream.csv and bench.log.
 # SOAK_SECONDS=N (default 0: none) runs `tidalloc soak` on the GPU for N
 # seconds at the end; its output and its CSV row go to bench.log, its result
@@ -249,7 +249,7 @@ if [[ ${GPU_BENCH:-1} == 1 && -x build/tidalloc ]]; then
         --conf backend:cuda --label tidalloc-expandable-old --csv build/stream_old.csv
   fi
   # STREAM_CONFIGS="LABEL=OPTIONS ...": those configurations of this tree and
-  # fixed segments, interleaved by rounds (scripts/stream_configs.sh), at
+  # fixed segments, interleaved by rounds (bench/stream_configs.sh), at
   # CONFIG_FRAMES (default 64 128 256); their rows join stream.csv.
   rm -f build/stream_configs.csv
   if [[ -n ${STREAM_CONFIGS:-} ]]; then
@@ -257,7 +257,7 @@ if [[ ${GPU_BENCH:-1} == 1 && -x build/tidalloc ]]; then
     step "stream configurations" "$bench_log" 300 env CONFIGS="$STREAM_CONFIGS" \
       FRAMES="${CONFIG_FRAMES:-64 128 256}" TIDALLOC=build/tidalloc \
       DRIVER_CSV=build/stream_driver.csv \
-      sh -c 'scripts/stream_configs.sh | tail -n +2 >build/stream_configs.csv'
+      sh -c 'bench/stream_configs.sh | tail -n +2 >build/stream_configs.csv'
     # Their driver work (maps, unmaps) goes to bench.log: stream.csv keeps
     # the benchmark's columns.
     { echo "stream configurations driver csv:"; cat build/stream_driver.csv 2>/dev/null

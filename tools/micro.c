@@ -17,7 +17,7 @@
  *
  * run_pair is never inlined, so that `valgrind --tool=callgrind
  * --toggle-collect=run_pair` counts the instructions of the pairs alone
- * (scripts/pair_instructions.sh). */
+ * (bench/pair_instructions.sh). */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* pthread barriers, thread affinity */
 #endif

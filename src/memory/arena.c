@@ -437,9 +437,10 @@ int _tide_arena_settle_stale(_tide_arena *arena, uintptr_t lo, uintptr_t hi, boo
 
 /* Block until a block freed at `stamp` is idle: wait for the oldest idle
  * mark recorded after its free, not for the whole stream, so that the work
- * queued since that mark keeps the device busy while the CPU goes on (on
- * the H200 a stream synchronization a frame made the streaming workload's
- * frames 1-2% slower). Without such a mark, the stream is waited for. */
+ * queued since that mark keeps the device busy while the CPU goes on (a
+ * stream synchronization drains the whole queue, so a program that frees
+ * and grows every step would lose the overlap of its CPU and device work
+ * every step). Without such a mark, the stream is waited for. */
 static int wait_until_idle(_tide_arena *arena, uint64_t stamp) {
   poll_idle_marks(arena);
   if (stamp < arena->idle_before) return TIDE_OK;

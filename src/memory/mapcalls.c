@@ -1,10 +1,10 @@
 /* mapcalls.c: the memory limit physical memory is taken under, and the
  * backend calls that create, map, make accessible, unmap and release device
- * memory, timed. tide_stats.mapping_ns sums the time the
- * calling threads spent in them: on a GPU, tens of microseconds a mapping,
- * most of what growing and shrinking expandable memory costs a program
- * (bench/results/history/README.md, "What mapping costs the GPU"). The
- * clock's own cost, tens of nanoseconds, is noise beside any of these calls. */
+ * memory, timed. tide_stats.mapping_ns sums the time the calling threads
+ * spent in them: on a GPU, most of what growing and shrinking expandable
+ * memory costs a program (bench/results/history/README.md, "What mapping
+ * costs the GPU"). Reading the monotonic clock costs far less than any of
+ * these calls, so timing every one of them adds nothing that shows. */
 #include "memory/core.h"
 
 static int timed(tide_allocator *a, uint64_t start, int rc) {

@@ -674,7 +674,7 @@ typedef struct run_piece {
  * (load_handles). A program loading a model allocates its weights first and
  * keeps them, so such handles are freed, if ever, whole; one handle per
  * weight instead of one per handle_pages takes far fewer driver calls
- * (each mapping costs tens of microseconds, whatever its size). An
+ * (the driver charges by the call, whatever the mapping's size). An
  * orphaned mapping in the segment keeps the run in single handles (an
  * orphan is adopted only where it fits one). */
 static bool load_run(const _tide_arena *arena, const _tide_segment *seg, size_t count) {

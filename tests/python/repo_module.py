@@ -1,5 +1,5 @@
 """repo_module.py: a script of this repository (one not installed as a
-package: scripts/, tests/torch/, bench/torch/) loaded as a module by its
+package: scripts/, bench/, tests/torch/) loaded as a module by its
 path from the repository root, for the tests beside this file."""
 import importlib.util
 import os

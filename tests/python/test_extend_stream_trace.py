@@ -1,4 +1,4 @@
-"""test_extend_stream_trace.py: scripts/extend_stream_trace.py, which carries a
+"""test_extend_stream_trace.py: bench/extend_stream_trace.py, which carries a
 recorded streaming trace on to more frames, on a made-up trace (no torch, no
 GPU): the added frames repeat the last one with each size moved by its step,
 every free is of a live allocation, and a trace that is not steady is
@@ -12,7 +12,7 @@ MARKER = 1175040
 
 
 def load_script():
-    return load("scripts/extend_stream_trace.py")
+    return load("bench/extend_stream_trace.py")
 
 
 def made_up_trace(frames, bad_frame=None):

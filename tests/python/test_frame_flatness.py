@@ -1,11 +1,11 @@
-"""test_frame_flatness.py: scripts/frame_flatness.py, which says whether the
+"""test_frame_flatness.py: bench/torch/frame_flatness.py, which says whether the
 streaming model's time per frame stays flat once its window is full, on
 made-up per-frame rows (no torch, no GPU)."""
 from repo_module import load
 
 
 def load_flatness():
-    return load("scripts/frame_flatness.py")
+    return load("bench/torch/frame_flatness.py")
 
 
 def test_frame_flatness_takes_the_steps_after_the_window_is_full(tmp_path, capsys):

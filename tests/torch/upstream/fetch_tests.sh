@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # fetch_tests.sh VERSION [PYTORCH_GIT_DIR]: PyTorch's own test files that
-# scripts/gpu_torch_session.sh's upstream step runs under tidalloc
+# bench/torch/gpu_torch_session.sh's upstream step runs under tidalloc
 # (test/test_cuda.py and test/inductor/test_cudagraph_trees.py), as of the
 # release tag vVERSION, into UPSTREAM_DIR (default .upstream, which git
 # ignores: they are PyTorch's, never committed here). From a clone of

@@ -10,7 +10,7 @@
 # table at the end (also in $OUT/summary.txt). Estimated at 4-5 minutes on an
 # H200 (not yet measured; each run is cut at RUN_SECONDS, default 150).
 #
-#   OUT=/some/dir TIDE_PYTHON=/path/to/python scripts/stream_gct_session.sh
+#   OUT=/some/dir TIDE_PYTHON=/path/to/python bench/torch/stream_gct_session.sh
 #
 # Files in $OUT: machine.txt; stream_gct_<run>.csv (the benchmark's columns)
 # and stream_gct_<run>_frames.csv (per step) for native, expandable,
@@ -22,7 +22,7 @@
 # whose compilation takes minutes, so give them a larger RUN_SECONDS).
 # Exit status: 0 if every run completed.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 out=${OUT:-out/stream_gct}
 py=${TIDE_PYTHON:-python3}
 frames=${FRAMES:-64 128}
@@ -157,7 +157,7 @@ EOF
 # Whether the time per frame stays flat once the window is full.
 frames_csvs=("$out"/stream_gct_*_frames.csv)
 if [[ -e ${frames_csvs[0]} ]]; then
-  "$py" scripts/frame_flatness.py "${frames_csvs[@]}" 2>&1 | sed "s|$out/||" | tee -a "$summary"
+  "$py" bench/torch/frame_flatness.py "${frames_csvs[@]}" 2>&1 | sed "s|$out/||" | tee -a "$summary"
 fi
 note "stream_gct_session: $(($(date +%s) - start)) s in all, $([[ $failed == 0 ]] && echo 'every run completed' || echo 'a run failed: see its log')"
 exit $failed

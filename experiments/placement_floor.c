@@ -6,7 +6,7 @@
  * within 1.02 x the live peak would keep the goal with no remapping at all;
  * none does on the streaming model's trace (docs/design.md, "The remapping
  * that keeps 1.02").
- *   cc -O2 -o /tmp/placement_floor scripts/placement_floor.c
+ *   cc -O2 -o /tmp/placement_floor experiments/placement_floor.c
  *   zcat bench/traces/stream_gct_96.csv.gz | /tmp/placement_floor 0   (0-3) */
 #include <stdint.h>
 #include <stdio.h>

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # stream_1024_replay.sh [OUT.csv]: the streaming model in PyTorch on the host,
 # at 1024 frames (and at 128 and 512 under the default and 0.017):
-# bench/traces/stream_gct_96.csv.gz carried on (scripts/extend_stream_trace.py)
+# bench/traces/stream_gct_96.csv.gz carried on (bench/extend_stream_trace.py)
 # and replayed (`tidalloc replay`, host backend, an emulated H200, work
 # completing eight events behind as on a GPU) under the default and other
 # release settings (keys joined by '+'), one row each: reserved over the
@@ -30,9 +30,9 @@ replay() { # frames setting
 }
 # Shorter runs at the default and at 0.017, for the 128- and 512-frame pairings.
 for frames in 128 512; do
-  "$py" scripts/extend_stream_trace.py bench/traces/stream_gct_96.csv.gz "$dir/t$frames.csv.gz" "$frames" >&2
+  "$py" bench/extend_stream_trace.py bench/traces/stream_gct_96.csv.gz "$dir/t$frames.csv.gz" "$frames" >&2
   for s in defaults release_slack:0.017; do replay "$frames" "$s"; done
 done
-"$py" scripts/extend_stream_trace.py bench/traces/stream_gct_96.csv.gz "$dir/t1024.csv.gz" 1024 >&2
+"$py" bench/extend_stream_trace.py bench/traces/stream_gct_96.csv.gz "$dir/t1024.csv.gz" 1024 >&2
 for s in "${settings[@]}"; do replay 1024 "$s"; done
 column -s, -t "$out"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/replay_bounds.sh [TIDALLOC]: the inputs of issue 31 that used to run
+# experiments/replay_bounds.sh [TIDALLOC]: the inputs of issue 31 that used to run
 # without bound, each timed with its peak memory (GNU time): `tidalloc replay`
 # of /dev/zero, of a trace with a NUL byte inside a line, of a 1 MB gzip of a
 # header and 1 GB of newlines, and of 80 million lines `0,free,1,0,0`. Each

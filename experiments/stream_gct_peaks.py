@@ -4,7 +4,7 @@ when one process streams several times with no empty_cache between runs
 and the step that set the allocated peak, with torch.cat caches and with
 growable ones. Under tidalloc (python -m tidalloc run), also its mappings.
 
-    python -m tidalloc run scripts/stream_gct_peaks.py [--frames 128] [--runs 3]"""
+    python -m tidalloc run experiments/stream_gct_peaks.py [--frames 128] [--runs 3]"""
 import argparse
 import importlib.util
 import os

@@ -1,7 +1,7 @@
 """frame_flatness.py: whether bench/torch/stream_gct.py's time per frame stays
 flat once its KV window is full, from the rows of --per-frame-csv.
 
-    python scripts/frame_flatness.py FRAMES.csv [MORE.csv ...]
+    python bench/torch/frame_flatness.py FRAMES.csv [MORE.csv ...]
 
 For each run (the `frames` column) it takes the steps made after the cache
 first held its largest number of frames (the window full: from then on each

@@ -3,7 +3,7 @@
 # counted by callgrind over `tidalloc micro`'s pair loop (run_pair) on one
 # thread, divided by the pairs it ran. Unlike a time, the count does not
 # depend on the machine's load.
-#   scripts/pair_instructions.sh [SIZE...]     (default: 512 4096)
+#   bench/pair_instructions.sh [SIZE...]     (default: 512 4096)
 # Environment: TIDALLOC (default build/tidalloc), OPS (pairs per batch,
 # default 200000), CONF (default backend:host).
 set -euo pipefail

@@ -6,11 +6,11 @@
 # live bytes, and the driver's work (handles mapped and unmapped, which the
 # time of growth follows on a GPU). With no configurations, a few that trade
 # memory against mappings are compared with the defaults.
-#   scripts/replay_configs.sh prog.csv.gz defaults= slack2=release_slack:0.02
+#   experiments/replay_configs.sh prog.csv.gz defaults= slack2=release_slack:0.02
 # TIDALLOC names the command (default build/tidalloc, built if missing).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-trace=${1:?usage: scripts/replay_configs.sh TRACE.csv.gz [LABEL=OPTIONS ...]}
+trace=${1:?usage: experiments/replay_configs.sh TRACE.csv.gz [LABEL=OPTIONS ...]}
 shift
 [[ -f $trace ]] || { echo "replay_configs: no file $trace" >&2; exit 1; }
 configs=("$@")

@@ -16,7 +16,7 @@ the size of stream_gct.py's first per-frame allocation by default). The last
 three recorded frames must agree in their events and in each size's step,
 or the script stops and says where they do not.
 
-  scripts/extend_stream_trace.py bench/traces/stream_gct_96.csv.gz out.csv.gz 1024
+  bench/extend_stream_trace.py bench/traces/stream_gct_96.csv.gz out.csv.gz 1024
 
 On the H100, the 96-frame trace carried on to 1024 frames replays (host
 backend, host_queue_depth:8) to within a few percent of the PyTorch program's

@@ -50,7 +50,7 @@ sit among the other blocks) and could give back pages it no longer uses
 (here it never shrinks). Compare the replay's peak reserved with the
 original trace's peak live bytes.
 
-    python3 scripts/ring_study.py TRACE.csv.gz [--slack-pages 2] [--admit chain]
+    python3 experiments/ring_study.py TRACE.csv.gz [--slack-pages 2] [--admit chain]
                                   [--emulate OUT.csv.gz]"""
 import argparse
 import bisect

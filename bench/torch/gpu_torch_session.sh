@@ -10,10 +10,10 @@
 # them), and the streaming model (bench/torch) when
 # STREAM_FRAMES is set. Logs and results go to $OUT (default out/torch);
 # the summary is printed last.
-#   OUT=/some/dir STEPS="build shim native alloc upstream" scripts/gpu_torch_session.sh
+#   OUT=/some/dir STEPS="build shim native alloc upstream" bench/torch/gpu_torch_session.sh
 # WHEELS=dir installs wheels from dir first (packages the machine lacks).
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 out=${OUT:-out/torch}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)

@@ -7,7 +7,7 @@
 # OUTDIR/stream_kv_frames.csv and OUTDIR/stream_kv.png; the runs' output goes
 # to stdout.
 #
-#   scripts/bench_stream_kv.sh BUILD_DIR OUTDIR [FRAMES...]
+#   experiments/bench_stream_kv.sh BUILD_DIR OUTDIR [FRAMES...]
 #
 # STREAM_KV_ARGS goes to every run; by default "--tokens 1024 --dim 512
 # --ahead-fraction 0.01": a cache that grows 2 MiB a frame, as one layer of a

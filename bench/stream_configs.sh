@@ -5,7 +5,7 @@
 # benchmark's CSV rows, the backend column naming the configuration and the
 # round (LABEL-rN); the terminal tables (with mappings and unmappings) go to
 # stderr.
-#   CONFIGS="page2=page_size_mb:2 handle16=handle_size_mb:16" scripts/stream_configs.sh > out.csv
+#   CONFIGS="page2=page_size_mb:2 handle16=handle_size_mb:16" bench/stream_configs.sh > out.csv
 # Environment:
 #   CONFIGS    space-separated LABEL=OPTIONS pairs (OPTIONS joined to CONF);
 #              default: handle sizes 2, 8 and 16 MiB

@@ -4,7 +4,7 @@ caches (one row longer) and then frees the previous ones, as a compiled
 decoder's step clones its caches out of the graph's memory. Runs start from
 nothing, as paired runs from an emptied cache do.
 
-    python3 scripts/kv_trace.py OUT.csv.gz [--caches 32] [--row-bytes 32768]
+    python3 experiments/kv_trace.py OUT.csv.gz [--caches 32] [--row-bytes 32768]
         [--steps 256] [--runs 1]
 
 The defaults are tests/torch/native_shim.py's large growing-KV model (16

@@ -3,13 +3,13 @@
 # from the repository root. First the library (Release, with the tidalloc
 # command) and the PyTorch shim, built once. Then LANES, run side by side
 # (their timings are not results: they share the machine):
-#   eager     scripts/stream_gct_session.sh: FRAMES under native,
+#   eager     bench/torch/stream_gct_session.sh: FRAMES under native,
 #             expandable_segments:True, cudaMallocAsync, tidalloc, tidalloc
 #             --growable, and a trace of TRACE_FRAMES replayed
 #   compile   the same script's native_compile and tidalloc_compile runs
 #             (COMPILE_FRAMES), side by side
 #   upstream  PyTorch's own graph tests under both allocators
-#             (scripts/gpu_torch_session.sh's upstream step)
+#             (bench/torch/gpu_torch_session.sh's upstream step)
 #   gputest   make gpu-test (TIDE_GPU_OOM_LIMIT_GIB, default 40, keeps its
 #             out-of-memory test from taking the memory of the other lanes)
 #   extra     the shell command EXTRA (bash -c), with the library and the shim
@@ -34,13 +34,13 @@
 # DIR/build for tidalloc/DIR/build configs.
 #
 #   OUT=dir LANES="eager compile upstream gputest" FRAMES=128 \
-#     PAIRED="stream_gct:128:10:expandable+tidalloc" scripts/gpu_stream_session.sh
+#     PAIRED="stream_gct:128:10:expandable+tidalloc" bench/torch/gpu_stream_session.sh
 #
 # $OUT gets summary.txt (every lane's summary and every pairing's figures)
 # and logs.tar.gz (everything else: the lanes' files, paired_<i>.csv and
 # paired_<i>.txt, gpu_tests.txt).
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 out=${OUT:-out/gpu_stream}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -91,20 +91,20 @@ pids=()
 if want eager; then
   OUT=$out/eager FRAMES=${FRAMES:-128} RUN_SECONDS=${RUN_SECONDS:-200} \
     RUNS=${EAGER_RUNS:-native expandable cudaMallocAsync tidalloc tidalloc_growable trace} \
-    scripts/stream_gct_session.sh >"$out/eager.txt" 2>&1 &
+    bench/torch/stream_gct_session.sh >"$out/eager.txt" 2>&1 &
   pids+=($!)
 fi
 if want compile; then # the two compilations side by side: each takes minutes
   for run in native_compile tidalloc_compile; do
     OUT=$out/$run FRAMES=${COMPILE_FRAMES:-128} RUN_SECONDS=${COMPILE_SECONDS:-360} RUNS=$run \
-      scripts/stream_gct_session.sh >"$out/$run.txt" 2>&1 &
+      bench/torch/stream_gct_session.sh >"$out/$run.txt" 2>&1 &
     pids+=($!)
   done
 fi
 if want upstream; then
   OUT=$out/upstream STEPS=upstream UPSTREAM_JOBS=${UPSTREAM_JOBS:-3} \
     UPSTREAM_SECONDS=${UPSTREAM_SECONDS:-420} TIDALLOC_CACHE=$TIDALLOC_CACHE \
-    scripts/gpu_torch_session.sh >"$out/upstream.txt" 2>&1 &
+    bench/torch/gpu_torch_session.sh >"$out/upstream.txt" 2>&1 &
   pids+=($!)
 fi
 if want gputest; then

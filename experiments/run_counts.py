@@ -5,7 +5,7 @@ how often PyTorch called the shim's graph-pool methods (cudagraph trees
 recording a graph, taking and restoring checkpoints), so that a run whose
 mappings grow can be told apart from one that records graphs again.
 
-    python scripts/run_counts.py stream_gct_compile --frames 128 --runs 4 [--cold]
+    python experiments/run_counts.py stream_gct_compile --frames 128 --runs 4 [--cold]
         [--trace-csv FILE.csv.gz]
 
 --cold empties the cache before each run after the first two (as

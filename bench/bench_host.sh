@@ -8,7 +8,7 @@
 #   stream.csv  the streaming workload, fixed vs expandable segments
 #   micro.csv   alloc+free latency: tidalloc's cached path, glibc, mimalloc
 #   machine.txt CPU, system, compiler, commit and date
-#   scripts/bench_host.sh [NAME]     (default: host)
+#   bench/bench_host.sh [NAME]     (default: host)
 # Environment: TRACE_DIR (default bench/traces), FRAMES (default 64..1024),
 # TIDALLOC (default build/tidalloc).
 set -euo pipefail

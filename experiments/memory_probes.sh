@@ -2,14 +2,14 @@
 # memory_probes.sh: where reserved memory sits above the allocated peak in
 # the cases that miss their memory goal, on a GPU, one process each, from the
 # repository root with the library and the shim built (gpu_stream_session.sh
-# runs it as its "extra" lane: EXTRA=scripts/memory_probes.sh). Timings here
+# runs it as its "extra" lane: EXTRA=experiments/memory_probes.sh). Timings here
 # are not results (other work shares the machine); the memory figures are.
 #   1. the growing-KV model compiled with reduce-overhead (16 layers, width
 #      1024, batch 8, 256 steps after 128) under native and tidalloc, with
 #      each pool's segments and free blocks at the end
 #   2. bench/torch/stream_gct.py --compile, 128 frames, under tidalloc, the
 #      same breakdown
-#   3. scripts/stream_gct_peaks.py under tidalloc: torch.cat runs then
+#   3. experiments/stream_gct_peaks.py under tidalloc: torch.cat runs then
 #      growable runs in one process, each reserved peak broken down
 # PROBES picks some of them (default "compile_kv stream_gct_compile
 # stream_gct_peaks").
@@ -37,4 +37,4 @@ done
 [[ $probes == *" stream_gct_compile "* ]] && probe stream_gct_compile 360 'frames|by pool|tidalloc|^ *[0-9]+,' \
   "$py" -m tidalloc run bench/torch/stream_gct.py --compile --frame-counts 128
 [[ $probes == *" stream_gct_peaks "* ]] && probe stream_gct_peaks 300 'run [0-9]|reserved peak' \
-  "$py" -m tidalloc run scripts/stream_gct_peaks.py --frames 128 --runs 2
+  "$py" -m tidalloc run experiments/stream_gct_peaks.py --frames 128 --runs 2

@@ -25,13 +25,13 @@
 # Rows go to $OUT/hf_generate.csv; summary.txt has every stage's table,
 # including whether each cache's greedy outputs equal DynamicCache's.
 #
-#   OUT=dir scripts/gpu_kv_session.sh
-#   OUT=dir STAGES="kernels hf" HF_RUNS="llama1b:8:2048" SESSION_SECONDS=240 scripts/gpu_kv_session.sh
+#   OUT=dir bench/torch/gpu_kv_session.sh
+#   OUT=dir STAGES="kernels hf" HF_RUNS="llama1b:8:2048" SESSION_SECONDS=240 bench/torch/gpu_kv_session.sh
 #
 # Needs torch and transformers (5.x) in TIDE_PYTHON (default python3); builds
 # the library (Release) into build-kv/.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 out=${OUT:-out/gpu_kv}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)

@@ -4,7 +4,7 @@
 # both alike: ROUNDS times, this tree's command then the old one's, each on a
 # fresh process, plus fixed segments as the anchor. Writes the benchmark's
 # CSV rows with the label naming the tree and the round.
-#   OLD_TREE=old.tar scripts/stream_ab.sh > ab.csv
+#   OLD_TREE=old.tar experiments/stream_ab.sh > ab.csv
 # Environment:
 #   OLD_TREE   a source tarball of the earlier commit (git archive), required
 #   FRAMES     frame counts (default 64 128)
