@@ -34,17 +34,6 @@ static _tide_handle_kind allocators = {0};
 
 static bool valid(const tide_allocator *a) { return _tide_allocator_valid(a); }
 
-#define CHECK_ALLOCATOR(a, fail)                                                                   \
-  do {                                                                                             \
-    if (TIDE_UNLIKELY(!valid(a))) {                                                                \
-      _tide_error_set(TIDE_ERR_INVALID,                                                            \
-                      "%s: not a live tidalloc allocator (NULL, destroyed "                        \
-                      "or corrupted handle)",                                                      \
-                      __func__);                                                                   \
-      return fail;                                                                                 \
-    }                                                                                              \
-  } while (0)
-
 /* ------------------------------------------------------------------------ */
 /* Creation                                                                  */
 /* ------------------------------------------------------------------------ */
@@ -143,7 +132,7 @@ fail:
 }
 
 tide_status tide_destroy(tide_allocator *a) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   size_t unfreed = _tide_bufs_destroy_all(a); /* their figures live in the arenas */
   _tide_first_error refused = {0};            /* what the backend would not take back */
   _tide_first_error_note(&refused, _tide_imports_close_all(a));
@@ -193,7 +182,7 @@ tide_status tide_destroy(tide_allocator *a) {
 /* ------------------------------------------------------------------------ */
 
 tide_status tide_set_memory_fraction(tide_allocator *a, double fraction) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   if (!(fraction > 0.0 && fraction <= 1.0))
     return _tide_error_set(TIDE_ERR_INVALID,
                            "memory fraction %g is outside (0, 1]: give the share of the "
@@ -209,7 +198,7 @@ tide_status tide_set_memory_fraction(tide_allocator *a, double fraction) {
 }
 
 tide_status tide_set_memory_limit(tide_allocator *a, size_t bytes) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   _tide_lock_acquire(&a->limits_lock);
   a->conf.memory_limit = bytes;
   atomic_store(&a->limit, limit_of(a, a->conf.memory_fraction, bytes));
@@ -386,7 +375,7 @@ static inline size_t rounded_size(const tide_allocator *a, size_t size) {
  * not in its home slot of the table of streams, captures being watched,
  * rounding by roundup_power2_divisions. */
 static TIDE_NOINLINE void *malloc_slow(tide_allocator *a, size_t size, tide_stream stream) {
-  CHECK_ALLOCATOR(a, NULL);
+  _TIDE_CHECK_ALLOCATOR(a, NULL);
   if (TIDE_UNLIKELY(size == 0 || size > TIDE_MAX_ALLOC)) {
     _tide_error_set(TIDE_ERR_INVALID,
                     size == 0 ? "tide_malloc: size 0 asks for nothing; no block was allocated"
@@ -469,7 +458,7 @@ static TIDE_NOINLINE tide_status free_any(tide_allocator *a, void *ptr, size_t s
 
 static tide_status free_anywhere(tide_allocator *a, void *ptr, size_t size, bool sized,
                                  tide_stream stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   if (!ptr) return TIDE_OK;
   uintptr_t addr = (uintptr_t)ptr;
   if (TIDE_UNLIKELY(captures_involved(a, stream)))
@@ -587,7 +576,7 @@ static int home_stream(tide_allocator *a, uintptr_t addr, tide_stream *out) {
 }
 
 static TIDE_NOINLINE tide_status free_home_slow(tide_allocator *a, void *ptr) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   if (!ptr) return TIDE_OK;
   tide_stream stream = NULL;
   int rc = home_stream(a, (uintptr_t)ptr, &stream);
@@ -670,19 +659,19 @@ static int add_stream(_tide_arena *arena, _tide_block *b, void *arg) {
 }
 
 tide_status tide_record_stream(tide_allocator *a, void *ptr, tide_stream stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   if (!ptr) return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_record_stream: NULL");
   return with_block(a, ptr, add_stream, &stream);
 }
 
 tide_status tide_block_info(tide_allocator *a, const void *ptr, void **base, size_t *size,
                             tide_stream *stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   return _tide_block_info(a, (uintptr_t)ptr, base, size, stream);
 }
 
 tide_status tide_empty_cache(tide_allocator *a) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   _tide_capture_settle(a); /* frees no capture defers now can be given back */
   _tide_bufs_release_pending(a);
   pthread_mutex_lock(&a->reclaim_mutex);
@@ -701,7 +690,7 @@ tide_status tide_empty_cache(tide_allocator *a) {
 /* ------------------------------------------------------------------------ */
 
 tide_status tide_stream_create(tide_allocator *a, tide_stream *out) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   if (!out)
     return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_stream_create: out is NULL");
   return (tide_status)a->backend.ops->stream_create(a->backend.ctx, out);
@@ -730,7 +719,7 @@ static void retire_arena(tide_allocator *a, tide_stream stream) {
 }
 
 tide_status tide_stream_destroy(tide_allocator *a, tide_stream stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   if (!stream)
     return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "the default stream cannot be destroyed");
   retire_arena(a, stream);
@@ -739,13 +728,13 @@ tide_status tide_stream_destroy(tide_allocator *a, tide_stream stream) {
 }
 
 tide_status tide_stream_synchronize(tide_allocator *a, tide_stream stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   return (tide_status)a->backend.ops->stream_synchronize(a->backend.ctx, stream);
 }
 
 tide_status tide_memcpy(tide_allocator *a, void *dst, const void *src, size_t bytes,
                         tide_stream stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   if (bytes == 0) return TIDE_OK;
   uintptr_t to = (uintptr_t)dst, from = (uintptr_t)src;
   if (!dst || !src)
@@ -773,27 +762,27 @@ tide_status tide_memcpy(tide_allocator *a, void *dst, const void *src, size_t by
 /* ------------------------------------------------------------------------ */
 
 void *tide_pinned_malloc(tide_allocator *a, size_t size, tide_stream stream) {
-  CHECK_ALLOCATOR(a, NULL);
+  _TIDE_CHECK_ALLOCATOR(a, NULL);
   return _tide_pinned_malloc(a->pinned, size, stream);
 }
 
 tide_status tide_pinned_free(tide_allocator *a, void *ptr, tide_stream stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   return (tide_status)_tide_pinned_free(a->pinned, ptr, stream);
 }
 
 tide_status tide_pinned_record_stream(tide_allocator *a, void *ptr, tide_stream stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   return (tide_status)_tide_pinned_record_stream(a->pinned, ptr, stream);
 }
 
 tide_status tide_pinned_empty_cache(tide_allocator *a) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   return (tide_status)_tide_pinned_empty_cache(a->pinned);
 }
 
 tide_status tide_pinned_get_stats(tide_allocator *a, tide_stats *out) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   if (!out)
     return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_pinned_get_stats: out is NULL");
   _tide_pinned_stats(a->pinned, out);
@@ -805,7 +794,7 @@ tide_status tide_pinned_get_stats(tide_allocator *a, tide_stats *out) {
 /* ------------------------------------------------------------------------ */
 
 tide_status tide_get_info(tide_allocator *a, tide_info *out) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   if (!out) return (tide_status)_tide_error_set(TIDE_ERR_INVALID, "tide_get_info: out is NULL");
   static _Thread_local char name[128];
   const _tide_backend *be = &a->backend;

@@ -4,17 +4,6 @@
  * backend_host.c. */
 #include "memory/core.h"
 
-#define CHECK_ALLOCATOR(a, fail)                                                                   \
-  do {                                                                                             \
-    if (TIDE_UNLIKELY(!_tide_allocator_valid(a))) {                                                \
-      _tide_error_set(TIDE_ERR_INVALID,                                                            \
-                      "%s: not a live tidalloc allocator (NULL, destroyed "                        \
-                      "or corrupted handle)",                                                      \
-                      __func__);                                                                   \
-      return fail;                                                                                 \
-    }                                                                                              \
-  } while (0)
-
 static int need_host(tide_allocator *a, const char *what) {
   if (a->backend.is_host) return TIDE_OK;
   return _tide_error_set(TIDE_ERR_UNAVAILABLE,
@@ -24,64 +13,64 @@ static int need_host(tide_allocator *a, const char *what) {
 }
 
 tide_status tide_host_stream_hold(tide_allocator *a, tide_stream stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   int rc = need_host(a, __func__);
   return (tide_status)(rc ? rc : _tide_host_stream_hold(&a->backend, stream));
 }
 
 tide_status tide_host_stream_release(tide_allocator *a, tide_stream stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   int rc = need_host(a, __func__);
   return (tide_status)(rc ? rc : _tide_host_stream_release(&a->backend, stream));
 }
 
 tide_status tide_host_capture_begin(tide_allocator *a, tide_stream stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   int rc = need_host(a, __func__);
   return (tide_status)(rc ? rc : _tide_host_capture_begin(&a->backend, stream));
 }
 
 tide_status tide_host_capture_join(tide_allocator *a, tide_stream stream, tide_stream capturing) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   int rc = need_host(a, __func__);
   return (tide_status)(rc ? rc : _tide_host_capture_join(&a->backend, stream, capturing));
 }
 
 tide_status tide_host_capture_end(tide_allocator *a, tide_stream stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   int rc = need_host(a, __func__);
   return (tide_status)(rc ? rc : _tide_host_capture_end(&a->backend, stream));
 }
 
 tide_status tide_host_capture_work(tide_allocator *a, tide_stream stream) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   int rc = need_host(a, __func__);
   return (tide_status)(rc ? rc : _tide_host_capture_work(&a->backend, stream));
 }
 
 tide_status tide_host_capture_wait(tide_allocator *a, tide_stream stream, tide_stream other) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   int rc = need_host(a, __func__);
   return (tide_status)(rc ? rc : _tide_host_capture_wait(&a->backend, stream, other));
 }
 
 tide_status tide_host_fail_call(tide_allocator *a, tide_backend_op op, uint64_t n) {
-  CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
+  _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
   int rc = need_host(a, __func__);
   return (tide_status)(rc ? rc : _tide_host_fail_call(&a->backend, op, n));
 }
 
 uint64_t tide_host_call_count(tide_allocator *a, tide_backend_op op) {
-  CHECK_ALLOCATOR(a, 0);
+  _TIDE_CHECK_ALLOCATOR(a, 0);
   return a->backend.is_host ? _tide_host_call_count(&a->backend, op) : 0;
 }
 
 uint64_t tide_host_mappings(tide_allocator *a) {
-  CHECK_ALLOCATOR(a, 0);
+  _TIDE_CHECK_ALLOCATOR(a, 0);
   return a->backend.is_host ? _tide_host_mappings(&a->backend) : 0;
 }
 
 uint64_t tide_host_bytes_in_use(tide_allocator *a) {
-  CHECK_ALLOCATOR(a, 0);
+  _TIDE_CHECK_ALLOCATOR(a, 0);
   return a->backend.is_host ? _tide_host_bytes_in_use(&a->backend) : 0;
 }

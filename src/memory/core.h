@@ -687,6 +687,19 @@ static inline bool _tide_allocator_valid(const struct tide_allocator *a) {
   return a && (uintptr_t)a % _Alignof(struct tide_allocator) == 0 && a->magic == _TIDE_MAGIC;
 }
 
+/* At the entry of a public call: `fail` out, with a message naming the
+ * call, unless `a` is a live allocator. */
+#define _TIDE_CHECK_ALLOCATOR(a, fail)                                                             \
+  do {                                                                                             \
+    if (TIDE_UNLIKELY(!_tide_allocator_valid(a))) {                                                \
+      _tide_error_set(TIDE_ERR_INVALID,                                                            \
+                      "%s: not a live tidalloc allocator (NULL, destroyed "                        \
+                      "or corrupted handle)",                                                      \
+                      __func__);                                                                   \
+      return fail;                                                                                 \
+    }                                                                                              \
+  } while (0)
+
 /* Trace (trace.c). */
 int _tide_trace_init(_tide_trace_ring *ring, size_t cap);
 void _tide_trace_destroy(_tide_trace_ring *ring);
