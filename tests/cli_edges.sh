@@ -15,19 +15,7 @@ failures=0
 TIDALLOC_CONF=backend:host
 export TIDALLOC_CONF
 
-fail() {
-  echo "FAIL: $*" >&2
-  failures=$((failures + 1))
-}
-
-# expect_status CODE DESCRIPTION -- command...: the exit status must be CODE.
-expect_status() {
-  want=$1 what=$2
-  shift 3
-  "$@" >"$dir/out" 2>"$dir/err"
-  got=$?
-  [ "$got" -eq "$want" ] || fail "$what: exited $got, wanted $want; stderr: $(cat "$dir/err")"
-}
+. "$(dirname "$0")/lib/cli.sh"
 
 # --- output that cannot be written -------------------------------------------
 # A device that is always full: a node of its own in $dir where the system

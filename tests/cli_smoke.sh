@@ -11,24 +11,7 @@ dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT INT TERM
 failures=0
 
-fail() {
-  echo "FAIL: $*" >&2
-  failures=$((failures + 1))
-}
-
-# expect_status CODE DESCRIPTION -- command...: the exit status must be CODE
-# ("nonzero" for any failure).
-expect_status() {
-  want=$1 what=$2
-  shift 3
-  "$@" >"$dir/out" 2>"$dir/err"
-  got=$?
-  if [ "$want" = nonzero ]; then
-    [ "$got" -ne 0 ] || fail "$what: exited 0, wanted a failure"
-  elif [ "$got" -ne "$want" ]; then
-    fail "$what: exited $got, wanted $want; stderr: $(cat "$dir/err")"
-  fi
-}
+. "$(dirname "$0")/lib/cli.sh"
 
 # key_of NAME: the value of `NAME value` in $dir/out.
 key_of() {
