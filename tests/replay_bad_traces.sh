@@ -15,10 +15,7 @@ trap 'rm -rf "$dir"' EXIT INT TERM
 failures=0
 header='t_us,action,addr,size,stream'
 
-fail() {
-  echo "FAIL: $*" >&2
-  failures=$((failures + 1))
-}
+. "$(dirname "$0")/lib/cli.sh"
 
 # refused NAME FILE NEEDLE...: replay of FILE fails, its one message names
 # the needles, and has no byte outside printable ASCII.

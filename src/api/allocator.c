@@ -262,14 +262,11 @@ static void out_of_memory(tide_allocator *a, tide_stream stream, size_t size, si
  * device's free memory alone does not say: a growth maps whole pages, and
  * what others gave back since the failure is what the next try takes.) */
 static bool others_hold_memory(tide_allocator *a, size_t rounded) {
-  size_t free_bytes, total;
-  _tide_saved_error saved;
-  _tide_error_save(&saved);
-  bool known = a->backend.ops->mem_info(a->backend.ctx, &free_bytes, &total) == TIDE_OK;
-  _tide_error_restore(&saved);
+  size_t free_bytes;
   int64_t reserved = atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
-  if (!known || (size_t)reserved + rounded > atomic_load(&a->limit)) return false;
-  return (int64_t)total - (int64_t)free_bytes - reserved > (int64_t)_tide_low_water(a);
+  if ((size_t)reserved + rounded > atomic_load(&a->limit) || !_tide_device_free(a, &free_bytes))
+    return false;
+  return _tide_others_hold(a, free_bytes) > (int64_t)_tide_low_water(a);
 }
 
 static void *malloc_retry(tide_allocator *a, _tide_arena *arena, size_t size, size_t rounded,

@@ -320,9 +320,7 @@ static size_t growth_bytes(const _tide_arena *arena, _tide_pool *pool, size_t ro
  * keep. Under pressure, growth first recycles the cache's free pages, and
  * the allocator gives pages back when the device runs low for others. */
 
-/* Free device memory, or false where the backend cannot say. The error a
- * failed query leaves is not the caller's. */
-static bool device_free(const struct tide_allocator *a, size_t *free_bytes) {
+bool _tide_device_free(const struct tide_allocator *a, size_t *free_bytes) {
   const _tide_backend *be = &a->backend;
   size_t total;
   _tide_saved_error saved;
@@ -341,7 +339,7 @@ static int64_t growth_headroom(const _tide_arena *arena) {
   int64_t reserved = atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
   int64_t room = (int64_t)atomic_load_explicit(&a->limit, memory_order_relaxed) - reserved;
   size_t free_bytes;
-  if (device_free(a, &free_bytes)) {
+  if (_tide_device_free(a, &free_bytes)) {
     int64_t device_room = (int64_t)free_bytes - (int64_t)_tide_low_water(a);
     if (device_room < room) room = device_room;
   }
@@ -646,9 +644,8 @@ static void yield_to_device(_tide_arena *arena) {
   if (TIDE_LIKELY(arena->device_check_countdown-- > 0)) return;
   arena->device_check_countdown = _TIDE_DEVICE_CHECK_EVERY - 1;
   size_t free_bytes;
-  if (!device_free(a, &free_bytes)) return;
-  int64_t reserved = atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
-  int64_t others = (int64_t)a->total_memory - (int64_t)free_bytes - reserved;
+  if (!_tide_device_free(a, &free_bytes)) return;
+  int64_t others = _tide_others_hold(a, free_bytes);
   bool others_grew = others > arena->others_held;
   arena->others_held = others;
   if (others_grew && free_bytes < _tide_low_water(a))

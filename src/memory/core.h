@@ -668,6 +668,17 @@ static inline size_t _tide_low_water(const struct tide_allocator *a) {
   return a->total_memory / _TIDE_LOW_WATER_SHARE;
 }
 
+/* The device's free memory, or false where the backend cannot say; the
+ * error a failed query leaves is not the caller's (arena.c). */
+bool _tide_device_free(const struct tide_allocator *a, size_t *free_bytes);
+
+/* Bytes of the device that others hold (other processes, other allocators,
+ * what allocates outside the allocator), with `free_bytes` free. */
+static inline int64_t _tide_others_hold(const struct tide_allocator *a, size_t free_bytes) {
+  return (int64_t)a->total_memory - (int64_t)free_bytes -
+         atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
+}
+
 /* How often an arena's allocations past the quick blocks ask the device how
  * much it has free: every this many. Counted, not timed, so that a program
  * makes the same calls every run (the fault sweeps rely on it); a busy

@@ -1,5 +1,6 @@
 # cli.sh: sourced by the command-line tests (tests/cli_smoke.sh,
-# tests/cli_edges.sh), which set $dir (a scratch folder) and failures=0 first.
+# tests/cli_edges.sh, tests/replay_bad_traces.sh), which set $dir (a scratch
+# folder) and failures=0 first.
 #   fail TEXT                              count a failure, saying TEXT
 #   expect_status CODE DESCRIPTION -- command...
 #                                          the command's exit status must be
