@@ -29,8 +29,12 @@ marked x) is written beside the CSV when matplotlib is importable.
 Programs: stream_gct:N (bench/torch/stream_gct.py at N frames, eager),
 stream_gct_compiled:N (its --compile mode), gpt2 (Hugging Face GPT-2 with
 random weights, greedy generation), vit (torchvision's ViT-B/16 with random
-weights, bf16 inference), and cmd:NAME:SCRIPT:ARGS... (any script, such as
-LingBot-Map's scripts/benchmark_gct_memory.py, run unmodified)."""
+weights, bf16 inference), lingbot:FRAMES[:WINDOW] (LingBot-Map's
+scripts/benchmark_gct_memory.py, unmodified, from the checkout that the
+environment's LINGBOT_MAP names, with --backend sdpa and, given a WINDOW,
+--sliding-window WINDOW; its own timed streaming loop and peaks), and
+cmd:NAME:SCRIPT:ARGS... (any script, run unmodified; a script that catches
+its own out-of-memory passes for ok here)."""
 import argparse
 import csv
 import json
@@ -105,6 +109,37 @@ def _run_vit(arg, growable, compiled):
     return None
 
 
+def _run_lingbot(arg, growable, compiled):
+    """LingBot-Map's own memory benchmark, unmodified, from the checkout that
+    LINGBOT_MAP names: --backend sdpa, FRAMES[:WINDOW] frames (and its
+    --sliding-window). The script catches its own out-of-memory and records
+    it in its CSV, and resets the peaks before it returns, so its row gives
+    the status, the streaming loop's seconds and the peaks."""
+    import runpy
+    root = os.environ.get("LINGBOT_MAP")
+    if not root:
+        raise SystemExit("frontier: lingbot needs LINGBOT_MAP, a LingBot-Map checkout")
+    frames, _, window = arg.partition(":")
+    out = tempfile.NamedTemporaryFile(suffix=".csv", delete=False).name
+    script = os.path.join(root, "scripts", "benchmark_gct_memory.py")
+    sys.argv = [script, "--backend", "sdpa", "--frame-counts", frames or "512", "--output", out]
+    if window:
+        sys.argv += ["--sliding-window", window]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+    with open(out) as f:
+        row = next(csv.DictReader(f))
+    os.unlink(out)
+    if row["status"] != "ok":
+        raise MemoryError(row.get("error") or row["status"])
+    return {"wall_s": float(row["seconds"]),
+            "peak_allocated_gib": float(row["peak_allocated_gib"]),
+            "peak_reserved_gib": float(row["peak_reserved_gib"])}
+
+
 def _run_cmd(arg, growable, compiled):
     import runpy
     script, *args = arg.split(":")
@@ -122,6 +157,7 @@ PROGRAMS = {
     "stream_gct_compiled": lambda a, g: _run_stream_gct(a, g, True),
     "gpt2": lambda a, g: _run_gpt2(a, g, False),
     "vit": lambda a, g: _run_vit(a, g, False),
+    "lingbot": lambda a, g: _run_lingbot(a, g, False),
     "cmd": lambda a, g: _run_cmd(a, g, False),
 }
 GROWABLE = ("stream_gct", "stream_gct_compiled")
@@ -155,17 +191,22 @@ def child(args):
     result = {"status": "ok", "error": "", "limit_gib": "" if limit is None else limit / GIB}
     torch.cuda.synchronize()
     start = time.perf_counter()
+    own = None
     try:
         own = PROGRAMS[name](arg, args.growable)
         torch.cuda.synchronize()
-        result["wall_s"] = own if own is not None else time.perf_counter() - start
+        if isinstance(own, dict):  # the program's own time and peaks
+            result.update(own)
+        else:
+            result["wall_s"] = own if own is not None else time.perf_counter() - start
     except (torch.cuda.OutOfMemoryError, MemoryError, RuntimeError) as e:
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "out of memory" not in text.lower() and not isinstance(e, MemoryError):
             raise
         result.update(status="oom", error=text[:200], wall_s="")
-    result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
-    result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+    if not isinstance(own, dict):
+        result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+        result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
     result["unmappings"], result["stream_waits"], result["mappings"] = tidalloc_counts()
     with open(args.result, "w") as f:
         json.dump(result, f)
@@ -229,13 +270,17 @@ def run_frontier(args):
         allocators = list(args.allocators)
         if name in GROWABLE and args.growable and "tidalloc-growable" not in allocators:
             allocators.append("tidalloc-growable")
-        first = launch(program, "expandable", None, args.timeout)
-        if first.get("status") != "ok":
-            print("frontier: %s does not run uncapped: %s" % (program, first.get("error")),
-                  file=sys.stderr)
-            continue
-        peak = first["peak_allocated_gib"] * GIB
-        print("%s: peak allocated %.3f GiB uncapped" % (program, peak / GIB), flush=True)
+        if args.peak_gib:
+            peak = args.peak_gib * GIB
+            print("%s: peak allocated %.3f GiB as given" % (program, args.peak_gib), flush=True)
+        else:
+            first = launch(program, "expandable", None, args.timeout)
+            if first.get("status") != "ok":
+                print("frontier: %s does not run uncapped: %s" % (program, first.get("error")),
+                      file=sys.stderr)
+                continue
+            peak = first["peak_allocated_gib"] * GIB
+            print("%s: peak allocated %.3f GiB uncapped" % (program, peak / GIB), flush=True)
         for i, cap in enumerate(args.caps):
             order = allocators[i % len(allocators):] + allocators[:i % len(allocators)]
             limit = None if cap == "none" else math.ceil(peak * float(cap))
@@ -359,6 +404,9 @@ def main():
     p.add_argument("--timeout", type=int, default=600, help="seconds a run may take")
     p.add_argument("--budget-seconds", type=int, default=0,
                    help="start no run after this many seconds (0: no budget)")
+    p.add_argument("--peak-gib", type=float, default=0,
+                   help="the programs' peak allocated GiB, known from an earlier run: the caps "
+                   "are multiples of it, and no first run measures it")
     p.add_argument("--summarize", metavar="CSV")
     p.add_argument("--plot", metavar="CSV",
                    help="draw the PNG of a CSV this script wrote, beside it (no GPU)")

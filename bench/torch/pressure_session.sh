@@ -8,6 +8,16 @@
 # the frontier: no run starts after it.
 #   OUT=out PROGRAMS="gpt2:256 vit:20" CAPS="none 1.00 1.02 1.05" \
 #     bench/torch/pressure_session.sh
+# PAIRED_FRAMES=N first pairs the streaming model at N frames with
+# tests/torch/paired_time.py (one worker per configuration, the runs of a
+# round taking turns every PAIRED_SEGMENT frames, default 64), uncapped with
+# PAIRED_CONFIGS (default: expandable tidalloc tidalloc@stream_gct_growable),
+# then capped at PAIRED_CAP (default 1.02) x expandable segments' peak
+# allocated in that pairing with PAIRED_CAP_CONFIGS (default: expandable
+# tidalloc): paired_N.csv/.txt and paired_N_cap.csv/.txt. PAIRED_COMPILED=R
+# pairs the compiled model (128 frames) for R rounds of PAIRED_COMPILED_CONFIGS
+# (default: native tidalloc expandable): paired_compiled.csv/.txt.
+# FRONTIER_ARGS adds arguments to frontier.py (--peak-gib G, --allocators ...).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 out=${OUT:-out/pressure}
@@ -33,11 +43,42 @@ fi
 "$py" -c 'import tidalloc.shim as s; print(s.build(verbose=True))' >"$out/shim_build.log" 2>&1 ||
   { echo "shim: FAILED"; tail -5 "$out/shim_build.log"; }
 echo "built in $((SECONDS - start)) s"
-budget=$((${SESSION_SECONDS:-540} - (SECONDS - start)))
-if [[ -n ${PROGRAMS:-} ]]; then
+left() { echo $((${SESSION_SECONDS:-540} - (SECONDS - start))); }
+# paired NAME ROUNDS PROGRAM ARGS...: one paired_time.py pairing, cut at what is left.
+paired() {
+  local name=$1 rounds=$2
+  shift 2
+  timeout -k 20 "$(left)" "$py" tests/torch/paired_time.py "$@" --pairs "$rounds" \
+    >"$out/$name.csv" 2>"$out/$name.txt"
+  echo "$name: rc $?, $(grep -vc '^#\|^program' "$out/$name.csv") runs, $(left) s left"
+  grep -v '^validate.py\|^\s*$' "$out/$name.txt" | tail -12
+}
+if [[ -n ${PAIRED_FRAMES:-} ]]; then
+  n=$PAIRED_FRAMES
+  # shellcheck disable=SC2086
+  paired "paired_$n" 1 stream_gct --frames "$n" --warmup-frames 16 \
+    --segment-frames "${PAIRED_SEGMENT:-64}" \
+    --configs ${PAIRED_CONFIGS:-expandable tidalloc tidalloc@stream_gct_growable}
+  peak=$(sed -n 's/^expandable: peak allocated \([0-9.]*\) MiB.*/\1/p' "$out/paired_$n.txt")
+  if [[ -n $peak ]]; then
+    limit=$("$py" -c "print(round($peak / 1024 * ${PAIRED_CAP:-1.02}, 4))")
+    echo "cap ${PAIRED_CAP:-1.02} x $peak MiB: $limit GiB"
+    # shellcheck disable=SC2086
+    paired "paired_${n}_cap" 1 stream_gct --frames "$n" --warmup-frames 16 \
+      --segment-frames "${PAIRED_SEGMENT:-64}" --limit-gib "$limit" \
+      --configs ${PAIRED_CAP_CONFIGS:-expandable tidalloc}
+  fi
+fi
+if [[ -n ${PAIRED_COMPILED:-} ]]; then
+  # shellcheck disable=SC2086
+  paired paired_compiled "$PAIRED_COMPILED" stream_gct_compile --frames 128 \
+    --configs ${PAIRED_COMPILED_CONFIGS:-native tidalloc expandable}
+fi
+budget=$(left)
+if [[ -n ${PROGRAMS:-} ]] && ((budget > 60)); then
   # shellcheck disable=SC2086
   "$py" bench/torch/frontier.py --programs $PROGRAMS --caps ${CAPS:-none 1.00 1.01 1.02 1.03 1.05 1.10} \
-    ${GROWABLE:+--growable} --csv "$out/frontier.csv" --budget-seconds "$budget" \
+    ${GROWABLE:+--growable} ${FRONTIER_ARGS:-} --csv "$out/frontier.csv" --budget-seconds "$budget" \
     --timeout "${RUN_TIMEOUT:-300}" 2>&1 | tee "$out/frontier.log"
   "$py" bench/torch/frontier.py --summarize "$out/frontier.csv" | tee "$out/frontier_summary.txt"
 fi

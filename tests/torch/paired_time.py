@@ -471,6 +471,9 @@ def main():
     parser.add_argument("--fresh-every", type=int, default=0, metavar="N",
                         help="a new pair of worker processes every N pairs, each set begun by a "
                         "'# run' line, so that the summary can resample the processes too")
+    parser.add_argument("--limit-gib", type=float, metavar="G",
+                        help="cap every worker at G GiB (torch.cuda."
+                        "set_per_process_memory_fraction): the pairs at a user's budget")
     args = parser.parse_args()
     if args.fresh_every < 0 or args.pairs < 1:
         sys.exit("paired_time.py: --pairs must be at least 1 and --fresh-every at least 0")
@@ -556,6 +559,8 @@ def run_set(args, rounds, budget_s, emit, on_segment=None):
         extra += ["--warmup-frames", str(args.warmup_frames)]
     if args.segment_frames:
         extra += ["--segment-frames", str(args.segment_frames)]
+    if args.limit_gib:
+        extra += ["--limit-gib", repr(args.limit_gib)]
     if (args.cache or ("cold" if streaming else "warm")) == "cold":
         extra.append("--cold")
     compiled = any(p in COMPILED_PROGRAMS for p in programs)

@@ -354,6 +354,10 @@ def main():
     parser.add_argument("--segment-frames", type=int, metavar="N",
                         help="with --serve, for the stream_gct programs: take 'begin' and "
                         "'segment' commands, a timed run streamed N frames at a time")
+    parser.add_argument("--limit-gib", type=float, metavar="G",
+                        help="cap the process at G GiB with "
+                        "torch.cuda.set_per_process_memory_fraction (tidalloc takes it through "
+                        "its shim), as a user short of memory does")
     args = parser.parse_args()
     if args.repeats < 1:
         sys.exit("validate.py: --repeats must be at least 1")
@@ -373,6 +377,9 @@ def main():
     import torch
     if not torch.cuda.is_available():
         sys.exit("validate.py: no CUDA device (torch.cuda.is_available() is False)")
+    if args.limit_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.limit_gib * (1 << 30) / total))
     if args.program in ("gpt2", "vit"):
         # GPT-2 and ViT as their recorded results ran; the streaming model
         # keeps PyTorch's defaults, as bench/torch/stream_gct.py runs it (with
