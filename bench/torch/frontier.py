@@ -331,7 +331,8 @@ def plot(path, rows):
             med = [(x, statistics.median(float(r["wall_s"]) for r in by_x[x]
                                          if r["status"] == "ok"))
                    for x in xs if any(r["status"] == "ok" for r in by_x[x])]
-            line, = ax.plot([x for x, _ in med], [y for _, y in med], "-", label=allocator)
+            line, = ax.plot([x for x, _ in med], [y for _, y in med], "-", label=allocator,
+                            color="C%d" % k)  # one colour per allocator in every panel
             dots = [(x, float(r["wall_s"])) for x in xs for r in by_x[x] if r["status"] == "ok"]
             ax.plot([x for x, _ in dots], [y for _, y in dots], "o", color=line.get_color(),
                     markersize=4)
