@@ -38,8 +38,8 @@ KNOWN = {}
 # The files of a folder, lowest first: each calls only itself and those
 # before it.
 ORDER = {
-    "memory": ["trace.c", "ptrmap.c", "bins.c", "mapcalls.c", "segment.c", "arena.c",
-               "arenas.c"],
+    "memory": ["trace.c", "ptrmap.c", "bins.c", "device_memory.c", "segment.c", "arena.c",
+               "arena_table.c"],
     "features": ["stats.c", "pinned.c", "graph_reuse.c", "pool.c", "checkpoint.c", "buffer.c",
                  "share.c", "snapshot.c", "validate.c"],
 }

@@ -2,7 +2,7 @@
  * malloc and free, the memory limit and the out-of-memory path, streams,
  * copies and the entry points of the pinned pool (pinned.c); the host
  * backend's controls are testing.c's. The arenas of streams and capture pools are
- * arenas.c's; this file calls down into them and into the features, and
+ * arena_table.c's; this file calls down into them and into the features, and
  * nothing below calls back into it.
  *
  * The fast path of tide_malloc/tide_free is: find the stream's arena in the
@@ -178,7 +178,7 @@ tide_status tide_destroy(tide_allocator *a) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* The memory limit (mapcalls.c takes physical memory under it)             */
+/* The memory limit (device_memory.c takes physical memory under it)        */
 /* ------------------------------------------------------------------------ */
 
 tide_status tide_set_memory_fraction(tide_allocator *a, double fraction) {

@@ -1,6 +1,7 @@
 /* core.h: the memory layer — blocks, bins, the live map, segments, pools,
  * arenas and the allocator's state — and the functions of its files
- * (bins.c, ptrmap.c, segment.c, arena.c, arenas.c, mapcalls.c, trace.c).
+ * (bins.c, ptrmap.c, segment.c, arena.c, arena_table.c, device_memory.c,
+ * trace.c).
  * It includes only the layers below (base/, backend/); the features
  * (features/features.h) and the API (api/) build on it. Everything here is
  * guarded by the lock of the arena that owns it, unless a comment says
@@ -627,7 +628,7 @@ struct tide_allocator {
   _Atomic uint64_t num_ooms;
   _Atomic uint64_t num_sync_all_streams;
   _Atomic uint64_t stream_waits; /* tide_stats.stream_waits */
-  _Atomic uint64_t mapping_ns;   /* tide_stats.mapping_ns (mapcalls.c) */
+  _Atomic uint64_t mapping_ns;   /* tide_stats.mapping_ns (device_memory.c) */
   _tide_trace_ring trace;
   struct _tide_pinned *pinned; /* the pinned host memory pool (pinned.c) */
   pthread_mutex_t bufs_mutex;  /* guards the list of growable buffers */
@@ -641,7 +642,7 @@ struct tide_allocator {
 };
 
 /* The backend's calls that create, map, make accessible, unmap and release
- * device memory, each timed into tide_stats.mapping_ns (mapcalls.c); their
+ * device memory, each timed into tide_stats.mapping_ns (device_memory.c); their
  * arguments and results are the backend's (backend.h). */
 int _tide_mem_create(struct tide_allocator *a, size_t size, _tide_handle *h);
 int _tide_mem_release(struct tide_allocator *a, _tide_handle h);
@@ -650,7 +651,7 @@ int _tide_mem_set_access(struct tide_allocator *a, uintptr_t addr, size_t size);
 int _tide_mem_unmap(struct tide_allocator *a, uintptr_t addr, size_t size);
 int _tide_mem_unmap_run(struct tide_allocator *a, uintptr_t addr, size_t page, size_t count,
                         size_t *done);
-/* Reserve physical budget under the memory limit; give it back (mapcalls.c). */
+/* Reserve physical budget under the memory limit; give it back (device_memory.c). */
 int _tide_budget_take(struct tide_allocator *a, size_t bytes, size_t request);
 void _tide_budget_give(struct tide_allocator *a, size_t bytes);
 
@@ -731,7 +732,7 @@ void _tide_arena_make_room(_tide_arena *arena, size_t bytes);
 bool _tide_capture_detected(struct tide_allocator *a, tide_stream stream);
 
 /* ------------------------------------------------------------------------ */
-/* The arenas of an allocator (arenas.c)                                     */
+/* The arenas of an allocator (arena_table.c)                                */
 /* ------------------------------------------------------------------------ */
 
 /* The home slot of a stream in a table of streams. */

@@ -1,4 +1,4 @@
-/* mapcalls.c: the memory limit physical memory is taken under, and the
+/* device_memory.c: the memory limit physical memory is taken under, and the
  * backend calls that create, map, make accessible, unmap and release device
  * memory, timed. tide_stats.mapping_ns sums the time the calling threads
  * spent in them: on a GPU, most of what growing and shrinking expandable

@@ -1,4 +1,4 @@
-/* arenas.c: the arenas of an allocator. The own arena of each stream, made
+/* arena_table.c: the arenas of an allocator. The own arena of each stream, made
  * on first use and found through the table of streams (core.h, inline),
  * this thread's cache or the arena table; the arenas of capture pools
  * (their pools are pool.c's); and what is done over every arena: freeing a
