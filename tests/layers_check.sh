@@ -47,7 +47,6 @@ ORDER = {
 # Calls still going up inside a folder, each (file, symbol): why they remain.
 KNOWN_ORDER = {
     ("memory/segment.c", "_tide_arena_settle_stale"): "segment growth settles stale frees",
-    ("features/graph_reuse.c", "_tide_captures_update_watch"): "the capture watch is pool.c's",
 }
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)

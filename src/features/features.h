@@ -75,8 +75,6 @@ void _tide_capture_retry_deferred(struct tide_allocator *a);
  * cannot be waited for now); TIDE_OK if none, or if a capture allocates to
  * the pool (the restore's first refusal). */
 int _tide_capture_deferred_stuck(struct tide_allocator *a, const struct tide_pool *pool);
-/* Recount what watches captures (under the capture mutex). */
-void _tide_captures_update_watch(struct tide_allocator *a);
 
 /* graph_capture_record_stream_reuse (graph_reuse.c). Under the arena lock,
  * for a free `d` of b just deferred: its free markers, when it may be
@@ -87,10 +85,12 @@ void _tide_reuse_mark(struct tide_allocator *a, const _tide_arena *arena, const 
                       _tide_deferred *d);
 /* The markers of a deferred free that goes (any way): freed, uncounted. */
 void _tide_reuse_unmark(struct tide_allocator *a, _tide_deferred *d);
-/* Before an allocation on `stream`: complete the marked frees of its arenas
- * whose markers the capture's graph orders before the stream's next work.
- * Holding no lock; never fails (a failed query proves nothing). */
-void _tide_capture_reuse(struct tide_allocator *a, tide_stream stream);
+/* Under the capture mutex, before an allocation on `stream`: complete the
+ * marked frees of its arenas whose markers the capture's graph orders before
+ * the stream's next work; true if any completed, and the capture watch is
+ * then the caller's to recount (pool.c). Never fails (a failed query proves
+ * nothing). */
+bool _tide_reuse_complete(struct tide_allocator *a, tide_stream stream);
 /* Under the capture mutex: forget every walk (no capture is watched). */
 void _tide_reuse_forget(struct tide_allocator *a);
 
@@ -101,6 +101,10 @@ bool _tide_capture_pool_valid(const struct tide_pool *pool);
 int _tide_capture_pool_live(const struct tide_pool *pool, const char *op);
 /* A stable copy of the arenas of pool `id`, as _tide_arenas_snapshot. */
 size_t _tide_capture_pool_arenas(struct tide_allocator *a, uint64_t id, _tide_arena ***out);
+/* Before an allocation on `stream`: the marked frees the capture's graph
+ * now orders before it are completed (_tide_reuse_complete), and the watch
+ * recounted. Holding no lock; never fails. */
+void _tide_capture_reuse(struct tide_allocator *a, tide_stream stream);
 /* Drop captures found by capture_detection whose capture has ended. A
  * failure to learn whether one ended (other than its stream being gone)
  * keeps that record and is returned, with its message: callers that route
