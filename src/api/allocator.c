@@ -316,7 +316,7 @@ static TIDE_NOINLINE _tide_arena *capture_arena(tide_allocator *a, tide_stream s
  * captured. */
 static inline bool captures_involved(tide_allocator *a, tide_stream stream) {
   if (atomic_load_explicit(&a->capture_watch, memory_order_relaxed)) return true;
-  return a->conf.capture_detection && _tide_capture_detected(a, stream);
+  return a->conf.capture_detection && _tide_capture_detected(&a->backend, stream);
 }
 
 /* The full path of tide_malloc under the arena lock, which it releases. */

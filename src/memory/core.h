@@ -1,7 +1,7 @@
 /* core.h: the memory layer — blocks, bins, the live map, segments, pools,
  * arenas and the allocator's state — and the functions of its files
- * (bins.c, ptrmap.c, segment.c, arena.c, arena_table.c, device_memory.c,
- * trace.c).
+ * (trace.c, ptrmap.c, bins.c, device_memory.c, stream_events.c, segment.c,
+ * arena.c, arena_table.c).
  * It includes only the layers below (base/, backend/); the features
  * (features/features.h) and the API (api/) build on it. Everything here is
  * guarded by the lock of the arena that owns it, unless a comment says
@@ -473,6 +473,28 @@ void _tide_arena_finish_ordered(_tide_arena *arena, _tide_block *b);
 void _tide_arena_count_restored(_tide_arena *arena, _tide_block *b, size_t requested);
 void _tide_arena_count_released(_tide_arena *arena, _tide_block *b);
 
+/* How far the arena's stream has run (stream_events.c), under the arena
+ * lock. A spare event, or a new one; give it back for reuse (destroyed
+ * when there is no room to keep it). */
+int _tide_event_take(_tide_arena *arena, _tide_event *out);
+void _tide_event_give(_tide_arena *arena, _tide_event e);
+/* Whether idle marks may be recorded on the arena's stream now (under
+ * capture_detection, a driver query: ask once per release). */
+bool _tide_idle_marks_usable(const _tide_arena *arena);
+/* Retire the idle marks whose events completed, moving idle_before up to
+ * their clocks. */
+void _tide_idle_marks_poll(_tide_arena *arena);
+/* Record an idle mark now, when there is room and marks are `usable`
+ * (_tide_idle_marks_usable); best effort. */
+void _tide_idle_mark_add(_tide_arena *arena, bool usable);
+/* Wait for the arena's stream: work queued on it may still touch free
+ * blocks (a block freed on its own stream is free at once). After it,
+ * everything freed so far is idle. */
+int _tide_stream_settle(_tide_arena *arena);
+/* Block until a block freed at `stamp` is idle: wait for an idle mark after
+ * its free, or without one, for the stream. */
+int _tide_idle_wait(_tide_arena *arena, uint64_t stamp);
+
 /* Segments (segment.c), under the arena lock. */
 size_t _tide_round_size(const _tide_conf_values *conf, size_t size);
 size_t _tide_fixed_segment_size(size_t rounded, size_t granularity);
@@ -519,8 +541,8 @@ void _tide_stale_drop_all(_tide_arena *arena);
  * the stream first if some are not, so that none is left, or fail with
  * why (a refused unmap, or TIDE_ERR_NOT_READY when the stream cannot be
  * waited for). Without `wait` it is best effort and keeps the thread's
- * error (arena.c). */
-int _tide_arena_settle_stale(_tide_arena *arena, uintptr_t lo, uintptr_t hi, bool wait);
+ * error. */
+int _tide_stale_settle(_tide_arena *arena, uintptr_t lo, uintptr_t hi, bool wait);
 /* Try again to give back what the backend refused earlier. */
 int _tide_arena_retry_orphans(_tide_arena *arena);
 /* Whether an orphaned mapping overlaps [lo, hi) (segment.c). */
@@ -554,6 +576,15 @@ static inline int _tide_capture_status(const _tide_backend *be, tide_stream stre
   *id = 0;
   if (!be->ops->stream_capture_status) return TIDE_OK;
   return be->ops->stream_capture_status(be->ctx, stream, capturing, id);
+}
+
+/* With capture_detection and nothing watched: whether a call on `stream`
+ * must take the capture path (it is being captured, or asking failed, which
+ * that path reports). */
+static inline bool _tide_capture_detected(const _tide_backend *be, tide_stream stream) {
+  bool capturing;
+  uint64_t id;
+  return _tide_capture_status(be, stream, &capturing, &id) != TIDE_OK || capturing;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -670,7 +701,7 @@ static inline size_t _tide_low_water(const struct tide_allocator *a) {
 }
 
 /* The device's free memory, or false where the backend cannot say; the
- * error a failed query leaves is not the caller's (arena.c). */
+ * error a failed query leaves is not the caller's (device_memory.c). */
 bool _tide_device_free(const struct tide_allocator *a, size_t *free_bytes);
 
 /* Bytes of the device that others hold (other processes, other allocators,
@@ -726,10 +757,6 @@ static inline void _tide_trace(struct tide_allocator *a, tide_trace_kind kind, i
  * free pages inside them as growth would (release_holes), so that reserved
  * memory stays near the allocated peak. Under the arena lock (arena.c). */
 void _tide_arena_make_room(_tide_arena *arena, size_t bytes);
-/* With capture_detection and nothing watched: whether a call on `stream`
- * must take the capture path (it is being captured, or asking failed, which
- * that path reports) (arena.c). */
-bool _tide_capture_detected(struct tide_allocator *a, tide_stream stream);
 
 /* ------------------------------------------------------------------------ */
 /* The arenas of an allocator (arena_table.c)                                */

@@ -44,7 +44,7 @@ int _tide_mem_unmap_run(tide_allocator *a, uintptr_t addr, size_t page, size_t c
 }
 
 /* ------------------------------------------------------------------------ */
-/* The memory limit                                                          */
+/* The memory limit and the device's free memory                             */
 /* ------------------------------------------------------------------------ */
 
 int _tide_budget_take(tide_allocator *a, size_t bytes, size_t request) {
@@ -75,4 +75,14 @@ int _tide_budget_take(tide_allocator *a, size_t bytes, size_t request) {
 
 void _tide_budget_give(tide_allocator *a, size_t bytes) {
   atomic_fetch_sub_explicit(&a->reserved.cur, (int64_t)bytes, memory_order_relaxed);
+}
+
+bool _tide_device_free(const tide_allocator *a, size_t *free_bytes) {
+  const _tide_backend *be = &a->backend;
+  size_t total;
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
+  bool ok = be->ops->mem_info(be->ctx, free_bytes, &total) == TIDE_OK;
+  _tide_error_restore(&saved);
+  return ok;
 }

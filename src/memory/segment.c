@@ -604,6 +604,27 @@ size_t _tide_stale_unmap(_tide_arena *arena, uintptr_t lo, uintptr_t hi, uint64_
   return left;
 }
 
+int _tide_stale_settle(_tide_arena *arena, uintptr_t lo, uintptr_t hi, bool wait) {
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
+  _tide_idle_marks_poll(arena);
+  int failed;
+  size_t left = _tide_stale_unmap(arena, lo, hi, arena->idle_before, &failed);
+  if (!wait) {
+    _tide_error_restore(&saved);
+    return TIDE_OK;
+  }
+  if (left && !failed) {
+    int rc = _tide_stream_settle(arena);
+    if (rc) return rc == TIDE_ERR_BACKEND ? rc : TIDE_ERR_NOT_READY;
+    left = _tide_stale_unmap(arena, lo, hi, arena->idle_before, &failed);
+  }
+  if (!left) return TIDE_OK;
+  return failed ? failed
+                : _tide_error_set(TIDE_ERR_BACKEND, "%zu stale pages in [%p, %p) stay mapped", left,
+                                  (void *)lo, (void *)hi);
+}
+
 void _tide_stale_drop_all(_tide_arena *arena) {
   while (arena->nstale) unmap_stale_page(arena, arena->nstale - 1, true);
 }
@@ -811,7 +832,7 @@ static int map_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_
   uintptr_t start = seg->base + first * page;
   /* Pages left mapped here by an earlier release go first; if the stream
    * cannot be waited for (held), the memory is not to be had now. */
-  if (arena->nstale && _tide_arena_settle_stale(arena, start, start + count * page, true))
+  if (arena->nstale && _tide_stale_settle(arena, start, start + count * page, true))
     return _tide_error_set(TIDE_ERR_OOM,
                            "no free pages: those at %p are still mapped for work "
                            "queued on stream %p: %s",
@@ -1031,7 +1052,7 @@ static void settle_or_move(_tide_arena *arena, _tide_pool *pool, size_t size, si
   _tide_saved_error saved;
   _tide_error_save(&saved);
   _tide_growth moved;
-  if (_tide_arena_settle_stale(arena, lo, lo + g->count * page, true) != TIDE_OK &&
+  if (_tide_stale_settle(arena, lo, lo + g->count * page, true) != TIDE_OK &&
       new_expandable(arena, pool, size) == TIDE_OK &&
       _tide_pool_plan_growth(arena, pool, size, page, &moved) == TIDE_OK && !moved.blocked)
     *g = moved;
@@ -1041,7 +1062,7 @@ static void settle_or_move(_tide_arena *arena, _tide_pool *pool, size_t size, si
 static int grow_expandable(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_block **out) {
   size_t page = arena->alloc->page_size;
   _tide_growth g;
-  if (arena->nstale) _tide_arena_settle_stale(arena, 0, UINTPTR_MAX, false); /* the idle ones */
+  if (arena->nstale) _tide_stale_settle(arena, 0, UINTPTR_MAX, false); /* the idle ones */
   if (_tide_pool_plan_growth(arena, pool, size, page, &g)) {
     int rc = new_expandable(arena, pool, size);
     if (rc) return rc;
