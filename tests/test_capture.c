@@ -36,7 +36,7 @@
 
 #include <cmocka.h>
 
-#include "memory/core.h"
+#include "memory/arena_table.h"
 #include "testutil.h"
 
 #define MiB ((size_t)1 << 20)

@@ -35,7 +35,7 @@
 
 #include <cmocka.h>
 
-#include "memory/core.h"
+#include "memory/arena_table.h"
 #include "testutil.h"
 
 #define SLOTS 24

@@ -7,7 +7,7 @@
 #ifndef TIDE_FEATURES_H
 #define TIDE_FEATURES_H
 
-#include "memory/core.h"
+#include "memory/arena_table.h"
 
 /* ------------------------------------------------------------------------ */
 /* Capture pools (pool.c, checkpoint.c)                                      */

@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "features/pinned.h"
+#include "memory/arena_table.h"
 
 #define MIN_CLASS 12u /* 4 KiB */
 #define CLASSES 64u

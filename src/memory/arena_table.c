@@ -1,25 +1,25 @@
-/* arena_table.c: the arenas of an allocator. The own arena of each stream, made
- * on first use and found through the table of streams (core.h, inline),
- * this thread's cache or the arena table; the arenas of capture pools
- * (their pools are pool.c's); and what is done over every arena: freeing a
- * block wherever it is, finding the block that holds an address, giving
- * cached memory back. The allocator's entry points (allocator.c) and the
- * features (buffers, pools, sharing, statistics) reach arenas through here;
- * arena.c and the files below it do not call it. */
+/* arena_table.c: the arenas of an allocator. The own arena of each stream,
+ * made on first use and found through the table of streams (arena_table.h,
+ * inline), this thread's cache or the arena table; the arenas of capture
+ * pools (their pools are pool.c's); and what is done over every arena:
+ * freeing a block wherever it is, finding the block that holds an address,
+ * giving cached memory back. The allocator's entry points (allocator.c) and
+ * the features (buffers, pools, sharing, statistics) reach arenas through
+ * here; arena.c and the files below it do not call it. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "memory/core.h"
+#include "memory/arena_table.h"
 
 /* ------------------------------------------------------------------------ */
 /* Arenas by stream                                                          */
 /* ------------------------------------------------------------------------ */
 
-/* Behind the allocator's table of streams (core.h), for streams it has no
- * room for: the last arenas this thread used, keyed by allocator id and
- * stream; ids are never reused, so an entry of a destroyed allocator never
- * matches. */
+/* Behind the allocator's table of streams (arena_table.h), for streams it
+ * has no room for: the last arenas this thread used, keyed by allocator id
+ * and stream; ids are never reused, so an entry of a destroyed allocator
+ * never matches. */
 #define ARENA_CACHE 8
 static _Thread_local struct {
   uint64_t id;
