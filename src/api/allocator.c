@@ -7,7 +7,7 @@
  *
  * The fast path of tide_malloc/tide_free is: find the stream's arena in the
  * allocator's table of streams (core.h, inline), take its lock, take back
- * (or keep) a quick block and update its figures (quick.h, inline: no
+ * (or keep) a quick block and update its stats (quick.h, inline: no
  * call). The rest of the full path, best fit or merging in the bins, is a
  * call into arena.c under the same lock; growth, the out-of-memory path,
  * frees on the wrong stream and graph captures (pool.c, one predictable
@@ -133,7 +133,7 @@ fail:
 
 tide_status tide_destroy(tide_allocator *a) {
   _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
-  size_t unfreed = _tide_bufs_destroy_all(a); /* their figures live in the arenas */
+  size_t unfreed = _tide_bufs_destroy_all(a); /* their stats live in the arenas */
   _tide_first_error refused = {0};            /* what the backend would not take back */
   _tide_first_error_note(&refused, _tide_imports_close_all(a));
   size_t n = atomic_load(&a->narenas);
@@ -178,7 +178,7 @@ tide_status tide_destroy(tide_allocator *a) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* The memory limit (device_memory.c takes physical memory under it)        */
+/* The memory limit (device_memory.c takes physical memory under it)         */
 /* ------------------------------------------------------------------------ */
 
 tide_status tide_set_memory_fraction(tide_allocator *a, double fraction) {

@@ -115,22 +115,22 @@ int _tide_capture_prune(struct tide_allocator *a);
 /* Growable buffers (buffer.c)                                               */
 /* ------------------------------------------------------------------------ */
 
-/* What the growable buffers of each of n arenas add to its figures, for
+/* What the growable buffers of each of n arenas add to its stats, for
  * tide_check: their lengths (allocated and requested bytes), mapped pages
  * (reserved bytes, pages and handles) and count (allocations), as the arenas
  * hold them. Call it between _tide_bufs_hold and _tide_bufs_let_go (the
  * list's mutex: no buffer comes or goes; the page lock alone: no page is
- * half made or half given back) with every arena lock held (no figure
+ * half made or half given back) with every arena lock held (no stat
  * changes). It waits for no buffer's mutex or condition, so a buffer (or
  * its worker) never holds up the caller's locks: a page step takes only an
  * arena lock and the backend's. */
-typedef struct _tide_buf_figures {
+typedef struct _tide_buf_stats {
   int64_t length, count;
   uint64_t pages;
   size_t page;
-} _tide_buf_figures;
-void _tide_bufs_figures(struct tide_allocator *a, _tide_arena *const *arenas, size_t n,
-                        _tide_buf_figures *out);
+} _tide_buf_stats;
+void _tide_bufs_stats(struct tide_allocator *a, _tide_arena *const *arenas, size_t n,
+                      _tide_buf_stats *out);
 void _tide_bufs_hold(struct tide_allocator *a);
 void _tide_bufs_let_go(struct tide_allocator *a);
 /* Give back every buffer's pages let go by shrinks, waiting for their
@@ -171,7 +171,7 @@ int _tide_imports_close_all(struct tide_allocator *a);
 int _tide_stats_collect(struct tide_allocator *a, tide_stats *out);
 /* Largest free block over every arena. */
 size_t _tide_largest_free_block(struct tide_allocator *a);
-/* The figures of the arenas of capture pool `pool_id`. */
+/* The stats of the arenas of capture pool `pool_id`. */
 void _tide_stats_collect_pool(struct tide_allocator *a, uint64_t pool_id, tide_stats *out);
 
 /* The consistency check behind tide_check (validate.c): TIDE_OK, or

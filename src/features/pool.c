@@ -6,7 +6,7 @@
  * (beginAllocateToPool, endAllocateToPool, releasePool, use_count):
  * - A pool's memory is held by arenas of its own, one per stream that
  *   allocated in it (arena.pool_id), so stream-ordered reuse, growth of
- *   expandable segments and the figures work there as in any arena. While
+ *   expandable segments and the stats work there as in any arena. While
  *   the pool has users those arenas never give memory back (keep_cache):
  *   a graph's replays write the blocks its capture freed.
  * - The fast paths of tide_malloc and tide_free test one flag,

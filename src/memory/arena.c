@@ -226,7 +226,7 @@ static void maybe_collect_garbage(_tide_arena *arena) {
 /* Quick blocks (quick.h has the hits)                                       */
 /* ------------------------------------------------------------------------ */
 
-/* What the quick blocks add to the raw figures (quick.h). */
+/* What the quick blocks add to the raw stats (quick.h). */
 typedef struct quick_tally {
   int64_t bytes[TIDE_POOL_KINDS], requested[TIDE_POOL_KINDS], blocks[TIDE_POOL_KINDS];
   uint64_t oversize;
@@ -247,7 +247,7 @@ static void tally_quick(const _tide_arena *arena, quick_tally *t) {
   }
 }
 
-void _tide_arena_figures(const _tide_arena *arena, _tide_arena_stats *out) {
+void _tide_arena_stats_read(const _tide_arena *arena, _tide_arena_stats *out) {
   quick_tally t;
   tally_quick(arena, &t);
   *out = arena->stats;
@@ -273,7 +273,7 @@ void _tide_arena_track_active(_tide_arena *arena) {
 }
 
 /* A quick block becomes an ordinary free block: out of the live map and of
- * the raw figures, merged. */
+ * the raw stats, merged. */
 static void unquick(_tide_arena *arena, _tide_block *b) {
   _tide_count_raw(arena, b, -1);
   _tide_count_cached(arena, b, -1);

@@ -233,7 +233,7 @@ enum {
   _TIDE_CT_COUNT
 };
 
-/* One arena's figures: [stat][0 all, 1 small, 2 large]. Active bytes and
+/* One arena's stats: [stat][0 all, 1 small, 2 large]. Active bytes and
  * blocks are allocated plus pending; their peak is the allocated peak except
  * while blocks are pending, when active_peak records it (so the common case,
  * nothing pending, costs nothing extra). */
@@ -255,7 +255,7 @@ static inline void _tide_track_active(_tide_arena_stats *s) {
   }
 }
 
-/* A figure of the whole allocator that must be exact across arenas. */
+/* A stat of the whole allocator that must be exact across arenas. */
 typedef struct _tide_global_stat {
   _Atomic int64_t cur;
   _Atomic int64_t peak;
@@ -269,7 +269,7 @@ static inline void _tide_global_add(_tide_global_stat *g, int64_t delta) {
   }
 }
 
-/* Change a figure of pool `pool` (and of all pools); a rise may set a peak. */
+/* Change a stat of pool `pool` (and of all pools); a rise may set a peak. */
 static inline void _tide_stat_up(_tide_arena_stats *s, int stat, int pool, int64_t delta) {
   int64_t all = s->cur[stat][0] += delta;
   int64_t one = s->cur[stat][pool + 1] += delta;
@@ -405,7 +405,7 @@ typedef struct _tide_arena {
  * allocator-wide counter once the change since the last addition reaches
  * this many bytes: streams on different threads then rarely write a shared
  * cache line, and the allocator-wide peak is within this much per stream of
- * the exact figure (reads first add every arena's remainder). */
+ * the exact value (reads first add every arena's remainder). */
 #define _TIDE_PUBLISH_BYTES ((int64_t)2 << 20)
 void _tide_arena_publish(_tide_arena *arena, int64_t delta);
 /* Add the arena's unpublished bytes to the shared counters now. */
@@ -429,7 +429,7 @@ _tide_block *_tide_block_new(_tide_arena *arena);
 void _tide_block_delete(_tide_arena *arena, _tide_block *b);
 void _tide_blocks_free_all(_tide_arena *arena);
 /* Put a free block into / take it out of its pool's bins, keeping the
- * inactive-split figures. */
+ * inactive-split stats. */
 void _tide_pool_insert(_tide_arena *arena, _tide_block *b);
 void _tide_pool_remove(_tide_arena *arena, _tide_block *b);
 /* Keep what the backend failed to give back, to retry later: a mapping to
@@ -438,10 +438,10 @@ void _tide_pool_remove(_tide_arena *arena, _tide_block *b);
 void _tide_orphan(_tide_arena *arena, int pool, uintptr_t map_addr, size_t map_size,
                   _tide_handle handle, size_t handle_size, uintptr_t range, size_t range_size);
 int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **out);
-/* The arena's figures as reported: its raw figures less the quick blocks,
+/* The arena's stats as reported: its raw stats less the quick blocks,
  * which they count as allocated (quick.h). */
-void _tide_arena_figures(const _tide_arena *arena, _tide_arena_stats *out);
-/* Record the active peak (allocated plus pending, of the figures as
+void _tide_arena_stats_read(const _tide_arena *arena, _tide_arena_stats *out);
+/* Record the active peak (allocated plus pending, of the stats as
  * reported) while blocks are pending. */
 void _tide_arena_track_active(_tide_arena *arena);
 /* Return a free (or just unmapped) block to its pool: merge, bin. */
@@ -591,7 +591,7 @@ static inline bool _tide_capture_detected(const _tide_backend *be, tide_stream s
 }
 
 /* ------------------------------------------------------------------------ */
-/* The allocator's state (its entry points: allocator.c)                    */
+/* The allocator's state (its entry points: allocator.c)                     */
 /* ------------------------------------------------------------------------ */
 
 typedef struct _tide_trace_ring {
@@ -653,8 +653,8 @@ struct tide_allocator {
   _tide_arena **arenas;
   _Atomic size_t narenas;
   size_t arenas_cap;
-  /* The figures of arenas a pool that is gone left to the next pool: the
-   * allocator's figures keep them, the new pool's start from zero. Under
+  /* The stats of arenas a pool that is gone left to the next pool: the
+   * allocator's stats keep them, the new pool's start from zero. Under
    * arenas_mutex. */
   _tide_arena_stats retired_stats;
   pthread_mutex_t reclaim_mutex; /* one thread frees cached memory at a time */
@@ -666,7 +666,7 @@ struct tide_allocator {
   _tide_trace_ring trace;
   struct _tide_pinned *pinned; /* the pinned host memory pool (pinned.c) */
   pthread_mutex_t bufs_mutex;  /* guards the list of growable buffers */
-  /* A buffer's page step (budget, handle, mapping and figures of one page)
+  /* A buffer's page step (budget, handle, mapping and stats of one page)
    * holds it shared; tide_check holds it alone, so it sees none half done. */
   pthread_rwlock_t bufs_pages;
   struct tide_buf *bufs;         /* live growable buffers (buffer.c) */

@@ -101,7 +101,7 @@ static void drop_bytes(_tide_arena *arena, int pool, size_t bytes) {
 }
 
 /* A handle held for pool `from` now serves pool `to`: its bytes move from
- * one pool's figures to the other's. */
+ * one pool's stats to the other's. */
 static void move_bytes(_tide_arena *arena, int from, int to, size_t bytes) {
   if (from == to) return;
   _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, from, -(int64_t)bytes);
