@@ -247,8 +247,10 @@ static TIDE_NOINLINE _tide_arena *capture_arena(tide_allocator *a, tide_stream s
  *   malloc_slow      what the fast path leaves before the lock: a bad call,
  *                    rounding by roundup_power2_divisions, captures, a stream
  *                    outside its home slot, a lock held by another thread
- *   malloc_in_arena  under the lock: the quick hit, inline
- *   malloc_locked    under the lock: a hit's extras, or the arena's full path
+ *   malloc_in_arena  under the lock: the quick hit, inline; a hit with
+ *                    extras to do (several streams, tracing) goes to
+ *                    malloc_hit_extras
+ *   malloc_locked    under the lock: the arena's full path
  *   malloc_failed    every failure: a backend's message, or the retries and
  *                    the out-of-memory error
  *
@@ -258,8 +260,9 @@ static TIDE_NOINLINE _tide_arena *capture_arena(tide_allocator *a, tide_stream s
 static TIDE_NOINLINE void *malloc_slow(tide_allocator *a, size_t size, tide_stream stream);
 static TIDE_ALWAYS_INLINE void *malloc_in_arena(tide_allocator *a, _tide_arena *arena, size_t size,
                                                 size_t rounded, tide_stream stream);
-static TIDE_NOINLINE void *malloc_locked(tide_allocator *a, _tide_arena *arena, _tide_block *hit,
-                                         size_t size, size_t rounded, tide_stream stream);
+static TIDE_NOINLINE void *malloc_hit_extras(_tide_arena *arena, _tide_block *b);
+static TIDE_NOINLINE void *malloc_locked(tide_allocator *a, _tide_arena *arena, size_t size,
+                                         size_t rounded, tide_stream stream);
 static TIDE_NOINLINE void *malloc_failed(tide_allocator *a, _tide_arena *arena, size_t size,
                                          size_t rounded, tide_stream stream, int rc);
 
@@ -295,26 +298,28 @@ static void *malloc_slow(tide_allocator *a, size_t size, tide_stream stream) {
 static void *malloc_in_arena(tide_allocator *a, _tide_arena *arena, size_t size, size_t rounded,
                              tide_stream stream) {
   _tide_block *b = _tide_arena_malloc_quick(arena, size, rounded);
-  if (TIDE_UNLIKELY(!b || _tide_hit_has_extras(a)))
-    return malloc_locked(a, arena, b, size, rounded, stream);
+  if (TIDE_UNLIKELY(!b)) return malloc_locked(a, arena, size, rounded, stream);
+  if (TIDE_UNLIKELY(_tide_hit_has_extras(a))) return malloc_hit_extras(arena, b);
   _tide_lock_release(&arena->lock);
   return (void *)b->addr;
 }
 
-/* Under the arena lock, which it releases: the extras of quick hit `hit`
- * (quick.h: the shared counter, the trace), or without one the arena's
- * full path (_tide_arena_malloc: the other quick blocks, pending frees,
- * best fit, growth). */
-static void *malloc_locked(tide_allocator *a, _tide_arena *arena, _tide_block *hit, size_t size,
-                           size_t rounded, tide_stream stream) {
+/* A quick hit with extras to do (quick.h: the shared counter, the trace),
+ * under the arena lock, which it releases. Apart from malloc_locked, whose
+ * full path saves registers that a hit need not pay for. */
+static void *malloc_hit_extras(_tide_arena *arena, _tide_block *b) {
+  _tide_hit_extras(arena, b, true, arena->stream);
+  _tide_lock_release(&arena->lock);
+  return (void *)b->addr;
+}
+
+/* Under the arena lock, which it releases: the arena's full path
+ * (_tide_arena_malloc: the other quick blocks, pending frees, best fit,
+ * growth). */
+static void *malloc_locked(tide_allocator *a, _tide_arena *arena, size_t size, size_t rounded,
+                           tide_stream stream) {
   void *ptr = NULL;
-  int rc = TIDE_OK;
-  if (hit) {
-    _tide_hit_extras(arena, hit, true, arena->stream);
-    ptr = (void *)hit->addr;
-  } else {
-    rc = _tide_arena_malloc(arena, size, rounded, &ptr);
-  }
+  int rc = _tide_arena_malloc(arena, size, rounded, &ptr);
   _tide_lock_release(&arena->lock);
   if (TIDE_LIKELY(rc == TIDE_OK)) return ptr;
   return malloc_failed(a, arena, size, rounded, stream, rc);
