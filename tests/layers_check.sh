@@ -60,8 +60,8 @@ HEADER_AT = {
 }
 
 # Calls still going up inside a folder, each (file, symbol): why they remain.
-KNOWN_ORDER = {
-}
+# None now: a call that goes up fails the check until it is restructured.
+KNOWN_ORDER = {}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
 NM_LINE = re.compile(r"^[^:]*:([^:]+):\s*(?:[0-9a-fA-F]+)?\s+([A-Za-z])\s+(\S+)$")
