@@ -173,7 +173,10 @@ def inline_calls(text):
     text = re.sub(r'"(?:\\.|[^"\\])*"', '""', text)
     text = re.sub(r"^[ \t]*#(?:[^\n]*\\\n)*[^\n]*", "", text, flags=re.M)
     found, pos = {}, 0
-    while (m := INLINE_HEAD.search(text, pos)):
+    while True:
+        m = INLINE_HEAD.search(text, pos)
+        if not m:
+            break
         i, depth = m.end(), 1
         while depth and i < len(text):  # past the parameters
             depth += {"(": 1, ")": -1}.get(text[i], 0)
