@@ -5,7 +5,12 @@
  * different streams never wait for each other. A block freed on its own
  * stream is reusable at once (later work on that stream runs after the work
  * that used it); a block also used on other streams waits in the pending
- * list until events recorded on those streams complete. */
+ * list until events recorded on those streams complete.
+ *
+ * Below it: segment.c grows and releases the segments' memory,
+ * stream_events.c says how far the stream has run, bins.c and ptrmap.c
+ * hold the free and the live blocks. Above it, arena_table.c finds an
+ * arena; nothing below calls back into this file. */
 #include <stdlib.h>
 #include <string.h>
 

@@ -11,7 +11,10 @@
  * already mapped are used before new ones. Until its stream first frees a
  * block, an arena maps each growth of a large request as one handle (a
  * load handle, load_handles): a model's weights, loaded first and kept,
- * then take a mapping each instead of one per page or handle.
+ * then take a mapping each instead of one per page or handle. Pages taken
+ * out of a segment while work queued before their free may still read
+ * them stay mapped at their old address, stale, until the stream is past
+ * that work (_tide_stale_settle, by stream_events.c's idle marks).
  *
  * Every backend call here can fail. A failure leaves the segment as it was
  * before the call (undoing the steps already done), or, where the backend
