@@ -631,17 +631,17 @@ static void test_stats_and_peaks(void **state) {
   destroy_clean(a);
 }
 
-/* The figures against a model, after every step of random allocations and
+/* The stats against a model, after every step of random allocations and
  * frees in which most sizes repeat (quick hits), with pending frees, peak
  * resets and emptied caches between them: current and peak of allocated
  * and requested bytes and of allocations, per pool and in all, and the
  * oversize count, exactly; tide_check each step. */
-typedef struct model_figure {
+typedef struct model_stat {
   int64_t cur, peak;
-} model_figure;
+} model_stat;
 
 typedef struct model {
-  model_figure f[3][TIDE_POOL_KINDS]; /* allocated, requested, allocations */
+  model_stat f[3][TIDE_POOL_KINDS]; /* allocated, requested, allocations */
   int64_t oversize;
 } model;
 
@@ -649,7 +649,7 @@ static void model_change(model *m, int pool, int64_t bytes, int64_t requested, i
   const int64_t delta[3] = {sign * bytes, sign * requested, sign};
   for (int k = 0; k < 3; k++)
     for (int p = 0; p < TIDE_POOL_KINDS; p += p == 0 ? pool : TIDE_POOL_KINDS) {
-      model_figure *x = &m->f[k][p];
+      model_stat *x = &m->f[k][p];
       x->cur += delta[k];
       if (x->cur > x->peak) x->peak = x->cur;
     }
@@ -676,7 +676,7 @@ static void model_reset(model *m) {
     for (int p = 0; p < TIDE_POOL_KINDS; p++) m->f[k][p].peak = m->f[k][p].cur;
 }
 
-static void run_figures_model(const char *conf, size_t max_split) {
+static void run_stats_model(const char *conf, size_t max_split) {
   enum { SLOTS = 24, STEPS = 3000 };
   static const size_t sizes[] = {500, 512, 4096, 70000, MiB, 3 * MiB, 21 * MiB};
   tide_allocator *a = make(conf);
@@ -722,11 +722,11 @@ static void run_figures_model(const char *conf, size_t max_split) {
   destroy_clean(a);
 }
 
-static void test_figures_follow_a_model(void **state) {
+static void test_stats_follow_a_model(void **state) {
   (void)state;
-  run_figures_model(NULL, SIZE_MAX);
-  run_figures_model("expandable_segments:False", SIZE_MAX);
-  run_figures_model("max_split_size_mb:20", 20 * MiB);
+  run_stats_model(NULL, SIZE_MAX);
+  run_stats_model("expandable_segments:False", SIZE_MAX);
+  run_stats_model("max_split_size_mb:20", 20 * MiB);
 }
 
 static void test_trace_ring(void **state) {
@@ -804,7 +804,7 @@ int main(void) {
       cmocka_unit_test(test_garbage_collection_threshold),
       cmocka_unit_test(test_max_split_size),
       cmocka_unit_test(test_stats_and_peaks),
-      cmocka_unit_test(test_figures_follow_a_model),
+      cmocka_unit_test(test_stats_follow_a_model),
       cmocka_unit_test(test_trace_ring),
       cmocka_unit_test(test_snapshot_json),
       cmocka_unit_test(test_destroy_reports_leaks),

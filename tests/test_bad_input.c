@@ -76,7 +76,7 @@ static size_t block_size(fixture *f, void *p) {
   return size;
 }
 
-/* The figures equal the sums over `n` live blocks of `requested` bytes, and
+/* The stats equal the sums over `n` live blocks of `requested` bytes, and
  * reserved memory is what the device holds. */
 static void expect_live(fixture *f, void *const *ptrs, const size_t *requested, size_t n) {
   int64_t bytes = 0, asked = 0;
@@ -93,7 +93,7 @@ static void expect_live(fixture *f, void *const *ptrs, const size_t *requested, 
 }
 
 /* After an error: a new block can be allocated, keeps its data, is counted
- * and freed, and the figures come back to what they were. */
+ * and freed, and the stats come back to what they were. */
 static void still_works(fixture *f) {
   tide_stats before = tu_stats(f->a);
   size_t size = 3 * TU_MiB + 100;
@@ -392,9 +392,9 @@ static void memory_limits(void **state) {
   tu_assert_ok(tide_set_memory_fraction(f->a, 1.0));
   still_works(f);
 
-  /* A fraction too small for one byte is a limit of 0 bytes: the figure says
+  /* A fraction too small for one byte is a limit of 0 bytes: the stat says
    * 0, what is enforced (not "no limit"), and the message names it. With no
-   * limit the figure is the device's memory; pinned memory has none. */
+   * limit the stat is the device's memory; pinned memory has none. */
   tu_assert_ok(tide_empty_cache(f->a));
   tu_assert_ok(tide_set_memory_fraction(f->a, 1e-300));
   assert_int_equal(tu_stats(f->a).memory_limit, 0);

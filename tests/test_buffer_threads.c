@@ -1,6 +1,6 @@
 /* test_buffer_threads.c: growable and ring buffers on the host backend — growth in
  * place, stream-ordered shrinking, mapping ahead (also on the worker), the
- * memory limit, figures, backend faults at every call and bad input. */
+ * memory limit, stats, backend faults at every call and bad input. */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -33,7 +33,7 @@ static tide_buf *make(tide_allocator *a, size_t capacity, size_t ahead, int asyn
   return create(a, &o);
 }
 
-/* A linear buffer whose figures join stream `s`'s arena. */
+/* A linear buffer whose stats join stream `s`'s arena. */
 static tide_buf *make_on(tide_allocator *a, size_t capacity, tide_stream s) {
   tide_buf_options o;
   tide_buf_options_init(&o);
@@ -328,7 +328,7 @@ static void test_buffer_room_from_idle_blocks_does_not_wait(void **state) {
 }
 
 /* A buffer's pages are driver mappings like a segment's handles: they count
- * in the mappings and unmappings figures (a ring's twice), and their calls'
+ * in the mappings and unmappings stats (a ring's twice), and their calls'
  * time in mapping_ns. */
 static void test_buffer_pages_count_as_mappings(void **state) {
   (void)state;
@@ -538,7 +538,7 @@ static void *churn_main(void *arg) {
 }
 
 /* tide_check while other threads change buffers: it must see each buffer
- * with its figures in the arenas, never one without the other. */
+ * with its stats in the arenas, never one without the other. */
 static void test_check_while_buffers_change(void **state) {
   (void)state;
   tide_allocator *a = tu_create(NULL);
@@ -725,7 +725,7 @@ static void test_faults_at_every_call(void **state) {
     }
     size_t keep = tide_buf_length(b) < TU_MiB ? tide_buf_length(b) : TU_MiB;
     check(tide_buf_data(b), 0, keep, 1);
-    tu_assert_ok(tide_check(a)); /* figures exact, refused pages kept as orphans */
+    tu_assert_ok(tide_check(a)); /* stats exact, refused pages kept as orphans */
     if (ring == TIDE_OK) tu_assert_ok(tide_buf_destroy(r));
     tu_assert_ok(tide_buf_destroy(b));
     tu_assert_ok(tide_stream_synchronize(a, s));

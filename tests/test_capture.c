@@ -17,14 +17,14 @@
  * - Checkpoint and restore, including a segment that grew and whose free
  *   blocks merged since the checkpoint (what PyTorch up to 2.10 cannot
  *   restore), blocks freed and allocated since, segments made since; exact
- *   figures afterwards.
+ *   stats afterwards.
  * - Faults: every backend call of a growth in a capture, and of a restore,
  *   made to fail: the pool stays consistent and works after.
  * - capture_detection, and bad input.
  * After every step the layout of every arena is checked: blocks cover each
  * segment, no two free blocks touch, free blocks are in the bins, allocated
  * ones in the live map, unmapped ones in the unmapped list on unmapped
- * pages, and the arena's figures are the sums over its blocks. */
+ * pages, and the arena's stats are the sums over its blocks. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -36,7 +36,7 @@
 
 #include <cmocka.h>
 
-#include "memory/core.h"
+#include "memory/arena_table.h"
 #include "testutil.h"
 
 #define MiB ((size_t)1 << 20)
@@ -116,7 +116,7 @@ static bool in_unmapped(const _tide_pool *pool, const _tide_block *b) {
   return false;
 }
 
-/* One arena's layout and figures, under its lock. */
+/* One arena's layout and stats, under its lock. */
 static void check_arena(tide_allocator *a, _tide_arena *arena) {
   int64_t alloc_bytes = 0, requested = 0, allocations = 0, split_bytes = 0, split_blocks = 0;
   int64_t pending = 0, mapped = 0;
@@ -170,9 +170,9 @@ static void check_arena(tide_allocator *a, _tide_arena *arena) {
       mapped += (int64_t)seg->mapped;
     }
   }
-  _tide_arena_stats figures; /* as reported: the raw ones count quick blocks */
-  _tide_arena_figures(arena, &figures);
-  const _tide_arena_stats *s = &figures;
+  _tide_arena_stats reported; /* as reported: the raw ones count quick blocks */
+  _tide_arena_stats_read(arena, &reported);
+  const _tide_arena_stats *s = &reported;
   assert_int_equal(s->cur[_TIDE_ST_ALLOCATED][0], alloc_bytes);
   assert_int_equal(s->cur[_TIDE_ST_REQUESTED][0], requested);
   assert_int_equal(s->cur[_TIDE_ST_ALLOCATIONS][0], allocations);
@@ -255,7 +255,7 @@ static void test_capture_goes_to_pool(void **state) {
   assert_null(seen);
   check_all(a);
 
-  /* The pool's figures are its blocks; the allocator's include them. */
+  /* The pool's stats are its blocks; the allocator's include them. */
   tide_stats ps = pool_stats(pool), all = tu_stats(a);
   assert_int_equal(allocated(&ps), 3 * MiB + 4 * KiB + 2 * MiB);
   assert_int_equal(ps.allocations[0].current, 3);
@@ -512,7 +512,7 @@ static void test_release_with_live_block(void **state) {
   destroy_clean(a); /* empty_cache returns the rest and the pool goes */
 }
 
-/* The arenas of a pool that is gone serve the next pool, whose figures
+/* The arenas of a pool that is gone serve the next pool, whose stats
  * start from zero; the allocator's keep the history. */
 static void test_next_pool_starts_from_zero(void **state) {
   (void)state;
@@ -649,7 +649,7 @@ static bool listed(void *const *list, size_t n, const void *p) {
   return false;
 }
 
-static void assert_same_figures(const tide_stats *x, const tide_stats *y) {
+static void assert_same_stats(const tide_stats *x, const tide_stats *y) {
   assert_int_equal(x->allocated_bytes[0].current, y->allocated_bytes[0].current);
   assert_int_equal(x->requested_bytes[0].current, y->requested_bytes[0].current);
   assert_int_equal(x->allocations[0].current, y->allocations[0].current);
@@ -691,7 +691,7 @@ static void test_checkpoint_restore(void **state) {
   tide_restore_delta_free(&d);
   assert_null(d.restored);
   tide_stats now = pool_stats(pool);
-  assert_same_figures(&now, &at_ck);
+  assert_same_stats(&now, &at_ck);
   check_all(a);
   void *base = NULL;
   size_t size = 0;
@@ -777,9 +777,9 @@ static void test_restore_grown_and_merged(void **state) {
   assert_true(b->state == _TIDE_FREE && b->addr + b->size == seg->base + grown);
   b = b->next;
   assert_true(b->state == _TIDE_UNMAPPED && b->addr + b->size == seg->base + seg->size && !b->next);
-  /* Exact figures: allocated as at the checkpoint; pages stay mapped. */
+  /* Exact stats: allocated as at the checkpoint; pages stay mapped. */
   tide_stats now = pool_stats(pool);
-  assert_same_figures(&now, &at_ck);
+  assert_same_stats(&now, &at_ck);
   assert_int_equal(reserved(&now), reserved(&before));
   assert_int_equal(seg->mapped, grown);
   assert_true(now.inactive_split_bytes[2].current == (int64_t)(grown - 2 * third));
@@ -828,7 +828,7 @@ static void test_restore_fixed_segments(void **state) {
   assert_ptr_equal(d.released[0], mid);
   tide_restore_delta_free(&d);
   tide_stats now = pool_stats(pool);
-  assert_same_figures(&now, &at_ck);
+  assert_same_stats(&now, &at_ck);
   check_all(a);
   tu_assert_ok(tide_free(a, x, s));
   tu_assert_ok(tide_free(a, y, s));
@@ -912,7 +912,7 @@ static void test_faults_during_restore(void **state) {
   assert_int_equal(d.nrestored, 0);
   assert_non_null(strstr(tide_last_error(), "the pool is as it was"));
   tide_stats ps = pool_stats(pool);
-  assert_same_figures(&ps, &pending);
+  assert_same_stats(&ps, &pending);
   check_all(a);
   tu_assert_ok(tide_host_stream_release(a, t)); /* y's free can complete now */
 
@@ -935,7 +935,7 @@ static void test_faults_during_restore(void **state) {
     assert_true(n < 8);
   }
   tide_stats now = pool_stats(pool);
-  assert_same_figures(&now, &at_ck);
+  assert_same_stats(&now, &at_ck);
   assert_int_equal(tide_free(a, w, s), TIDE_ERR_DOUBLE_FREE);
   tu_assert_ok(tide_free(a, x, s));
   tu_assert_ok(tide_free(a, y, s)); /* allocated again by the restore */

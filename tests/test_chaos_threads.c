@@ -522,7 +522,7 @@ static void do_capture(worker *k) {
   expect(k, rc, TIDE_OK, "tide_pool_release");
 }
 
-/* ---- streams, limits, the cache, figures --------------------------------- */
+/* ---- streams, limits, the cache, stats ----------------------------------- */
 
 static void do_stream_churn(worker *k) {
   tide_allocator *a = k->r->a;
@@ -565,7 +565,7 @@ static void do_limits(worker *k) {
   expect(k, rc, TIDE_OK, "changing the memory limit");
 }
 
-static void do_figures(worker *k) {
+static void do_stats(worker *k) {
   tide_allocator *a = k->r->a;
   tide_status rc;
   uint64_t c = tu_below(&k->rng, 4);
@@ -589,7 +589,7 @@ static void do_figures(worker *k) {
     rc = tide_check(a);
   }
   op_end(&k->w);
-  expect(k, rc, TIDE_OK, "reading the figures");
+  expect(k, rc, TIDE_OK, "reading the stats");
 }
 
 static void do_empty_cache(worker *k) {
@@ -635,7 +635,7 @@ static void *worker_main(void *arg) {
     else if (c < 91)
       do_limits(k);
     else if (c < 97)
-      do_figures(k);
+      do_stats(k);
     else
       do_empty_cache(k);
   }

@@ -35,7 +35,7 @@
 
 #include <cmocka.h>
 
-#include "memory/core.h"
+#include "memory/arena_table.h"
 #include "testutil.h"
 
 #define SLOTS 24
@@ -220,7 +220,7 @@ static void end_call(harness *h, bool hit_before, bool failed, tide_status st, e
   check_consistent(h);
 }
 
-/* Live blocks intact and where they were; figures equal to their sums. */
+/* Live blocks intact and where they were; stats equal to their sums. */
 static void check_consistent(harness *h) {
   int64_t bytes = 0, requested = 0, count = 0;
   for (int i = 0; i < SLOTS; i++) {

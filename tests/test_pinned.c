@@ -1,7 +1,7 @@
 /* test_pinned.c: the pinned host memory pool (tide_pinned_*) on the host
  * backend: size classes and alignment, reuse from the free lists, reuse
  * ordered by streams (held streams stand for long-running work), recorded
- * streams, tide_pinned_empty_cache, the figures, the out-of-memory path
+ * streams, tide_pinned_empty_cache, the stats, the out-of-memory path
  * (a request no host can pin, and failures injected into host_alloc), bad
  * pointers, double frees and bad streams, destroyed streams, teardown with
  * blocks in use, and several threads at once with data checked. */
@@ -81,7 +81,7 @@ static void pinned_sizes_and_alignment(void **state) {
   assert_int_equal(st.num_allocs, N);
   assert_int_equal(st.num_device_alloc, N);
   assert_int_equal(calls(a, TIDE_OP_HOST_ALLOC), N);
-  /* The device's figures are not the pinned pool's. */
+  /* The device's stats are not the pinned pool's. */
   assert_int_equal(tu_stats(a).allocated_bytes[TIDE_POOL_ALL].current, 0);
   assert_int_equal(tide_host_bytes_in_use(a), 0);
 
@@ -571,7 +571,7 @@ static void pinned_threads(void **state) {
   for (unsigned i = 0; i < THREADS; i++) w[i].other = w[(i + 1) % THREADS].stream;
   for (unsigned i = 0; i < THREADS; i++)
     assert_int_equal(pthread_create(&t[i], NULL, work, &w[i]), 0);
-  /* Meanwhile, the figures and the cache may be asked for. */
+  /* Meanwhile, the stats and the cache may be asked for. */
   for (int i = 0; i < 50; i++) {
     tide_stats st = pstats(a);
     assert_true(st.allocated_bytes[TIDE_POOL_ALL].current <=

@@ -12,7 +12,7 @@
  *   CheckpointDelta (freed: everything allocated before; allocated: the
  *   checkpoint's blocks);
  * - tide_layout_get's segments tile with their blocks and agree with the
- *   figures; bad arguments are refused with a message. */
+ *   stats; bad arguments are refused with a message. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdbool.h>

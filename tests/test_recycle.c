@@ -304,7 +304,7 @@ static void test_pressure_releases_whole_handles(void **state) {
 
 /* A small pool's page grown beside a free 16 MiB block of 4 MiB handles
  * that queued work may still read (no idle mark follows its free), under
- * memory_limit `limit`: the figures after the growth, and in *syncs the
+ * memory_limit `limit`: the stats after the growth, and in *syncs the
  * stream synchronizations it took. */
 static tide_stats small_growth_beside_a_busy_handle(const char *limit, uint64_t *syncs) {
   char conf[160];

@@ -198,7 +198,7 @@ static void validate_finds_a_lost_live_block(void **state) {
   tu_assert_ok(tide_check(w->a));
 }
 
-static void validate_finds_a_wrong_figure(void **state) {
+static void validate_finds_a_wrong_stat(void **state) {
   world *w = *state;
   _tide_arena *arena = arena_of(w, w->side);
   arena->stats.cur[_TIDE_ST_ALLOCATED][1] += 512;
@@ -305,7 +305,7 @@ int main(void) {
       BOTH(validate_finds_a_block_missing_from_its_bin),
       BOTH(validate_finds_a_block_in_the_wrong_bin),
       BOTH(validate_finds_a_lost_live_block),
-      BOTH(validate_finds_a_wrong_figure),
+      BOTH(validate_finds_a_wrong_stat),
       BOTH(validate_finds_wrong_reserved_bytes),
       cmocka_unit_test_prestate_setup_teardown(validate_finds_an_unmapped_page_under_a_block, setup,
                                                teardown,

@@ -1,17 +1,18 @@
 /* allocator.c: the device allocator behind the public API — creation,
- * malloc and free, the memory limit and the out-of-memory path, streams,
+ * the memory limit, malloc and free with the out-of-memory path, streams,
  * copies and the entry points of the pinned pool (pinned.c); the host
- * backend's controls are testing.c's. The arenas of streams and capture pools are
- * arenas.c's; this file calls down into them and into the features, and
- * nothing below calls back into it.
+ * backend's controls are testing.c's. The arenas of streams and capture
+ * pools are arena_table.c's; this file calls down into them and into the
+ * features, and nothing below calls back into it.
  *
  * The fast path of tide_malloc/tide_free is: find the stream's arena in the
- * allocator's table of streams (core.h, inline), take its lock, take back
- * (or keep) a quick block and update its figures (quick.h, inline: no
+ * allocator's table of streams (arena_table.h, inline), take its lock, take
+ * back (or keep) a quick block and update its stats (quick.h, inline: no
  * call). The rest of the full path, best fit or merging in the bins, is a
- * call into arena.c under the same lock; growth, the out-of-memory path,
- * frees on the wrong stream and graph captures (pool.c, one predictable
- * branch on a flag) leave it. */
+ * call into arena.c under the same lock; growth (segment.c) is below it.
+ * What runs out of memory comes back here once, to the retries and the
+ * error (malloc_failed); frees on the wrong stream and graph captures
+ * (pool.c, one predictable branch on a flag) leave the fast path too. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -133,7 +134,7 @@ fail:
 
 tide_status tide_destroy(tide_allocator *a) {
   _TIDE_CHECK_ALLOCATOR(a, TIDE_ERR_INVALID);
-  size_t unfreed = _tide_bufs_destroy_all(a); /* their figures live in the arenas */
+  size_t unfreed = _tide_bufs_destroy_all(a); /* their stats live in the arenas */
   _tide_first_error refused = {0};            /* what the backend would not take back */
   _tide_first_error_note(&refused, _tide_imports_close_all(a));
   size_t n = atomic_load(&a->narenas);
@@ -178,7 +179,7 @@ tide_status tide_destroy(tide_allocator *a) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* The memory limit (mapcalls.c takes physical memory under it)             */
+/* The memory limit (device_memory.c takes physical memory under it)         */
 /* ------------------------------------------------------------------------ */
 
 tide_status tide_set_memory_fraction(tide_allocator *a, double fraction) {
@@ -207,20 +208,181 @@ tide_status tide_set_memory_limit(tide_allocator *a, size_t bytes) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* Out of memory                                                             */
+/* Allocation, top to bottom                                                 */
 /* ------------------------------------------------------------------------ */
 
-static void out_of_memory(tide_allocator *a, tide_stream stream, size_t size, size_t rounded,
-                          const char *cause) {
+/* The size a request takes: 512-byte steps, or roundup_power2_divisions. */
+static inline size_t rounded_size(const tide_allocator *a, size_t size) {
+  return TIDE_LIKELY(a->plain_rounding) ? (size + TIDE_MIN_BLOCK - 1) & ~(TIDE_MIN_BLOCK - 1)
+                                        : _tide_round_size(&a->conf, size);
+}
+
+/* Whether a call on `stream` goes through the capture path (pool.c): while
+ * captures are watched, and with capture_detection when the stream is being
+ * captured. */
+static inline bool captures_involved(tide_allocator *a, tide_stream stream) {
+  if (atomic_load_explicit(&a->capture_watch, memory_order_relaxed)) return true;
+  return a->conf.capture_detection && _tide_capture_detected(&a->backend, stream);
+}
+
+/* While captures are watched: the arena of the capture pool the stream's
+ * allocations go to, or the stream's own. */
+static TIDE_NOINLINE _tide_arena *capture_arena(tide_allocator *a, tide_stream stream) {
+  _tide_arena *arena = NULL;
+  if (_tide_capture_route(a, stream, &arena) != TIDE_OK) {
+    _tide_error_prefix("tide_malloc on stream %p: finding its capture pool failed", (void *)stream);
+    return NULL;
+  }
+  return arena ? arena : _tide_arena_of(a, stream, true);
+}
+
+/* tide_malloc reads downward: after the small helpers it asks, each step
+ * is defined below the one that calls it, and goes down into the arena
+ * (arena.c: quick blocks, best fit; segment.c: growth) and, once memory
+ * ran out, into the features (what every arena caches, the stats of the
+ * error).
+ *
+ *   tide_malloc      the fast path: the stream's arena from its home slot,
+ *                    its lock, a quick hit (quick.h), all inline
+ *   malloc_slow      what the fast path leaves before the lock: a bad call,
+ *                    rounding by roundup_power2_divisions, captures, a stream
+ *                    outside its home slot, a lock held by another thread
+ *   malloc_in_arena  under the lock: the quick hit, inline; a hit with
+ *                    extras to do (several streams, tracing) goes to
+ *                    malloc_hit_extras
+ *   malloc_locked    under the lock: the arena's full path
+ *   malloc_failed    every failure: a backend's message, or the retries and
+ *                    the out-of-memory error
+ *
+ * tide_malloc and malloc_in_arena make calls only in tail position: every
+ * case they do not finish goes to a function that does, so a quick hit
+ * makes no call. */
+static TIDE_NOINLINE void *malloc_slow(tide_allocator *a, size_t size, tide_stream stream);
+static TIDE_ALWAYS_INLINE void *malloc_in_arena(tide_allocator *a, _tide_arena *arena, size_t size,
+                                                size_t rounded, tide_stream stream);
+static TIDE_NOINLINE void *malloc_hit_extras(_tide_arena *arena, _tide_block *b);
+static TIDE_NOINLINE void *malloc_locked(tide_allocator *a, _tide_arena *arena, size_t size,
+                                         size_t rounded, tide_stream stream);
+static TIDE_NOINLINE void *malloc_failed(tide_allocator *a, _tide_arena *arena, size_t size,
+                                         size_t rounded, tide_stream stream, int rc);
+
+void *tide_malloc(tide_allocator *a, size_t size, tide_stream stream) {
+  /* size - 1 wraps for 0: one comparison refuses both impossible sizes. */
+  if (TIDE_UNLIKELY(!valid(a) || size - 1 >= TIDE_MAX_ALLOC)) return malloc_slow(a, size, stream);
+  _tide_arena *arena = _tide_stream_arena_home(
+      atomic_load_explicit(&a->malloc_streams, memory_order_relaxed), stream);
+  if (TIDE_UNLIKELY(!arena || !_tide_lock_try(&arena->lock))) return malloc_slow(a, size, stream);
+  size_t rounded = (size + TIDE_MIN_BLOCK - 1) & ~(TIDE_MIN_BLOCK - 1);
+  return malloc_in_arena(a, arena, size, rounded, stream);
+}
+
+static void *malloc_slow(tide_allocator *a, size_t size, tide_stream stream) {
+  _TIDE_CHECK_ALLOCATOR(a, NULL);
+  if (TIDE_UNLIKELY(size == 0 || size > TIDE_MAX_ALLOC)) {
+    _tide_error_set(TIDE_ERR_INVALID,
+                    size == 0 ? "tide_malloc: size 0 asks for nothing; no block was allocated"
+                              : "tide_malloc: size %zu is larger than any device (limit 4 PiB)",
+                    size);
+    return NULL;
+  }
+  size_t rounded = rounded_size(a, size);
+  _tide_arena *arena = TIDE_LIKELY(!captures_involved(a, stream)) ? _tide_arena_of(a, stream, true)
+                                                                  : capture_arena(a, stream);
+  if (TIDE_UNLIKELY(!arena)) return NULL;
+  _tide_lock_acquire(&arena->lock);
+  return malloc_in_arena(a, arena, size, rounded, stream);
+}
+
+/* Under the arena lock, which the functions it goes to release: the newest
+ * quick block when it has the size, or the rest (malloc_locked). */
+static void *malloc_in_arena(tide_allocator *a, _tide_arena *arena, size_t size, size_t rounded,
+                             tide_stream stream) {
+  _tide_block *b = _tide_arena_malloc_quick(arena, size, rounded);
+  if (TIDE_UNLIKELY(!b)) return malloc_locked(a, arena, size, rounded, stream);
+  if (TIDE_UNLIKELY(_tide_hit_has_extras(a))) return malloc_hit_extras(arena, b);
+  _tide_lock_release(&arena->lock);
+  return (void *)b->addr;
+}
+
+/* A quick hit with extras to do (quick.h: the shared counter, the trace),
+ * under the arena lock, which it releases. Apart from malloc_locked, whose
+ * full path saves registers that a hit need not pay for. */
+static void *malloc_hit_extras(_tide_arena *arena, _tide_block *b) {
+  _tide_hit_extras(arena, b, true, arena->stream);
+  _tide_lock_release(&arena->lock);
+  return (void *)b->addr;
+}
+
+/* Under the arena lock, which it releases: the arena's full path
+ * (_tide_arena_malloc: the other quick blocks, pending frees, best fit,
+ * growth). */
+static void *malloc_locked(tide_allocator *a, _tide_arena *arena, size_t size, size_t rounded,
+                           tide_stream stream) {
+  void *ptr = NULL;
+  int rc = _tide_arena_malloc(arena, size, rounded, &ptr);
+  _tide_lock_release(&arena->lock);
+  if (TIDE_LIKELY(rc == TIDE_OK)) return ptr;
+  return malloc_failed(a, arena, size, rounded, stream, rc);
+}
+
+/* How long an allocation the device cannot hold waits for others to give
+ * memory back: many of their device checks (each after 256 of their
+ * allocations), so that a second process whose growth meets the first
+ * one's cache gets the pages instead of an error; a real out-of-memory
+ * error still comes within half a second. */
+#define OTHERS_TRIES 100
+#define OTHERS_WAIT_NS 5000000L
+
+/* The one place a failed allocation goes, holding no lock; `rc` is the
+ * arena's status. A failure other than a lack of memory gets its message
+ * prefixed. A lack of memory climbs a ladder before it is an error:
+ *   1. what PyTorch does before it gives up: wait for pending frees and
+ *      for the streams of pages growable buffers let go, give every arena's
+ *      cached pages back, and try again;
+ *   2. while the device, not the limit, is in the way and others (another
+ *      process, another allocator of the device) hold more than the
+ *      low-water mark, wait for them: an allocator holding memory it
+ *      caches gives it back when it sees the device low, within a few of
+ *      its allocations (arena.c, yield_to_device). The device's free
+ *      memory alone does not say: a growth maps whole pages, and what
+ *      others gave back since the failure is what the next try takes;
+ *   3. the out-of-memory error: what was asked, what is held and cached,
+ *      the device and the limit, the largest free block, the cause (the
+ *      last try's message) and what to try. */
+static void *malloc_failed(tide_allocator *a, _tide_arena *arena, size_t size, size_t rounded,
+                           tide_stream stream, int rc) {
+  if (rc != TIDE_ERR_OOM) {
+    if (rc == TIDE_ERR_BACKEND)
+      _tide_error_prefix("tide_malloc(%zu bytes) failed in the device backend", size);
+    else
+      _tide_error_prefix("tide_malloc(%zu bytes)", size);
+    return NULL;
+  }
+  _tide_reclaim_for_retry(a);
+  void *ptr = NULL;
+  for (unsigned tries = 0;; tries++) {
+    _tide_lock_acquire(&arena->lock);
+    rc = _tide_arena_malloc(arena, size, rounded, &ptr);
+    _tide_lock_release(&arena->lock);
+    if (rc != TIDE_ERR_OOM || tries == OTHERS_TRIES) break;
+    size_t free_bytes;
+    int64_t reserved = atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
+    if ((size_t)reserved + rounded > atomic_load(&a->limit) || !_tide_device_free(a, &free_bytes) ||
+        _tide_others_hold(a, free_bytes) <= (int64_t)_tide_low_water(a))
+      break;
+    nanosleep(&(struct timespec){.tv_nsec = OTHERS_WAIT_NS}, NULL);
+  }
+  if (rc == TIDE_OK) return ptr;
+  if (rc != TIDE_ERR_OOM) return NULL;
+  char cause[512], b[7][32], on_stream[48];
+  snprintf(cause, sizeof cause, "%s", tide_last_error());
   tide_stats st;
-  size_t dev_free = 0, dev_total = 0;
-  char b[7][32], on_stream[48];
   _tide_stats_collect(a, &st);
   if (stream == NULL)
     snprintf(on_stream, sizeof on_stream, "the default stream");
   else
     snprintf(on_stream, sizeof on_stream, "stream %p", (void *)stream);
-  size_t limit = atomic_load(&a->limit);
+  size_t limit = atomic_load(&a->limit), dev_free = 0, dev_total = 0;
   bool limited = limit < a->total_memory;
   /* The emulated device's size is an option: name it, not PyTorch's remedies. */
   bool host = strcmp(a->backend.ops->name, "host") == 0;
@@ -246,160 +408,7 @@ static void out_of_memory(tide_allocator *a, tide_stream stream, size_t size, si
       limited ? "; raise memory_fraction or memory_limit" : "",
       !host ? "; reduce the batch or sequence length"
             : (limited ? "" : "; raise host_capacity (the emulated device's memory)"));
-}
-
-/* How long an allocation the device cannot hold waits for others to give
- * memory back: many of their device checks (each after 256 of their
- * allocations), so that a second process whose growth meets the first
- * one's cache gets the pages instead of an error; a real out-of-memory
- * error still comes within half a second. */
-#define OTHERS_TRIES 100
-#define OTHERS_WAIT_NS 5000000L
-
-/* Whether others (another process, another allocator of the device) may
- * give back memory that `rounded` more bytes need: this allocator's limit
- * has room for them, and others hold more than the low-water mark. (The
- * device's free memory alone does not say: a growth maps whole pages, and
- * what others gave back since the failure is what the next try takes.) */
-static bool others_hold_memory(tide_allocator *a, size_t rounded) {
-  size_t free_bytes;
-  int64_t reserved = atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
-  if ((size_t)reserved + rounded > atomic_load(&a->limit) || !_tide_device_free(a, &free_bytes))
-    return false;
-  return _tide_others_hold(a, free_bytes) > (int64_t)_tide_low_water(a);
-}
-
-static void *malloc_retry(tide_allocator *a, _tide_arena *arena, size_t size, size_t rounded,
-                          tide_stream stream) {
-  char cause[512];
-  snprintf(cause, sizeof cause, "%s", tide_last_error());
-  _tide_reclaim_for_retry(a);
-  void *ptr = NULL;
-  _tide_lock_acquire(&arena->lock);
-  int rc = _tide_arena_malloc(arena, size, rounded, &ptr);
-  _tide_lock_release(&arena->lock);
-  /* The device, not the limit, in the way: others holding memory they
-   * cache give it back when they see the device low, within a few of
-   * their allocations (arena.c, yield_to_device). */
-  for (unsigned tries = 0;
-       rc == TIDE_ERR_OOM && tries < OTHERS_TRIES && others_hold_memory(a, rounded); tries++) {
-    nanosleep(&(struct timespec){.tv_nsec = OTHERS_WAIT_NS}, NULL);
-    _tide_lock_acquire(&arena->lock);
-    rc = _tide_arena_malloc(arena, size, rounded, &ptr);
-    _tide_lock_release(&arena->lock);
-  }
-  if (rc == TIDE_OK) return ptr;
-  if (rc == TIDE_ERR_OOM) {
-    snprintf(cause, sizeof cause, "%s", tide_last_error());
-    out_of_memory(a, stream, size, rounded, cause);
-  }
   return NULL;
-}
-
-/* ------------------------------------------------------------------------ */
-/* Allocation and freeing                                                    */
-/* ------------------------------------------------------------------------ */
-
-/* While captures are watched: the arena of the capture pool the stream's
- * allocations go to, or the stream's own. */
-static TIDE_NOINLINE _tide_arena *capture_arena(tide_allocator *a, tide_stream stream) {
-  _tide_arena *arena = NULL;
-  if (_tide_capture_route(a, stream, &arena) != TIDE_OK) {
-    _tide_error_prefix("tide_malloc on stream %p: finding its capture pool failed", (void *)stream);
-    return NULL;
-  }
-  return arena ? arena : _tide_arena_of(a, stream, true);
-}
-
-/* Whether a call on `stream` goes through the capture path (pool.c): while
- * captures are watched, and with capture_detection when the stream is being
- * captured. */
-static inline bool captures_involved(tide_allocator *a, tide_stream stream) {
-  if (atomic_load_explicit(&a->capture_watch, memory_order_relaxed)) return true;
-  return a->conf.capture_detection && _tide_capture_detected(a, stream);
-}
-
-/* The full path of tide_malloc under the arena lock, which it releases. */
-static TIDE_NOINLINE void *malloc_locked(tide_allocator *a, _tide_arena *arena, size_t size,
-                                         size_t rounded, tide_stream stream) {
-  void *ptr = NULL;
-  int rc = _tide_arena_malloc(arena, size, rounded, &ptr);
-  _tide_lock_release(&arena->lock);
-  if (TIDE_LIKELY(rc == TIDE_OK)) return ptr;
-  if (rc != TIDE_ERR_OOM) {
-    if (rc == TIDE_ERR_BACKEND)
-      _tide_error_prefix("tide_malloc(%zu bytes) failed in the device backend", size);
-    else
-      _tide_error_prefix("tide_malloc(%zu bytes)", size);
-    return NULL;
-  }
-  return malloc_retry(a, arena, size, rounded, stream);
-}
-
-/* A quick hit with extras to do (quick.h), under the arena lock, which it
- * releases. */
-static TIDE_NOINLINE void *malloc_hit_extras(_tide_arena *arena, _tide_block *b) {
-  _tide_hit_extras(arena, b, true, arena->stream);
-  _tide_lock_release(&arena->lock);
-  return (void *)b->addr;
-}
-
-/* tide_malloc under the arena lock, which it releases: the quick hit, or
- * the full path. */
-static TIDE_ALWAYS_INLINE void *malloc_in_arena(tide_allocator *a, _tide_arena *arena, size_t size,
-                                                size_t rounded, tide_stream stream) {
-  _tide_block *b = _tide_arena_malloc_quick(arena, size, rounded);
-  if (TIDE_UNLIKELY(!b)) return malloc_locked(a, arena, size, rounded, stream);
-  if (TIDE_UNLIKELY(_tide_hit_has_extras(a))) return malloc_hit_extras(arena, b);
-  _tide_lock_release(&arena->lock);
-  return (void *)b->addr;
-}
-
-/* tide_malloc when the arena's lock was held by another thread. */
-static TIDE_NOINLINE void *malloc_contended(tide_allocator *a, _tide_arena *arena, size_t size,
-                                            size_t rounded, tide_stream stream) {
-  _tide_lock_acquire(&arena->lock);
-  return malloc_in_arena(a, arena, size, rounded, stream);
-}
-
-/* The size a request takes: 512-byte steps, or roundup_power2_divisions. */
-static inline size_t rounded_size(const tide_allocator *a, size_t size) {
-  return TIDE_LIKELY(a->plain_rounding) ? (size + TIDE_MIN_BLOCK - 1) & ~(TIDE_MIN_BLOCK - 1)
-                                        : _tide_round_size(&a->conf, size);
-}
-
-/* Everything tide_malloc's quick hit does not cover: a bad call, a stream
- * not in its home slot of the table of streams, captures being watched,
- * rounding by roundup_power2_divisions. */
-static TIDE_NOINLINE void *malloc_slow(tide_allocator *a, size_t size, tide_stream stream) {
-  _TIDE_CHECK_ALLOCATOR(a, NULL);
-  if (TIDE_UNLIKELY(size == 0 || size > TIDE_MAX_ALLOC)) {
-    _tide_error_set(TIDE_ERR_INVALID,
-                    size == 0 ? "tide_malloc: size 0 asks for nothing; no block was allocated"
-                              : "tide_malloc: size %zu is larger than any device (limit 4 PiB)",
-                    size);
-    return NULL;
-  }
-  size_t rounded = rounded_size(a, size);
-  _tide_arena *arena = TIDE_LIKELY(!captures_involved(a, stream)) ? _tide_arena_of(a, stream, true)
-                                                                  : capture_arena(a, stream);
-  if (TIDE_UNLIKELY(!arena)) return NULL;
-  _tide_lock_acquire(&arena->lock);
-  return malloc_in_arena(a, arena, size, rounded, stream);
-}
-
-/* The fast path makes calls only in tail position, so that it saves no
- * registers: every case it does not finish goes to a function that does. */
-void *tide_malloc(tide_allocator *a, size_t size, tide_stream stream) {
-  /* size - 1 wraps for 0: one comparison refuses both impossible sizes. */
-  if (TIDE_UNLIKELY(!valid(a) || size - 1 >= TIDE_MAX_ALLOC)) return malloc_slow(a, size, stream);
-  _tide_arena *arena = _tide_stream_arena_home(
-      atomic_load_explicit(&a->malloc_streams, memory_order_relaxed), stream);
-  if (TIDE_UNLIKELY(!arena)) return malloc_slow(a, size, stream);
-  size_t rounded = (size + TIDE_MIN_BLOCK - 1) & ~(TIDE_MIN_BLOCK - 1);
-  if (TIDE_UNLIKELY(!_tide_lock_try(&arena->lock)))
-    return malloc_contended(a, arena, size, rounded, stream);
-  return malloc_in_arena(a, arena, size, rounded, stream);
 }
 
 /* An allocation in a pool chosen by the caller (PyTorch's
@@ -436,6 +445,10 @@ void *tide_pool_malloc(tide_pool *pool, size_t size, tide_stream stream) {
   _tide_lock_acquire(&arena->lock);
   return malloc_in_arena(a, arena, size, rounded, stream);
 }
+
+/* ------------------------------------------------------------------------ */
+/* Freeing                                                                   */
+/* ------------------------------------------------------------------------ */
 
 static tide_status free_anywhere(tide_allocator *a, void *ptr, size_t size, bool sized,
                                  tide_stream stream);

@@ -9,7 +9,7 @@
  * work may still read them). A worker thread, when asked for, maps ahead of
  * the length after each growth; `busy` marks pages it is mapping with the
  * lock dropped, so the caller only waits for it when it needs those very
- * pages. Figures go to the arena of the buffer's stream, under its lock.
+ * pages. Stats go to the arena of the buffer's stream, under its lock.
  *
  * Handles: a buffer's memory outlives it (handles.c), so a call on a
  * destroyed buffer finds its magic word cleared and is refused. */
@@ -26,7 +26,7 @@ static _tide_handle_kind buf_objects = {0};
 struct tide_buf {
   long magic;
   tide_allocator *alloc;
-  _tide_arena *arena; /* whose figures it joins */
+  _tide_arena *arena; /* whose stats it joins */
   tide_stream stream;
   uintptr_t base;
   size_t page, capacity, reserved_bytes; /* reserved_bytes: the virtual range (2x for a ring) */
@@ -46,7 +46,7 @@ struct tide_buf {
   _tide_saved_error worker_failed; /* status TIDE_OK: none since the last call */
   pthread_t worker;
   struct tide_buf *next; /* the allocator's list */
-  /* What the arena's figures hold of the buffer, under the arena lock:
+  /* What the arena's stats hold of the buffer, under the arena lock:
    * tide_check reads these, not the fields above, so it never waits for
    * the buffer's mutex or its worker (whose pages are counted one by one
    * before `mapped` takes them in). */
@@ -85,7 +85,7 @@ static void count_page(tide_buf *b) {
 static void count_length(tide_buf *b, int64_t delta, int64_t allocations) {
   _tide_arena *arena = b->arena;
   _tide_lock_acquire(&arena->lock);
-  /* The raw figures rise only with no quick block (quick.h). */
+  /* The raw stats rise only with no quick block (quick.h). */
   if (delta > 0 || allocations > 0) _tide_arena_flush_quick(arena);
   _tide_stat_add(&arena->stats, _TIDE_ST_ALLOCATED, _TIDE_LARGE, delta);
   _tide_stat_add(&arena->stats, _TIDE_ST_REQUESTED, _TIDE_LARGE, delta);
@@ -104,7 +104,7 @@ static void count_length(tide_buf *b, int64_t delta, int64_t allocations) {
 
 static const _tide_backend *backend(const tide_buf *b) { return &b->alloc->backend; }
 
-/* A page's budget, handle, mapping and figures change in one step, which
+/* A page's budget, handle, mapping and stats change in one step, which
  * tide_check never sees half done: it holds the allocator's page lock alone,
  * a step holds it shared. Steps never nest. */
 static void step_begin(const tide_buf *b) { pthread_rwlock_rdlock(&b->alloc->bufs_pages); }
@@ -369,9 +369,9 @@ static void map_ahead(tide_buf *b, size_t length) {
 /* The allocator's list                                                      */
 /* ------------------------------------------------------------------------ */
 
-/* A buffer's figures change in the arenas together with its place on the
+/* A buffer's stats change in the arenas together with its place on the
  * list, under the list's mutex: tide_check, which holds it, sees a buffer
- * with its figures or neither. */
+ * with its stats or neither. */
 static void list_add(tide_buf *b) {
   tide_allocator *a = b->alloc;
   b->next = a->bufs;
@@ -593,8 +593,8 @@ void _tide_bufs_let_go(tide_allocator *a) {
   pthread_mutex_unlock(&a->bufs_mutex);
 }
 
-void _tide_bufs_figures(tide_allocator *a, _tide_arena *const *arenas, size_t n,
-                        _tide_buf_figures *out) {
+void _tide_bufs_stats(tide_allocator *a, _tide_arena *const *arenas, size_t n,
+                      _tide_buf_stats *out) {
   memset(out, 0, n * sizeof *out);
   for (tide_buf *b = a->bufs; b; b = b->next)
     for (size_t i = 0; i < n; i++) {

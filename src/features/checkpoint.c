@@ -403,7 +403,7 @@ static void take_apart(restore *r, const seg_plan *sp) {
   _tide_arena *arena = sp->arena;
   _tide_pool *pool = &arena->pools[sp->seg->pool];
   const entry *e = &r->entries[sp->first], *e_end = e + sp->count;
-  /* Links stay intact until every block is out: the bins' figures ask
+  /* Links stay intact until every block is out: the bins' stats ask
    * whether a block is split. */
   for (_tide_block *b = sp->seg->first; b; b = b->next) {
     while (e < e_end && (!e->keep || e->keep->addr < b->addr)) e++;

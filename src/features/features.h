@@ -7,7 +7,7 @@
 #ifndef TIDE_FEATURES_H
 #define TIDE_FEATURES_H
 
-#include "memory/core.h"
+#include "memory/arena_table.h"
 
 /* ------------------------------------------------------------------------ */
 /* Capture pools (pool.c, checkpoint.c)                                      */
@@ -75,8 +75,6 @@ void _tide_capture_retry_deferred(struct tide_allocator *a);
  * cannot be waited for now); TIDE_OK if none, or if a capture allocates to
  * the pool (the restore's first refusal). */
 int _tide_capture_deferred_stuck(struct tide_allocator *a, const struct tide_pool *pool);
-/* Recount what watches captures (under the capture mutex). */
-void _tide_captures_update_watch(struct tide_allocator *a);
 
 /* graph_capture_record_stream_reuse (graph_reuse.c). Under the arena lock,
  * for a free `d` of b just deferred: its free markers, when it may be
@@ -87,10 +85,12 @@ void _tide_reuse_mark(struct tide_allocator *a, const _tide_arena *arena, const 
                       _tide_deferred *d);
 /* The markers of a deferred free that goes (any way): freed, uncounted. */
 void _tide_reuse_unmark(struct tide_allocator *a, _tide_deferred *d);
-/* Before an allocation on `stream`: complete the marked frees of its arenas
- * whose markers the capture's graph orders before the stream's next work.
- * Holding no lock; never fails (a failed query proves nothing). */
-void _tide_capture_reuse(struct tide_allocator *a, tide_stream stream);
+/* Under the capture mutex, before an allocation on `stream`: complete the
+ * marked frees of its arenas whose markers the capture's graph orders before
+ * the stream's next work; true if any completed, and the capture watch is
+ * then the caller's to recount (pool.c). Never fails (a failed query proves
+ * nothing). */
+bool _tide_reuse_complete(struct tide_allocator *a, tide_stream stream);
 /* Under the capture mutex: forget every walk (no capture is watched). */
 void _tide_reuse_forget(struct tide_allocator *a);
 
@@ -101,6 +101,10 @@ bool _tide_capture_pool_valid(const struct tide_pool *pool);
 int _tide_capture_pool_live(const struct tide_pool *pool, const char *op);
 /* A stable copy of the arenas of pool `id`, as _tide_arenas_snapshot. */
 size_t _tide_capture_pool_arenas(struct tide_allocator *a, uint64_t id, _tide_arena ***out);
+/* Before an allocation on `stream`: the marked frees the capture's graph
+ * now orders before it are completed (_tide_reuse_complete), and the watch
+ * recounted. Holding no lock; never fails. */
+void _tide_capture_reuse(struct tide_allocator *a, tide_stream stream);
 /* Drop captures found by capture_detection whose capture has ended. A
  * failure to learn whether one ended (other than its stream being gone)
  * keeps that record and is returned, with its message: callers that route
@@ -111,22 +115,22 @@ int _tide_capture_prune(struct tide_allocator *a);
 /* Growable buffers (buffer.c)                                               */
 /* ------------------------------------------------------------------------ */
 
-/* What the growable buffers of each of n arenas add to its figures, for
+/* What the growable buffers of each of n arenas add to its stats, for
  * tide_check: their lengths (allocated and requested bytes), mapped pages
  * (reserved bytes, pages and handles) and count (allocations), as the arenas
  * hold them. Call it between _tide_bufs_hold and _tide_bufs_let_go (the
  * list's mutex: no buffer comes or goes; the page lock alone: no page is
- * half made or half given back) with every arena lock held (no figure
+ * half made or half given back) with every arena lock held (no stat
  * changes). It waits for no buffer's mutex or condition, so a buffer (or
  * its worker) never holds up the caller's locks: a page step takes only an
  * arena lock and the backend's. */
-typedef struct _tide_buf_figures {
+typedef struct _tide_buf_stats {
   int64_t length, count;
   uint64_t pages;
   size_t page;
-} _tide_buf_figures;
-void _tide_bufs_figures(struct tide_allocator *a, _tide_arena *const *arenas, size_t n,
-                        _tide_buf_figures *out);
+} _tide_buf_stats;
+void _tide_bufs_stats(struct tide_allocator *a, _tide_arena *const *arenas, size_t n,
+                      _tide_buf_stats *out);
 void _tide_bufs_hold(struct tide_allocator *a);
 void _tide_bufs_let_go(struct tide_allocator *a);
 /* Give back every buffer's pages let go by shrinks, waiting for their
@@ -167,7 +171,7 @@ int _tide_imports_close_all(struct tide_allocator *a);
 int _tide_stats_collect(struct tide_allocator *a, tide_stats *out);
 /* Largest free block over every arena. */
 size_t _tide_largest_free_block(struct tide_allocator *a);
-/* The figures of the arenas of capture pool `pool_id`. */
+/* The stats of the arenas of capture pool `pool_id`. */
 void _tide_stats_collect_pool(struct tide_allocator *a, uint64_t pool_id, tide_stats *out);
 
 /* The consistency check behind tide_check (validate.c): TIDE_OK, or

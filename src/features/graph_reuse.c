@@ -26,7 +26,9 @@
  *   cut short resumes where it stopped.
  *
  * Locks: the capture mutex around a walk and the frees it completes, each
- * under its arena's lock (the capture mutex comes first, as in pool.c). */
+ * under its arena's lock (the capture mutex comes first, as in pool.c).
+ * pool.c takes the mutex and, when frees completed, recounts its capture
+ * watch: this file calls nothing of pool.c. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -264,8 +266,8 @@ static bool all_reached(const _tide_reach *r, const _tide_deferred *d) {
 }
 
 /* Complete the marked frees of r's stream and capture that r has reached
- * every marker of. Under the capture mutex. */
-static void complete_reached(tide_allocator *a, const _tide_reach *r) {
+ * every marker of; true if it completed any. Under the capture mutex. */
+static bool complete_reached(tide_allocator *a, const _tide_reach *r) {
   bool any = false;
   for (_tide_deferred **at = &a->captures.deferred; *at;) {
     _tide_deferred *d = *at;
@@ -282,23 +284,25 @@ static void complete_reached(tide_allocator *a, const _tide_reach *r) {
     free(d);
     any = true;
   }
-  if (any) _tide_captures_update_watch(a);
+  return any;
 }
 
-/* Under the capture mutex. */
-static void reuse_locked(tide_allocator *a, tide_stream stream) {
+bool _tide_reuse_complete(tide_allocator *a, tide_stream stream) {
+  if (!waits_for(a, stream)) return false;
   const _tide_backend *be = &a->backend;
   node_list terminals = {0};
   uint64_t id = 0;
+  bool any = false;
   if (stream_deps(be, stream, &id, &terminals) == TIDE_OK && id != 0 && terminals.n) {
     _tide_reach *r = reach_of(a, id, stream);
     if (r && list_room(&r->todo, terminals.n)) {
       memcpy(r->todo.items + r->todo.n, terminals.items, terminals.n * sizeof *terminals.items);
       r->todo.n += terminals.n;
-      if (walk(be, r)) complete_reached(a, r);
+      if (walk(be, r)) any = complete_reached(a, r);
     }
   }
   free(terminals.items);
+  return any;
 }
 
 tide_status tide_capture_reuse_set(tide_allocator *a, int on) {
@@ -307,15 +311,4 @@ tide_status tide_capture_reuse_set(tide_allocator *a, int on) {
                                         "tide_capture_reuse_set: not a live tidalloc allocator");
   atomic_store_explicit(&a->capture_reuse, on != 0, memory_order_relaxed);
   return TIDE_OK;
-}
-
-void _tide_capture_reuse(tide_allocator *a, tide_stream stream) {
-  if (!atomic_load_explicit(&a->reuse_marked, memory_order_relaxed) || !graph_queries(&a->backend))
-    return;
-  _tide_saved_error saved;
-  _tide_error_save(&saved); /* the allocation's message is not about this */
-  pthread_mutex_lock(&a->captures.mutex);
-  if (waits_for(a, stream)) reuse_locked(a, stream);
-  pthread_mutex_unlock(&a->captures.mutex);
-  _tide_error_restore(&saved);
 }

@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "features/pinned.h"
+#include "memory/arena_table.h"
 
 #define MIN_CLASS 12u /* 4 KiB */
 #define CLASSES 64u
@@ -147,7 +148,7 @@ static void list_remove(_tide_pinned *pool, pinned_block *b) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* Figures                                                                   */
+/* Stats                                                                     */
 /* ------------------------------------------------------------------------ */
 
 static void count_alloc(_tide_pinned *pool, const pinned_block *b, int sign) {
@@ -758,8 +759,8 @@ static bool check_lists(const _tide_pinned *pool, const pinned_sums *s, char *wh
   return true;
 }
 
-static bool check_pinned_figures(const _tide_pinned *pool, const pinned_sums *s, char *why,
-                                 size_t len) {
+static bool check_pinned_stats(const _tide_pinned *pool, const pinned_sums *s, char *why,
+                               size_t len) {
   static const int stats[] = {_TIDE_ST_ALLOCATED, _TIDE_ST_REQUESTED,   _TIDE_ST_PENDING,
                               _TIDE_ST_RESERVED,  _TIDE_ST_ALLOCATIONS, _TIDE_ST_PENDING_BLOCKS,
                               _TIDE_ST_SEGMENTS};
@@ -768,7 +769,7 @@ static bool check_pinned_figures(const _tide_pinned *pool, const pinned_sums *s,
     for (int p = 0; p < TIDE_POOL_KINDS; p++) {
       int k = stats[i];
       PCHECK(st->cur[k][p] == s->cur[k][p] && st->peak[k][p] >= st->cur[k][p],
-             "figure %d of pool %d is %lld (peak %lld), the blocks add up to %lld", k, p,
+             "stat %d of pool %d is %lld (peak %lld), the blocks add up to %lld", k, p,
              (long long)st->cur[k][p], (long long)st->peak[k][p], (long long)s->cur[k][p]);
     }
   const uint64_t *c = st->counters;
@@ -788,7 +789,7 @@ TIDE_CHECK_ONLY int _tide_pinned_validate(_tide_pinned *pool, char *why, size_t 
             pool->nspare <= pool->spare_cap;
   if (!ok) pinned_fail(why, len, "a table holds more entries than its room");
   ok = ok && check_table(pool, &s, why, len) && check_lists(pool, &s, why, len) &&
-       check_pinned_figures(pool, &s, why, len);
+       check_pinned_stats(pool, &s, why, len);
   pthread_mutex_unlock(&pool->lock);
   return ok ? TIDE_OK : TIDE_ERR_STATE;
 }

@@ -6,7 +6,7 @@
  * (beginAllocateToPool, endAllocateToPool, releasePool, use_count):
  * - A pool's memory is held by arenas of its own, one per stream that
  *   allocated in it (arena.pool_id), so stream-ordered reuse, growth of
- *   expandable segments and the figures work there as in any arena. While
+ *   expandable segments and the stats work there as in any arena. While
  *   the pool has users those arenas never give memory back (keep_cache):
  *   a graph's replays write the blocks its capture freed.
  * - The fast paths of tide_malloc and tide_free test one flag,
@@ -58,8 +58,6 @@ static void update_watch(tide_allocator *a) {
   _tide_fast_paths_update(a, watch != 0 || a->conf.capture_detection);
   if (watch == 0) _tide_reuse_forget(a); /* no capture left to walk */
 }
-
-void _tide_captures_update_watch(tide_allocator *a) { update_watch(a); }
 
 void _tide_captures_init(tide_allocator *a) {
   pthread_mutex_init(&a->captures.mutex, NULL);
@@ -376,6 +374,18 @@ static int pool_of_stream(tide_allocator *a, tide_stream stream, tide_pool **out
     rc = detect(a, stream, id, out);
   pthread_mutex_unlock(&a->captures.mutex);
   return rc;
+}
+
+/* Only frees marked by graph_reuse.c wait here; a marked free means the
+ * backend answers graph queries. */
+void _tide_capture_reuse(tide_allocator *a, tide_stream stream) {
+  if (!atomic_load_explicit(&a->reuse_marked, memory_order_relaxed)) return;
+  _tide_saved_error saved;
+  _tide_error_save(&saved); /* the allocation's message is not about this */
+  pthread_mutex_lock(&a->captures.mutex);
+  if (_tide_reuse_complete(a, stream)) update_watch(a);
+  pthread_mutex_unlock(&a->captures.mutex);
+  _tide_error_restore(&saved);
 }
 
 int _tide_capture_route(tide_allocator *a, tide_stream stream, _tide_arena **out) {

@@ -1,8 +1,8 @@
-/* stats.c: the allocator's figures, summed over the arenas of its streams
- * (and of its capture pools, whose figures are also given alone).
+/* stats.c: the allocator's stats, summed over the arenas of its streams
+ * (and of its capture pools, whose stats are also given alone).
  *
- * Each arena keeps exact current and peak figures under its own lock, so
- * counting costs no shared writes. With one stream the arena's figures are
+ * Each arena keeps exact current and peak stats under its own lock, so
+ * counting costs no shared writes. With one stream the arena's stats are
  * the allocator's. With several, the allocator-wide peak of reserved bytes
  * stays exact (a shared counter, written only when pages are mapped or
  * unmapped) and that of allocated bytes is within 2 MiB per stream of exact
@@ -16,7 +16,7 @@
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 static void add_arena(tide_stats *out, const _tide_arena_stats *s) {
-  tide_stat *figures[_TIDE_ST_COUNT] = {
+  tide_stat *dest[_TIDE_ST_COUNT] = {
       [_TIDE_ST_ALLOCATED] = out->allocated_bytes,
       [_TIDE_ST_REQUESTED] = out->requested_bytes,
       [_TIDE_ST_INACTIVE_SPLIT] = out->inactive_split_bytes,
@@ -26,9 +26,9 @@ static void add_arena(tide_stats *out, const _tide_arena_stats *s) {
       [_TIDE_ST_SEGMENTS] = out->segments,
   };
   for (int st = 0; st < _TIDE_ST_COUNT; st++)
-    for (int p = 0; p < TIDE_POOL_KINDS && figures[st]; p++) {
-      figures[st][p].current += s->cur[st][p];
-      figures[st][p].peak += s->peak[st][p];
+    for (int p = 0; p < TIDE_POOL_KINDS && dest[st]; p++) {
+      dest[st][p].current += s->cur[st][p];
+      dest[st][p].peak += s->peak[st][p];
     }
   for (int p = 0; p < TIDE_POOL_KINDS; p++) {
     out->active_bytes[p].current += s->cur[_TIDE_ST_ALLOCATED][p] + s->cur[_TIDE_ST_PENDING][p];
@@ -64,9 +64,9 @@ int _tide_stats_collect(tide_allocator *a, tide_stats *out) {
   for (size_t i = 0; i < n; i++) {
     _tide_lock_acquire(&arenas[i]->lock);
     if (arenas[i]->unpublished) flush_unpublished(arenas[i]);
-    _tide_arena_stats figures;
-    _tide_arena_figures(arenas[i], &figures);
-    add_arena(out, &figures);
+    _tide_arena_stats reported;
+    _tide_arena_stats_read(arenas[i], &reported);
+    add_arena(out, &reported);
     _tide_lock_release(&arenas[i]->lock);
   }
   free(arenas);
@@ -92,9 +92,9 @@ void _tide_stats_collect_pool(tide_allocator *a, uint64_t pool_id, tide_stats *o
   for (size_t i = 0; i < n; i++) {
     _tide_lock_acquire(&arenas[i]->lock);
     if (arenas[i]->pool_id == pool_id) {
-      _tide_arena_stats figures;
-      _tide_arena_figures(arenas[i], &figures);
-      add_arena(out, &figures);
+      _tide_arena_stats reported;
+      _tide_arena_stats_read(arenas[i], &reported);
+      add_arena(out, &reported);
     }
     _tide_lock_release(&arenas[i]->lock);
   }
@@ -116,7 +116,7 @@ tide_status tide_reset_peak_stats(tide_allocator *a) {
   size_t n = _tide_arenas_snapshot(a, &arenas);
   for (size_t i = 0; i < n; i++) {
     _tide_lock_acquire(&arenas[i]->lock);
-    /* With no quick block the raw figures are the true ones: the peaks
+    /* With no quick block the raw stats are the true ones: the peaks
      * start from them (quick.h). */
     _tide_arena_flush_quick(arenas[i]);
     _tide_arena_stats *s = &arenas[i]->stats;
@@ -127,7 +127,7 @@ tide_status tide_reset_peak_stats(tide_allocator *a) {
   }
   free(arenas);
   pthread_mutex_lock(&a->arenas_mutex);
-  memset(a->retired_stats.peak, 0, sizeof a->retired_stats.peak); /* its current figures are 0 */
+  memset(a->retired_stats.peak, 0, sizeof a->retired_stats.peak); /* its current stats are 0 */
   memset(a->retired_stats.active_peak, 0, sizeof a->retired_stats.active_peak);
   pthread_mutex_unlock(&a->arenas_mutex);
   atomic_store(&a->allocated.peak, atomic_load(&a->allocated.cur));

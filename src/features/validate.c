@@ -22,11 +22,11 @@
  *   its address and reachable by a lookup; the quick list holds the quick
  *   blocks, oldest first; the pending list holds exactly one entry per
  *   outstanding event of each pending block;
- * - figures: allocated, requested, pending, inactive-split, reserved,
+ * - stats: allocated, requested, pending, inactive-split, reserved,
  *   allocation, segment and block counts equal the sums over the blocks
  *   (reserved: mapped pages, fixed segments and handles the backend refused
  *   to release; allocated and requested bytes, allocations and oversize
- *   blocks: the raw figures of quick.h, which count quick blocks too),
+ *   blocks: the raw stats of quick.h, which count quick blocks too),
  *   peaks are at least the current values, and the counters of pages,
  *   segments, device handles and oversize blocks agree;
  * - allocator-wide: reserved bytes equal the arenas' sum (and, on the host
@@ -63,7 +63,7 @@ typedef struct checker {
   size_t nblocks, blocks_cap;
   const _tide_block *local_blocks[64]; /* `blocks` until more are needed */
   bool out_of_memory;                  /* the check itself ran out of host memory */
-  const _tide_buf_figures *bufs;       /* per arena: what its growable buffers add */
+  const _tide_buf_stats *bufs;         /* per arena: what its growable buffers add */
 } checker;
 
 /* What the blocks of one arena add up to, [stat][all, small, large]. */
@@ -295,7 +295,7 @@ static bool check_streams_of(checker *c, const _tide_block *b) {
   return true;
 }
 
-/* One block: its state, what it adds to the figures, and its places in the
+/* One block: its state, what it adds to the stats, and its places in the
  * arena's other structures that can be found from it. */
 static bool check_block(checker *c, sums *s, const _tide_block *b) {
   const _tide_segment *seg = b->segment;
@@ -312,7 +312,7 @@ static bool check_block(checker *c, sums *s, const _tide_block *b) {
       s->quick++;
       CHECK(c, _tide_ptrmap_find(&arena->live, b->addr) == b,
             "quick block %#lx is not in the live map", (unsigned long)b->addr);
-      /* The raw figures count a quick block as allocated (quick.h). */
+      /* The raw stats count a quick block as allocated (quick.h). */
       s->quick_bytes += (int64_t)b->size;
       add(s, _TIDE_ST_ALLOCATED, pool, (int64_t)b->size);
       add(s, _TIDE_ST_REQUESTED, pool, (int64_t)b->requested);
@@ -634,7 +634,7 @@ static bool check_pending(checker *c, const sums *s) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* Figures                                                                   */
+/* Stats                                                                     */
 /* ------------------------------------------------------------------------ */
 
 static bool check_orphans(checker *c, sums *s) {
@@ -686,7 +686,7 @@ static const char *const stat_names[_TIDE_ST_COUNT] = {
     [_TIDE_ST_SEGMENTS] = "segments",
 };
 
-static bool check_figures(checker *c, const sums *s) {
+static bool check_stats(checker *c, const sums *s) {
   static const char *const pools[TIDE_POOL_KINDS] = {"all pools", "the small pool",
                                                      "the large pool"};
   const _tide_arena_stats *st = &c->arena->stats;
@@ -742,7 +742,7 @@ static bool check_arena(checker *c, sums *s) {
     if (!check_bins(c, s, &arena->pools[kind]) || !check_unmapped(c, s, &arena->pools[kind]))
       return false;
   if (c->bufs) {
-    const _tide_buf_figures *f = &c->bufs[c->arena_index];
+    const _tide_buf_stats *f = &c->bufs[c->arena_index];
     add(s, _TIDE_ST_ALLOCATED, _TIDE_LARGE, f->length);
     add(s, _TIDE_ST_REQUESTED, _TIDE_LARGE, f->length);
     add(s, _TIDE_ST_ALLOCATIONS, _TIDE_LARGE, f->count);
@@ -751,7 +751,7 @@ static bool check_arena(checker *c, sums *s) {
     s->handles += f->pages;
   }
   return check_live_map(c, s) && check_quick(c, s) && check_pending(c, s) && check_orphans(c, s) &&
-         check_figures(c, s);
+         check_stats(c, s);
 }
 
 /* An arena of a capture pool belongs to a pool of the allocator that,
@@ -887,9 +887,9 @@ int _tide_validate(struct tide_allocator *a, char *why, size_t len) {
   pthread_mutex_lock(&a->arenas_mutex);
   size_t n = atomic_load(&a->narenas);
   /* The list of growable buffers comes before the arenas' locks; their
-   * figures are read under those locks (buffer.c counts them there). */
-  _tide_buf_figures local_bufs[16];
-  _tide_buf_figures *bufs = n <= 16 ? local_bufs : calloc(n, sizeof *bufs);
+   * stats are read under those locks (buffer.c counts them there). */
+  _tide_buf_stats local_bufs[16];
+  _tide_buf_stats *bufs = n <= 16 ? local_bufs : calloc(n, sizeof *bufs);
   if (!bufs) {
     pthread_mutex_unlock(&a->arenas_mutex);
     pthread_mutex_unlock(&a->captures.mutex);
@@ -899,7 +899,7 @@ int _tide_validate(struct tide_allocator *a, char *why, size_t len) {
   }
   _tide_bufs_hold(a);
   for (size_t i = 0; i < n; i++) _tide_lock_acquire(&a->arenas[i]->lock);
-  _tide_bufs_figures(a, a->arenas, n, bufs);
+  _tide_bufs_stats(a, a->arenas, n, bufs);
   c.bufs = bufs;
   bool ok = check_allocator(&c, a->arenas, n);
   for (size_t i = n; i-- > 0;) _tide_lock_release(&a->arenas[i]->lock);

@@ -5,7 +5,12 @@
  * different streams never wait for each other. A block freed on its own
  * stream is reusable at once (later work on that stream runs after the work
  * that used it); a block also used on other streams waits in the pending
- * list until events recorded on those streams complete. */
+ * list until events recorded on those streams complete.
+ *
+ * Below it: segment.c grows and releases the segments' memory,
+ * stream_events.c says how far the stream has run, bins.c and ptrmap.c
+ * hold the free and the live blocks. Above it, arena_table.c finds an
+ * arena; nothing below calls back into this file. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -226,7 +231,7 @@ static void maybe_collect_garbage(_tide_arena *arena) {
 /* Quick blocks (quick.h has the hits)                                       */
 /* ------------------------------------------------------------------------ */
 
-/* What the quick blocks add to the raw figures (quick.h). */
+/* What the quick blocks add to the raw stats (quick.h). */
 typedef struct quick_tally {
   int64_t bytes[TIDE_POOL_KINDS], requested[TIDE_POOL_KINDS], blocks[TIDE_POOL_KINDS];
   uint64_t oversize;
@@ -247,7 +252,7 @@ static void tally_quick(const _tide_arena *arena, quick_tally *t) {
   }
 }
 
-void _tide_arena_figures(const _tide_arena *arena, _tide_arena_stats *out) {
+void _tide_arena_stats_read(const _tide_arena *arena, _tide_arena_stats *out) {
   quick_tally t;
   tally_quick(arena, &t);
   *out = arena->stats;
@@ -273,7 +278,7 @@ void _tide_arena_track_active(_tide_arena *arena) {
 }
 
 /* A quick block becomes an ordinary free block: out of the live map and of
- * the raw figures, merged. */
+ * the raw stats, merged. */
 static void unquick(_tide_arena *arena, _tide_block *b) {
   _tide_count_raw(arena, b, -1);
   _tide_count_cached(arena, b, -1);
@@ -302,7 +307,6 @@ static void put_quick(_tide_arena *arena, _tide_block *b) {
 
 static bool releasable(const _tide_block *b, size_t page);
 static int by_stamp(const void *x, const void *y);
-static int settle_stream(_tide_arena *arena);
 
 /* Bytes that growth by `rounded` bytes would map. */
 static size_t growth_bytes(const _tide_arena *arena, _tide_pool *pool, size_t rounded, size_t page,
@@ -320,16 +324,6 @@ static size_t growth_bytes(const _tide_arena *arena, _tide_pool *pool, size_t ro
  * keep. Under pressure, growth first recycles the cache's free pages, and
  * the allocator gives pages back when the device runs low for others. */
 
-bool _tide_device_free(const struct tide_allocator *a, size_t *free_bytes) {
-  const _tide_backend *be = &a->backend;
-  size_t total;
-  _tide_saved_error saved;
-  _tide_error_save(&saved);
-  bool ok = be->ops->mem_info(be->ctx, free_bytes, &total) == TIDE_OK;
-  _tide_error_restore(&saved);
-  return ok;
-}
-
 /* Bytes growth may add before the allocator is under pressure (negative
  * when already past): the room below the memory limit, and the device's
  * free memory above its low-water mark (one backend query: growth already
@@ -344,117 +338,6 @@ static int64_t growth_headroom(const _tide_arena *arena) {
     if (device_room < room) room = device_room;
   }
   return room;
-}
-
-static int take_event(_tide_arena *arena, _tide_event *out);
-static void give_event(_tide_arena *arena, _tide_event e);
-static int settle_stream(_tide_arena *arena);
-
-bool _tide_capture_detected(tide_allocator *a, tide_stream stream) {
-  bool capturing;
-  uint64_t id;
-  return _tide_capture_status(&a->backend, stream, &capturing, &id) != TIDE_OK || capturing;
-}
-
-/* Idle marks may be used: not while captures are watched (an event
- * recorded on a capturing stream would join the graph, and a capture's
- * frees follow rules of their own), nor on a stream that is gone. With
- * capture_detection, a capture may have begun unannounced: the stream is
- * asked (one query, where the alternative is a stream synchronization). */
-static bool idle_marks_usable(const _tide_arena *arena) {
-  struct tide_allocator *a = arena->alloc;
-  return !arena->stream_gone &&
-         atomic_load_explicit(&a->capture_watch, memory_order_relaxed) == 0 &&
-         (!a->conf.capture_detection || !_tide_capture_detected(a, arena->stream));
-}
-
-/* Retire the idle marks whose events completed (in order: they were
- * recorded on one stream), moving idle_before up to their clocks. A failed
- * query counts as not done. */
-static void poll_idle_marks(_tide_arena *arena) {
-  const _tide_backend *be = &arena->alloc->backend;
-  _tide_saved_error saved;
-  _tide_error_save(&saved);
-  unsigned done = 0;
-  while (done < arena->nidle_marks &&
-         be->ops->event_query(be->ctx, arena->idle_marks[done].event) == TIDE_OK) {
-    if (arena->idle_marks[done].clock > arena->idle_before)
-      arena->idle_before = arena->idle_marks[done].clock;
-    give_event(arena, arena->idle_marks[done].event);
-    done++;
-  }
-  arena->nidle_marks -= done;
-  memmove(arena->idle_marks, arena->idle_marks + done,
-          arena->nidle_marks * sizeof *arena->idle_marks);
-  _tide_error_restore(&saved);
-}
-
-/* Record an idle mark now, when there is room and marks are `usable`
- * (idle_marks_usable, asked once per release: under capture_detection it is
- * a driver query); best effort. */
-static void add_idle_mark(_tide_arena *arena, bool usable) {
-  if (arena->nidle_marks == _TIDE_IDLE_MARKS || !usable) return;
-  const _tide_backend *be = &arena->alloc->backend;
-  _tide_saved_error saved;
-  _tide_error_save(&saved);
-  _tide_event e;
-  if (take_event(arena, &e) == TIDE_OK) {
-    if (be->ops->event_record(be->ctx, e, arena->stream) == TIDE_OK) {
-      /* A tick, so that blocks freed from now on are stamped after it. */
-      arena->idle_marks[arena->nidle_marks++] = (struct _tide_idle_mark){e, ++arena->clock};
-    } else {
-      give_event(arena, e);
-    }
-  }
-  _tide_error_restore(&saved);
-}
-
-/* The stream was waited for: everything freed so far is idle. */
-static void stream_settled(_tide_arena *arena) { arena->idle_before = ++arena->clock; }
-
-int _tide_arena_settle_stale(_tide_arena *arena, uintptr_t lo, uintptr_t hi, bool wait) {
-  _tide_saved_error saved;
-  _tide_error_save(&saved);
-  poll_idle_marks(arena);
-  int failed;
-  size_t left = _tide_stale_unmap(arena, lo, hi, arena->idle_before, &failed);
-  if (!wait) {
-    _tide_error_restore(&saved);
-    return TIDE_OK;
-  }
-  if (left && !failed) {
-    int rc = settle_stream(arena);
-    if (rc) return rc == TIDE_ERR_BACKEND ? rc : TIDE_ERR_NOT_READY;
-    left = _tide_stale_unmap(arena, lo, hi, arena->idle_before, &failed);
-  }
-  if (!left) return TIDE_OK;
-  return failed ? failed
-                : _tide_error_set(TIDE_ERR_BACKEND, "%zu stale pages in [%p, %p) stay mapped", left,
-                                  (void *)lo, (void *)hi);
-}
-
-/* Block until a block freed at `stamp` is idle: wait for the oldest idle
- * mark recorded after its free, not for the whole stream, so that the work
- * queued since that mark keeps the device busy while the CPU goes on (a
- * stream synchronization drains the whole queue, so a program that frees
- * and grows every step would lose the overlap of its CPU and device work
- * every step). Without such a mark, the stream is waited for. */
-static int wait_until_idle(_tide_arena *arena, uint64_t stamp) {
-  poll_idle_marks(arena);
-  if (stamp < arena->idle_before) return TIDE_OK;
-  unsigned i = 0;
-  while (i < arena->nidle_marks && arena->idle_marks[i].clock <= stamp) i++;
-  if (i < arena->nidle_marks) {
-    const _tide_backend *be = &arena->alloc->backend;
-    _tide_note_stream_wait(arena->alloc);
-    _tide_saved_error saved;
-    _tide_error_save(&saved);
-    int rc = be->ops->event_synchronize(be->ctx, arena->idle_marks[i].event);
-    _tide_error_restore(&saved);
-    if (rc == TIDE_OK) poll_idle_marks(arena);
-    if (stamp < arena->idle_before) return TIDE_OK;
-  }
-  return settle_stream(arena);
 }
 
 /* Unmap free pages of the candidates (oldest first) until `need` bytes are
@@ -487,12 +370,12 @@ static size_t release_candidates(_tide_arena *arena, _tide_block **candidates, s
 static void release_now(_tide_arena *arena, _tide_block **candidates, size_t n, size_t need,
                         bool marks) {
   size_t idle = 0, released = 0;
-  if (marks) poll_idle_marks(arena);
+  if (marks) _tide_idle_marks_poll(arena);
   while (idle < n && candidates[idle]->stamp < arena->idle_before) idle++;
   if (idle) released = release_candidates(arena, candidates, idle, need);
   for (size_t i = idle; i < n && released < need; i++) {
     if (candidates[i]->stamp >= arena->idle_before) {
-      int rc = marks ? wait_until_idle(arena, candidates[i]->stamp) : settle_stream(arena);
+      int rc = marks ? _tide_idle_wait(arena, candidates[i]->stamp) : _tide_stream_settle(arena);
       if (rc != TIDE_OK) return;
     }
     released += release_candidates(arena, candidates + i, 1, need - released);
@@ -514,13 +397,13 @@ static unsigned growth_handle_pages(const _tide_growth *g) {
  * the growth's new handles, so it is unmapped at once, which needs the work
  * queued before its free to be done. Those idle already go in the first
  * pass; only if the first pass is not enough does the second wait for the
- * busy ones (wait_until_idle: as far as an idle mark after the free; if a
+ * busy ones (_tide_idle_wait: as far as an idle mark after the free; if a
  * wait fails, such pages stay cached). A load handle (load_handles), which
  * no growth maps again, is deferred too: it stays reserved at its old
  * address until the stream is past it, once for each load handle. */
 static void release_deferred(_tide_arena *arena, _tide_block **candidates, size_t n, size_t need,
                              unsigned handle_pages) {
-  poll_idle_marks(arena);
+  _tide_idle_marks_poll(arena);
   size_t released = 0;
   bool cannot_wait = false;
   for (int pass = 0; pass < 2; pass++) {
@@ -530,7 +413,7 @@ static void release_deferred(_tide_arena *arena, _tide_block **candidates, size_
       bool deferred = b->segment->handle_pages == handle_pages;
       bool busy = !deferred && b->stamp >= arena->idle_before;
       if (busy &&
-          (pass == 0 || cannot_wait || (cannot_wait = wait_until_idle(arena, b->stamp) != TIDE_OK)))
+          (pass == 0 || cannot_wait || (cannot_wait = _tide_idle_wait(arena, b->stamp) != TIDE_OK)))
         continue; /* it stays cached */
       candidates[i] = NULL;
       arena->defer_unmap = deferred;
@@ -563,7 +446,7 @@ static void release_for(_tide_arena *arena, size_t need, const _tide_growth *gro
                         bool for_segment) {
   struct tide_allocator *a = arena->alloc;
   const _tide_growth g = *growth;
-  if (arena->nstale) _tide_arena_settle_stale(arena, 0, UINTPTR_MAX, false);
+  if (arena->nstale) _tide_stale_settle(arena, 0, UINTPTR_MAX, false);
   int64_t headroom = growth_headroom(arena);
   if (headroom >= (int64_t)need) return;
   /* Past the limit or the low-water mark already (a limit lowered, or
@@ -593,7 +476,7 @@ static void release_for(_tide_arena *arena, size_t need, const _tide_growth *gro
      * does the stream get synchronized (after which every free block is
      * idle). */
     arena->keep_spare_pages = true;
-    bool marks = idle_marks_usable(arena); /* under capture_detection, a driver query */
+    bool marks = _tide_idle_marks_usable(arena); /* under capture_detection, a driver query */
     if (for_segment && marks && arena->pool_id == 0) {
       /* Pages are taken out of their segment at once but stay mapped at
        * their old address until the stream is past the work queued before
@@ -607,7 +490,7 @@ static void release_for(_tide_arena *arena, size_t need, const _tide_growth *gro
       release_now(arena, candidates, n, need, marks);
     }
     arena->keep_spare_pages = false;
-    add_idle_mark(arena, marks);
+    _tide_idle_mark_add(arena, marks);
   }
   free(candidates);
 }
@@ -748,30 +631,6 @@ void _tide_arena_free_block(_tide_arena *arena, _tide_block *b) {
   _tide_pool_insert(arena, b);
 }
 
-static int take_event(_tide_arena *arena, _tide_event *out) {
-  if (arena->nspare_events) {
-    *out = arena->spare_events[--arena->nspare_events];
-    return TIDE_OK;
-  }
-  const _tide_backend *be = &arena->alloc->backend;
-  return be->ops->event_create(be->ctx, out);
-}
-
-static void give_event(_tide_arena *arena, _tide_event e) {
-  if (arena->nspare_events == arena->spare_events_cap) {
-    size_t cap = arena->spare_events_cap ? arena->spare_events_cap * 2 : 16;
-    _tide_event *grown = realloc(arena->spare_events, cap * sizeof *grown);
-    if (!grown) {
-      const _tide_backend *be = &arena->alloc->backend;
-      be->ops->event_destroy(be->ctx, e);
-      return;
-    }
-    arena->spare_events = grown;
-    arena->spare_events_cap = cap;
-  }
-  arena->spare_events[arena->nspare_events++] = e;
-}
-
 static tide_stream recorded_stream(const _tide_block *b, unsigned i) {
   return i < _TIDE_INLINE_STREAMS ? b->streams[i] : b->more_streams[i - _TIDE_INLINE_STREAMS];
 }
@@ -808,19 +667,20 @@ static int record_events(_tide_arena *arena, _tide_block *b, tide_stream freed_o
     for (size_t j = start; j < arena->npending; j++) seen |= arena->pending[j].stream == s;
     if (seen) continue;
     _tide_event e;
-    if ((rc = take_event(arena, &e))) {
+    if ((rc = _tide_event_take(arena, &e))) {
       rc = wait_instead(arena, s);
       continue;
     }
     if ((rc = be->ops->event_record(be->ctx, e, s))) {
-      give_event(arena, e);
+      _tide_event_give(arena, e);
       rc = wait_instead(arena, s);
       continue;
     }
     arena->pending[arena->npending++] = (_tide_pending){.event = e, .block = b, .stream = s};
   }
   if (rc) {
-    for (size_t j = start; j < arena->npending; j++) give_event(arena, arena->pending[j].event);
+    for (size_t j = start; j < arena->npending; j++)
+      _tide_event_give(arena, arena->pending[j].event);
     arena->npending = start;
     return rc;
   }
@@ -899,7 +759,7 @@ int _tide_arena_process_events(_tide_arena *arena, bool wait) {
       if (wait || rc != TIDE_ERR_NOT_READY) _tide_first_error_note(&first, rc);
       continue;
     }
-    give_event(arena, p.event);
+    _tide_event_give(arena, p.event);
     if (--p.block->events == 0) {
       count_pending(arena, p.block, -1);
       _tide_arena_free_block(arena, p.block);
@@ -919,27 +779,10 @@ static bool holds_cache(const _tide_arena *arena) {
          arena->norphans || arena->nstale;
 }
 
-/* Work queued on the stream may still touch free blocks (a block freed on
- * its own stream is free at once): unmapping must wait for it. Once it has
- * been waited for, everything freed so far is idle. */
-static int settle_stream(_tide_arena *arena) {
-  const _tide_backend *be = &arena->alloc->backend;
-  /* A destroyed stream's work is ordered before the default stream's. */
-  tide_stream s = arena->stream_gone ? NULL : arena->stream;
-  _tide_note_stream_wait(arena->alloc);
-  int rc = be->ops->stream_synchronize(be->ctx, s);
-  if (rc) {
-    _tide_error_prefix("cannot return cached memory of stream %p yet", (void *)arena->stream);
-    return rc;
-  }
-  stream_settled(arena);
-  return TIDE_OK;
-}
-
 int _tide_arena_release_cached(_tide_arena *arena) {
   _tide_arena_flush_quick(arena);
   if (!holds_cache(arena)) return TIDE_OK;
-  int rc = settle_stream(arena);
+  int rc = _tide_stream_settle(arena);
   if (rc) return rc;
   size_t lost = arena->orphans_lost;
   int refused;
@@ -989,7 +832,7 @@ int _tide_arena_collect_garbage(_tide_arena *arena, size_t target) {
     for (_tide_segment *seg = arena->pools[kind].segments; seg; seg = seg->next)
       for (_tide_block *b = seg->first; b; b = b->next)
         if (b->state == _TIDE_FREE && releasable(b, a->page_size) && n < cap) candidates[n++] = b;
-  int rc = n || arena->nstale ? settle_stream(arena) : TIDE_OK;
+  int rc = n || arena->nstale ? _tide_stream_settle(arena) : TIDE_OK;
   if (!rc && arena->nstale) {
     int refused;
     _tide_stale_unmap(arena, 0, UINTPTR_MAX, arena->idle_before, &refused); /* kept to retry */

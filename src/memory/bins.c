@@ -157,7 +157,7 @@ void _tide_block_delete(_tide_arena *arena, _tide_block *b) {
 }
 
 /* ------------------------------------------------------------------------ */
-/* Bins with the inactive-split figures                                      */
+/* Bins with the inactive-split stats                                        */
 /* ------------------------------------------------------------------------ */
 
 void _tide_pool_insert(_tide_arena *arena, _tide_block *b) {

@@ -1,10 +1,14 @@
 /* core.h: the memory layer — blocks, bins, the live map, segments, pools,
- * arenas and the allocator's state — and the functions of its files
- * (bins.c, ptrmap.c, segment.c, arena.c, arenas.c, mapcalls.c, trace.c).
- * It includes only the layers below (base/, backend/); the features
- * (features/features.h) and the API (api/) build on it. Everything here is
- * guarded by the lock of the arena that owns it, unless a comment says
- * otherwise. */
+ * arenas and the allocator's state — and the functions of its files up to
+ * arena.c, lowest first: trace.c, ptrmap.c, bins.c, device_memory.c,
+ * stream_events.c, segment.c, arena.c. Its inline code is that of the
+ * lowest files only (the live map's lookups, the trace's test), so that no
+ * file reaches a higher one through it; arena.c's inline quick path is
+ * quick.h's, the table of arenas arena_table.h's (tests/layers_check.sh,
+ * HEADER_AT). It includes only the layers below (base/, backend/); the
+ * features (features/features.h) and the API (api/) build on it.
+ * Everything here is guarded by the lock of the arena that owns it, unless
+ * a comment says otherwise. */
 #ifndef TIDE_CORE_H
 #define TIDE_CORE_H
 
@@ -229,7 +233,7 @@ enum {
   _TIDE_CT_COUNT
 };
 
-/* One arena's figures: [stat][0 all, 1 small, 2 large]. Active bytes and
+/* One arena's stats: [stat][0 all, 1 small, 2 large]. Active bytes and
  * blocks are allocated plus pending; their peak is the allocated peak except
  * while blocks are pending, when active_peak records it (so the common case,
  * nothing pending, costs nothing extra). */
@@ -251,7 +255,7 @@ static inline void _tide_track_active(_tide_arena_stats *s) {
   }
 }
 
-/* A figure of the whole allocator that must be exact across arenas. */
+/* A stat of the whole allocator that must be exact across arenas. */
 typedef struct _tide_global_stat {
   _Atomic int64_t cur;
   _Atomic int64_t peak;
@@ -265,7 +269,7 @@ static inline void _tide_global_add(_tide_global_stat *g, int64_t delta) {
   }
 }
 
-/* Change a figure of pool `pool` (and of all pools); a rise may set a peak. */
+/* Change a stat of pool `pool` (and of all pools); a rise may set a peak. */
 static inline void _tide_stat_up(_tide_arena_stats *s, int stat, int pool, int64_t delta) {
   int64_t all = s->cur[stat][0] += delta;
   int64_t one = s->cur[stat][pool + 1] += delta;
@@ -401,7 +405,7 @@ typedef struct _tide_arena {
  * allocator-wide counter once the change since the last addition reaches
  * this many bytes: streams on different threads then rarely write a shared
  * cache line, and the allocator-wide peak is within this much per stream of
- * the exact figure (reads first add every arena's remainder). */
+ * the exact value (reads first add every arena's remainder). */
 #define _TIDE_PUBLISH_BYTES ((int64_t)2 << 20)
 void _tide_arena_publish(_tide_arena *arena, int64_t delta);
 /* Add the arena's unpublished bytes to the shared counters now. */
@@ -425,7 +429,7 @@ _tide_block *_tide_block_new(_tide_arena *arena);
 void _tide_block_delete(_tide_arena *arena, _tide_block *b);
 void _tide_blocks_free_all(_tide_arena *arena);
 /* Put a free block into / take it out of its pool's bins, keeping the
- * inactive-split figures. */
+ * inactive-split stats. */
 void _tide_pool_insert(_tide_arena *arena, _tide_block *b);
 void _tide_pool_remove(_tide_arena *arena, _tide_block *b);
 /* Keep what the backend failed to give back, to retry later: a mapping to
@@ -434,10 +438,10 @@ void _tide_pool_remove(_tide_arena *arena, _tide_block *b);
 void _tide_orphan(_tide_arena *arena, int pool, uintptr_t map_addr, size_t map_size,
                   _tide_handle handle, size_t handle_size, uintptr_t range, size_t range_size);
 int _tide_arena_malloc(_tide_arena *arena, size_t size, size_t rounded, void **out);
-/* The arena's figures as reported: its raw figures less the quick blocks,
+/* The arena's stats as reported: its raw stats less the quick blocks,
  * which they count as allocated (quick.h). */
-void _tide_arena_figures(const _tide_arena *arena, _tide_arena_stats *out);
-/* Record the active peak (allocated plus pending, of the figures as
+void _tide_arena_stats_read(const _tide_arena *arena, _tide_arena_stats *out);
+/* Record the active peak (allocated plus pending, of the stats as
  * reported) while blocks are pending. */
 void _tide_arena_track_active(_tide_arena *arena);
 /* Return a free (or just unmapped) block to its pool: merge, bin. */
@@ -471,6 +475,28 @@ void _tide_arena_finish_ordered(_tide_arena *arena, _tide_block *b);
  * checkpoint) or as freed (released by one); the live map is the caller's. */
 void _tide_arena_count_restored(_tide_arena *arena, _tide_block *b, size_t requested);
 void _tide_arena_count_released(_tide_arena *arena, _tide_block *b);
+
+/* How far the arena's stream has run (stream_events.c), under the arena
+ * lock. A spare event, or a new one; give it back for reuse (destroyed
+ * when there is no room to keep it). */
+int _tide_event_take(_tide_arena *arena, _tide_event *out);
+void _tide_event_give(_tide_arena *arena, _tide_event e);
+/* Whether idle marks may be recorded on the arena's stream now (under
+ * capture_detection, a driver query: ask once per release). */
+bool _tide_idle_marks_usable(const _tide_arena *arena);
+/* Retire the idle marks whose events completed, moving idle_before up to
+ * their clocks. */
+void _tide_idle_marks_poll(_tide_arena *arena);
+/* Record an idle mark now, when there is room and marks are `usable`
+ * (_tide_idle_marks_usable); best effort. */
+void _tide_idle_mark_add(_tide_arena *arena, bool usable);
+/* Wait for the arena's stream: work queued on it may still touch free
+ * blocks (a block freed on its own stream is free at once). After it,
+ * everything freed so far is idle. */
+int _tide_stream_settle(_tide_arena *arena);
+/* Block until a block freed at `stamp` is idle: wait for an idle mark after
+ * its free, or without one, for the stream. */
+int _tide_idle_wait(_tide_arena *arena, uint64_t stamp);
 
 /* Segments (segment.c), under the arena lock. */
 size_t _tide_round_size(const _tide_conf_values *conf, size_t size);
@@ -518,8 +544,8 @@ void _tide_stale_drop_all(_tide_arena *arena);
  * the stream first if some are not, so that none is left, or fail with
  * why (a refused unmap, or TIDE_ERR_NOT_READY when the stream cannot be
  * waited for). Without `wait` it is best effort and keeps the thread's
- * error (arena.c). */
-int _tide_arena_settle_stale(_tide_arena *arena, uintptr_t lo, uintptr_t hi, bool wait);
+ * error. */
+int _tide_stale_settle(_tide_arena *arena, uintptr_t lo, uintptr_t hi, bool wait);
 /* Try again to give back what the backend refused earlier. */
 int _tide_arena_retry_orphans(_tide_arena *arena);
 /* Whether an orphaned mapping overlaps [lo, hi) (segment.c). */
@@ -555,8 +581,17 @@ static inline int _tide_capture_status(const _tide_backend *be, tide_stream stre
   return be->ops->stream_capture_status(be->ctx, stream, capturing, id);
 }
 
+/* With capture_detection and nothing watched: whether a call on `stream`
+ * must take the capture path (it is being captured, or asking failed, which
+ * that path reports). */
+static inline bool _tide_capture_detected(const _tide_backend *be, tide_stream stream) {
+  bool capturing;
+  uint64_t id;
+  return _tide_capture_status(be, stream, &capturing, &id) != TIDE_OK || capturing;
+}
+
 /* ------------------------------------------------------------------------ */
-/* The allocator's state (its entry points: allocator.c)                    */
+/* The allocator's state (its entry points: allocator.c)                     */
 /* ------------------------------------------------------------------------ */
 
 typedef struct _tide_trace_ring {
@@ -618,8 +653,8 @@ struct tide_allocator {
   _tide_arena **arenas;
   _Atomic size_t narenas;
   size_t arenas_cap;
-  /* The figures of arenas a pool that is gone left to the next pool: the
-   * allocator's figures keep them, the new pool's start from zero. Under
+  /* The stats of arenas a pool that is gone left to the next pool: the
+   * allocator's stats keep them, the new pool's start from zero. Under
    * arenas_mutex. */
   _tide_arena_stats retired_stats;
   pthread_mutex_t reclaim_mutex; /* one thread frees cached memory at a time */
@@ -627,11 +662,11 @@ struct tide_allocator {
   _Atomic uint64_t num_ooms;
   _Atomic uint64_t num_sync_all_streams;
   _Atomic uint64_t stream_waits; /* tide_stats.stream_waits */
-  _Atomic uint64_t mapping_ns;   /* tide_stats.mapping_ns (mapcalls.c) */
+  _Atomic uint64_t mapping_ns;   /* tide_stats.mapping_ns (device_memory.c) */
   _tide_trace_ring trace;
   struct _tide_pinned *pinned; /* the pinned host memory pool (pinned.c) */
   pthread_mutex_t bufs_mutex;  /* guards the list of growable buffers */
-  /* A buffer's page step (budget, handle, mapping and figures of one page)
+  /* A buffer's page step (budget, handle, mapping and stats of one page)
    * holds it shared; tide_check holds it alone, so it sees none half done. */
   pthread_rwlock_t bufs_pages;
   struct tide_buf *bufs;         /* live growable buffers (buffer.c) */
@@ -641,7 +676,7 @@ struct tide_allocator {
 };
 
 /* The backend's calls that create, map, make accessible, unmap and release
- * device memory, each timed into tide_stats.mapping_ns (mapcalls.c); their
+ * device memory, each timed into tide_stats.mapping_ns (device_memory.c); their
  * arguments and results are the backend's (backend.h). */
 int _tide_mem_create(struct tide_allocator *a, size_t size, _tide_handle *h);
 int _tide_mem_release(struct tide_allocator *a, _tide_handle h);
@@ -650,7 +685,7 @@ int _tide_mem_set_access(struct tide_allocator *a, uintptr_t addr, size_t size);
 int _tide_mem_unmap(struct tide_allocator *a, uintptr_t addr, size_t size);
 int _tide_mem_unmap_run(struct tide_allocator *a, uintptr_t addr, size_t page, size_t count,
                         size_t *done);
-/* Reserve physical budget under the memory limit; give it back (mapcalls.c). */
+/* Reserve physical budget under the memory limit; give it back (device_memory.c). */
 int _tide_budget_take(struct tide_allocator *a, size_t bytes, size_t request);
 void _tide_budget_give(struct tide_allocator *a, size_t bytes);
 
@@ -669,7 +704,7 @@ static inline size_t _tide_low_water(const struct tide_allocator *a) {
 }
 
 /* The device's free memory, or false where the backend cannot say; the
- * error a failed query leaves is not the caller's (arena.c). */
+ * error a failed query leaves is not the caller's (device_memory.c). */
 bool _tide_device_free(const struct tide_allocator *a, size_t *free_bytes);
 
 /* Bytes of the device that others hold (other processes, other allocators,
@@ -725,84 +760,5 @@ static inline void _tide_trace(struct tide_allocator *a, tide_trace_kind kind, i
  * free pages inside them as growth would (release_holes), so that reserved
  * memory stays near the allocated peak. Under the arena lock (arena.c). */
 void _tide_arena_make_room(_tide_arena *arena, size_t bytes);
-/* With capture_detection and nothing watched: whether a call on `stream`
- * must take the capture path (it is being captured, or asking failed, which
- * that path reports) (arena.c). */
-bool _tide_capture_detected(struct tide_allocator *a, tide_stream stream);
-
-/* ------------------------------------------------------------------------ */
-/* The arenas of an allocator (arenas.c)                                     */
-/* ------------------------------------------------------------------------ */
-
-/* The home slot of a stream in a table of streams. */
-static inline unsigned _tide_stream_home(tide_stream stream) {
-  return (unsigned)(((uintptr_t)stream * UINT64_C(0x9E3779B97F4A7C15)) >> 58) &
-         (_TIDE_STREAM_SLOTS - 1);
-}
-
-/* The stream's own arena in its home slot of a fast path's table of
- * streams, or NULL: the fast path looks no further (_tide_arena_of does). */
-static TIDE_ALWAYS_INLINE _tide_arena *_tide_stream_arena_home(_tide_stream_slot *table,
-                                                               tide_stream stream) {
-  const _tide_stream_slot *slot = &table[_tide_stream_home(stream)];
-  _tide_arena *arena = atomic_load_explicit(&slot->arena, memory_order_acquire);
-  if (TIDE_LIKELY(arena != NULL) &&
-      TIDE_LIKELY(atomic_load_explicit(&slot->stream, memory_order_relaxed) == stream))
-    return arena;
-  return NULL;
-}
-
-/* The stream's own arena from the allocator's table of streams, or NULL. */
-static inline _tide_arena *_tide_stream_arena(struct tide_allocator *a, tide_stream stream) {
-  unsigned i = _tide_stream_home(stream);
-  for (unsigned probes = 0; probes < _TIDE_STREAM_SLOTS; probes++) {
-    _tide_arena *arena = atomic_load_explicit(&a->streams[i].arena, memory_order_acquire);
-    if (TIDE_UNLIKELY(!arena)) return NULL;
-    if (TIDE_LIKELY(atomic_load_explicit(&a->streams[i].stream, memory_order_relaxed) == stream))
-      return arena;
-    i = (i + 1) & (_TIDE_STREAM_SLOTS - 1);
-  }
-  return NULL;
-}
-
-/* A stream's own arena not in the table of streams: this thread's cache,
- * then the arena table, where `create` makes it on first use; NULL with a
- * message for a stream the device does not know. */
-_tide_arena *_tide_arena_lookup(struct tide_allocator *a, tide_stream stream, bool create);
-
-/* The stream's own arena: the table of streams, this thread's cache, then
- * the arena table. */
-static inline _tide_arena *_tide_arena_of(struct tide_allocator *a, tide_stream stream,
-                                          bool create) {
-  _tide_arena *arena = _tide_stream_arena(a, stream);
-  if (TIDE_LIKELY(arena != NULL)) return arena;
-  return _tide_arena_lookup(a, stream, create);
-}
-
-/* The arena of `stream`, created on first use; NULL with a message for a
- * stream the device does not know. */
-_tide_arena *_tide_arena_get(struct tide_allocator *a, tide_stream stream);
-/* Turn the fast paths of tide_malloc and tide_free on or off (off while
- * captures are watched). */
-void _tide_fast_paths_update(struct tide_allocator *a, bool captures_watched);
-/* The arena of `stream` in capture pool `pool` (whose id is pool_id), made
- * on first use (an unused arena is taken again first). */
-int _tide_arena_of_pool(struct tide_allocator *a, struct tide_pool *pool, uint64_t pool_id,
-                        tide_stream stream, _tide_arena **out);
-/* Arenas of an allocator: a stable copy of the table for iteration. */
-size_t _tide_arenas_snapshot(struct tide_allocator *a, _tide_arena ***out);
-
-/* Wait for pending frees and give every cached page back, in every arena
- * but those of capture pools with users: what PyTorch does before it gives
- * up. Returns the first failure. */
-int _tide_arenas_release_cached(struct tide_allocator *a);
-/* A free tide_free's fast path did not finish: look in every arena. */
-tide_status _tide_free_slow(struct tide_allocator *a, uintptr_t addr, size_t size, bool sized,
-                            tide_stream stream);
-/* The allocated block whose range holds addr, in any arena: its start, size
- * and stream (each may be NULL); TIDE_ERR_BAD_POINTER, or another status,
- * with the reason when there is none. */
-tide_status _tide_block_info(struct tide_allocator *a, uintptr_t addr, void **base, size_t *size,
-                             tide_stream *stream);
 
 #endif /* TIDE_CORE_H */

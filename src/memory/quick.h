@@ -1,7 +1,7 @@
 /* quick.h: the quick path of an arena, inline so that tide_malloc and
  * tide_free (allocator.c) finish a hit without a call: taking back a quick
  * block (just freed on its own stream, kept whole; see _TIDE_QUICK_SLOTS)
- * and keeping one, with the figures each changes. arena.c does the rest
+ * and keeping one, with the stats each changes. arena.c does the rest
  * with the same functions. Everything here runs under the arena lock. */
 #ifndef TIDE_QUICK_H
 #define TIDE_QUICK_H
@@ -9,21 +9,21 @@
 #include "memory/core.h"
 
 /* ------------------------------------------------------------------------ */
-/* Figures                                                                   */
+/* Stats                                                                     */
 /* ------------------------------------------------------------------------ */
 
 /* An arena's allocated and requested bytes, allocations and oversize count
  * go on counting a quick block as allocated (with the size last asked for
- * it): these are its raw figures, and what is reported
- * (_tide_arena_figures) subtracts the blocks of the quick list, at most
- * eight. A quick hit then changes only the inactive-split figures, and the
+ * it): these are its raw stats, and what is reported
+ * (_tide_arena_stats_read) subtracts the blocks of the quick list, at most
+ * eight. A quick hit then changes only the inactive-split stats, and the
  * requested bytes when a size other than the last one is asked for.
  *
- * The raw figures rise only while the quick list is empty: a block that was
+ * The raw stats rise only while the quick list is empty: a block that was
  * not quick is counted after the list went to the bins (best fit merges it
  * first anyway; _tide_count_allocation makes sure), and a quick hit that
  * asks for more than its block's last size takes the last quick block (or
- * merges the others first). So a raw figure never exceeds its peak, and
+ * merges the others first). So a raw stat never exceeds its peak, and
  * its peak is exact: each value the peak took was the true one (no quick
  * block then), and a quick hit raises the true value at most back to the
  * raw one. */
@@ -120,7 +120,7 @@ static inline void _tide_quick_remove(_tide_arena *arena, unsigned i) {
 }
 
 /* The most recently freed quick block of exactly `rounded` bytes, out of
- * the list (its figures are the taker's). Quick blocks stay in the live
+ * the list (its stats are the taker's). Quick blocks stay in the live
  * map, so taking one back needs no map work. */
 static inline _tide_block *_tide_quick_take(_tide_arena *arena, size_t rounded) {
   for (unsigned i = arena->nquick; i-- > 0;) {

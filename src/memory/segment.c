@@ -11,7 +11,10 @@
  * already mapped are used before new ones. Until its stream first frees a
  * block, an arena maps each growth of a large request as one handle (a
  * load handle, load_handles): a model's weights, loaded first and kept,
- * then take a mapping each instead of one per page or handle.
+ * then take a mapping each instead of one per page or handle. Pages taken
+ * out of a segment while work queued before their free may still read
+ * them stay mapped at their old address, stale, until the stream is past
+ * that work (_tide_stale_settle, by stream_events.c's idle marks).
  *
  * Every backend call here can fail. A failure leaves the segment as it was
  * before the call (undoing the steps already done), or, where the backend
@@ -101,7 +104,7 @@ static void drop_bytes(_tide_arena *arena, int pool, size_t bytes) {
 }
 
 /* A handle held for pool `from` now serves pool `to`: its bytes move from
- * one pool's figures to the other's. */
+ * one pool's stats to the other's. */
 static void move_bytes(_tide_arena *arena, int from, int to, size_t bytes) {
   if (from == to) return;
   _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, from, -(int64_t)bytes);
@@ -604,6 +607,27 @@ size_t _tide_stale_unmap(_tide_arena *arena, uintptr_t lo, uintptr_t hi, uint64_
   return left;
 }
 
+int _tide_stale_settle(_tide_arena *arena, uintptr_t lo, uintptr_t hi, bool wait) {
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
+  _tide_idle_marks_poll(arena);
+  int failed;
+  size_t left = _tide_stale_unmap(arena, lo, hi, arena->idle_before, &failed);
+  if (!wait) {
+    _tide_error_restore(&saved);
+    return TIDE_OK;
+  }
+  if (left && !failed) {
+    int rc = _tide_stream_settle(arena);
+    if (rc) return rc == TIDE_ERR_BACKEND ? rc : TIDE_ERR_NOT_READY;
+    left = _tide_stale_unmap(arena, lo, hi, arena->idle_before, &failed);
+  }
+  if (!left) return TIDE_OK;
+  return failed ? failed
+                : _tide_error_set(TIDE_ERR_BACKEND, "%zu stale pages in [%p, %p) stay mapped", left,
+                                  (void *)lo, (void *)hi);
+}
+
 void _tide_stale_drop_all(_tide_arena *arena) {
   while (arena->nstale) unmap_stale_page(arena, arena->nstale - 1, true);
 }
@@ -811,7 +835,7 @@ static int map_pages(_tide_arena *arena, _tide_segment *seg, size_t first, size_
   uintptr_t start = seg->base + first * page;
   /* Pages left mapped here by an earlier release go first; if the stream
    * cannot be waited for (held), the memory is not to be had now. */
-  if (arena->nstale && _tide_arena_settle_stale(arena, start, start + count * page, true))
+  if (arena->nstale && _tide_stale_settle(arena, start, start + count * page, true))
     return _tide_error_set(TIDE_ERR_OOM,
                            "no free pages: those at %p are still mapped for work "
                            "queued on stream %p: %s",
@@ -1031,7 +1055,7 @@ static void settle_or_move(_tide_arena *arena, _tide_pool *pool, size_t size, si
   _tide_saved_error saved;
   _tide_error_save(&saved);
   _tide_growth moved;
-  if (_tide_arena_settle_stale(arena, lo, lo + g->count * page, true) != TIDE_OK &&
+  if (_tide_stale_settle(arena, lo, lo + g->count * page, true) != TIDE_OK &&
       new_expandable(arena, pool, size) == TIDE_OK &&
       _tide_pool_plan_growth(arena, pool, size, page, &moved) == TIDE_OK && !moved.blocked)
     *g = moved;
@@ -1041,7 +1065,7 @@ static void settle_or_move(_tide_arena *arena, _tide_pool *pool, size_t size, si
 static int grow_expandable(_tide_arena *arena, _tide_pool *pool, size_t size, _tide_block **out) {
   size_t page = arena->alloc->page_size;
   _tide_growth g;
-  if (arena->nstale) _tide_arena_settle_stale(arena, 0, UINTPTR_MAX, false); /* the idle ones */
+  if (arena->nstale) _tide_stale_settle(arena, 0, UINTPTR_MAX, false); /* the idle ones */
   if (_tide_pool_plan_growth(arena, pool, size, page, &g)) {
     int rc = new_expandable(arena, pool, size);
     if (rc) return rc;

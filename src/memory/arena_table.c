@@ -1,25 +1,25 @@
-/* arenas.c: the arenas of an allocator. The own arena of each stream, made
- * on first use and found through the table of streams (core.h, inline),
- * this thread's cache or the arena table; the arenas of capture pools
- * (their pools are pool.c's); and what is done over every arena: freeing a
- * block wherever it is, finding the block that holds an address, giving
- * cached memory back. The allocator's entry points (allocator.c) and the
- * features (buffers, pools, sharing, statistics) reach arenas through here;
- * arena.c and the files below it do not call it. */
+/* arena_table.c: the arenas of an allocator. The own arena of each stream,
+ * made on first use and found through the table of streams (arena_table.h,
+ * inline), this thread's cache or the arena table; the arenas of capture
+ * pools (their pools are pool.c's); and what is done over every arena:
+ * freeing a block wherever it is, finding the block that holds an address,
+ * giving cached memory back. The allocator's entry points (allocator.c) and
+ * the features (buffers, pools, sharing, statistics) reach arenas through
+ * here; arena.c and the files below it do not call it. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "memory/core.h"
+#include "memory/arena_table.h"
 
 /* ------------------------------------------------------------------------ */
 /* Arenas by stream                                                          */
 /* ------------------------------------------------------------------------ */
 
-/* Behind the allocator's table of streams (core.h), for streams it has no
- * room for: the last arenas this thread used, keyed by allocator id and
- * stream; ids are never reused, so an entry of a destroyed allocator never
- * matches. */
+/* Behind the allocator's table of streams (arena_table.h), for streams it
+ * has no room for: the last arenas this thread used, keyed by allocator id
+ * and stream; ids are never reused, so an entry of a destroyed allocator
+ * never matches. */
 #define ARENA_CACHE 8
 static _Thread_local struct {
   uint64_t id;
@@ -40,15 +40,15 @@ static _tide_arena *find_arena_locked(tide_allocator *a, tide_stream stream) {
   return NULL;
 }
 
-/* With one arena its own figures are the allocator's, at no cost. A second
+/* With one arena its own stats are the allocator's, at no cost. A second
  * arena makes the allocator-wide allocated bytes a shared counter, started
- * from the first arena's figures under its lock (arenas read the flag under
+ * from the first arena's stats under its lock (arenas read the flag under
  * their own lock, so no update is missed). */
 static void share_peak(tide_allocator *a, _tide_arena *first) {
   _tide_lock_acquire(&first->lock);
-  _tide_arena_stats figures;
-  _tide_arena_figures(first, &figures);
-  atomic_store(&a->allocated.cur, figures.cur[_TIDE_ST_ALLOCATED][0]);
+  _tide_arena_stats reported;
+  _tide_arena_stats_read(first, &reported);
+  atomic_store(&a->allocated.cur, reported.cur[_TIDE_ST_ALLOCATED][0]);
   atomic_store(&a->allocated.peak, first->stats.peak[_TIDE_ST_ALLOCATED][0]);
   atomic_store(&a->shared_peak, true);
   atomic_store(&a->hit_extras, true);
@@ -141,10 +141,10 @@ _tide_arena *_tide_arena_get(tide_allocator *a, tide_stream stream) {
   return _tide_arena_of(a, stream, true);
 }
 
-/* Add an arena's history to the allocator's retired figures (its current
+/* Add an arena's history to the allocator's retired stats (its current
  * ones are all zero: it holds nothing). The active peak is folded in as it
  * is summed (the larger of the allocated and active peaks), so the
- * allocator's figures do not change. */
+ * allocator's stats do not change. */
 static void retire_stats(_tide_arena_stats *to, _tide_arena_stats *from) {
   for (int st = 0; st < _TIDE_ST_COUNT; st++)
     for (int p = 0; p < TIDE_POOL_KINDS; p++) to->peak[st][p] += from->peak[st][p];

@@ -1,4 +1,4 @@
-/* device.c: the process-wide allocator of each device and the process-wide
+/* process.c: the process-wide allocator of each device and the process-wide
  * configuration they are created from (defaults, then TIDALLOC_CONF, then
  * tide_config_process_set calls made before first use). */
 #include <pthread.h>

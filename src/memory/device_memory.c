@@ -1,4 +1,4 @@
-/* mapcalls.c: the memory limit physical memory is taken under, and the
+/* device_memory.c: the memory limit physical memory is taken under, and the
  * backend calls that create, map, make accessible, unmap and release device
  * memory, timed. tide_stats.mapping_ns sums the time the calling threads
  * spent in them: on a GPU, most of what growing and shrinking expandable
@@ -44,7 +44,7 @@ int _tide_mem_unmap_run(tide_allocator *a, uintptr_t addr, size_t page, size_t c
 }
 
 /* ------------------------------------------------------------------------ */
-/* The memory limit                                                          */
+/* The memory limit and the device's free memory                             */
 /* ------------------------------------------------------------------------ */
 
 int _tide_budget_take(tide_allocator *a, size_t bytes, size_t request) {
@@ -75,4 +75,14 @@ int _tide_budget_take(tide_allocator *a, size_t bytes, size_t request) {
 
 void _tide_budget_give(tide_allocator *a, size_t bytes) {
   atomic_fetch_sub_explicit(&a->reserved.cur, (int64_t)bytes, memory_order_relaxed);
+}
+
+bool _tide_device_free(const tide_allocator *a, size_t *free_bytes) {
+  const _tide_backend *be = &a->backend;
+  size_t total;
+  _tide_saved_error saved;
+  _tide_error_save(&saved);
+  bool ok = be->ops->mem_info(be->ctx, free_bytes, &total) == TIDE_OK;
+  _tide_error_restore(&saved);
+  return ok;
 }
