@@ -308,7 +308,14 @@ typedef struct tide_stats {
    * shrinking memory cost the program, tens of microseconds a mapping on a
    * GPU. The cached path makes no such call. */
   uint64_t mapping_ns;
-  uint64_t reserved_u64[4]; /* for future use; zero */
+  /* Times the allocator asked the device how much memory it has free, and
+   * the nanoseconds those calls took (summed over threads): growth asks
+   * before it takes more, and allocations past the quick blocks ask now and
+   * then whether others need memory back (docs/design.md, "Memory by
+   * pressure"). The cached path makes no such call. */
+  uint64_t device_queries;
+  uint64_t device_query_ns;
+  uint64_t reserved_u64[2]; /* for future use; zero */
 } tide_stats;
 
 TIDE_NODISCARD TIDE_API tide_status tide_get_stats(tide_allocator *alloc, tide_stats *out);

@@ -387,6 +387,41 @@ static void test_mapping_time(void **state) {
   destroy_clean(a);
 }
 
+/* device_queries counts the queries of the device's free memory and
+ * device_query_ns their time: growth asks, the cached path does not, and
+ * allocations of changing sizes ask once per _TIDE_DEVICE_CHECK_EVERY (256)
+ * of them at most. */
+static void test_device_queries(void **state) {
+  (void)state;
+  tide_allocator *a = make(NULL);
+  assert_int_equal(stats_of(a).device_queries, 0);
+  void *x = tide_malloc(a, 4 * MiB, NULL);
+  assert_non_null(x);
+  tide_stats grown = stats_of(a);
+  assert_true(grown.device_queries >= 1);
+  assert_true(grown.device_query_ns > 0);
+  tide_free(a, x, NULL);
+  for (int i = 0; i < 1000; i++) { /* one size: quick reuse, no query */
+    void *y = tide_malloc(a, 4 * MiB, NULL);
+    assert_non_null(y);
+    tide_free(a, y, NULL);
+  }
+  assert_int_equal(stats_of(a).device_queries, grown.device_queries);
+  void *held = NULL;
+  for (int i = 0; i < 1024; i++) { /* sizes that change: past the quick blocks */
+    void *y = tide_malloc(a, (size_t)(1 + i % 9) * 512 * 1024, NULL);
+    assert_non_null(y);
+    if (held) tide_free(a, held, NULL);
+    held = y;
+  }
+  tide_free(a, held, NULL);
+  tide_stats churned = stats_of(a);
+  assert_true(churned.device_queries > grown.device_queries);
+  assert_true(churned.device_queries - grown.device_queries <= 1024 / 256 + churned.mappings);
+  assert_true(churned.device_query_ns > grown.device_query_ns);
+  destroy_clean(a);
+}
+
 static void test_quick_reuse_and_flush(void **state) {
   (void)state;
   tide_allocator *a = make(NULL);
@@ -794,6 +829,7 @@ int main(void) {
       cmocka_unit_test(test_release_far_end_of_hole),
       cmocka_unit_test(test_release_waits_for_the_limit),
       cmocka_unit_test(test_mapping_time),
+      cmocka_unit_test(test_device_queries),
       cmocka_unit_test(test_quick_reuse_and_flush),
       cmocka_unit_test(test_stream_ordered_reuse),
       cmocka_unit_test(test_free_on_other_stream),

@@ -14,7 +14,9 @@ and, for programs with caches that can grow in place, tidalloc-growable
 (tidalloc with the program's growable caches).
 
 CSV columns: program,allocator,cap,status,wall_s,peak_allocated_gib,
-peak_reserved_gib,limit_gib,unmappings,stream_waits,mappings,order,error.
+peak_reserved_gib,limit_gib,unmappings,stream_waits,mappings,order,error,
+device_queries,device_query_ms (tidalloc's queries of the device's free
+memory, and their time).
 wall_s is the program's own timed section where it has one (the frame loop
 of the streaming model), else its whole run from a synchronized device to a
 synchronized device, model building included. cap is `none` or the
@@ -50,7 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 COLUMNS = ("program", "allocator", "cap", "status", "wall_s", "peak_allocated_gib",
            "peak_reserved_gib", "limit_gib", "unmappings", "stream_waits", "mappings", "order",
-           "error")
+           "error", "device_queries", "device_query_ms")
 DEFAULT_CAPS = ("none", "1.00", "1.01", "1.02", "1.03", "1.05", "1.10")
 ALLOCATORS = ("expandable", "native", "tidalloc")
 GIB = float(1 << 30)
@@ -171,12 +173,15 @@ def split_program(program):
 
 
 def tidalloc_counts():
+    """tidalloc's driver work over the process: unmappings, stream waits,
+    mappings, queries of the device's free memory and their milliseconds."""
     try:
         import tidalloc
         st = tidalloc.stats(0)
-        return st.unmappings, st.stream_waits, st.mappings
+        return (st.unmappings, st.stream_waits, st.mappings, st.device_queries,
+                st.device_query_ns / 1e6)
     except Exception:  # not tidalloc's process
-        return "", "", ""
+        return "", "", "", "", ""
 
 
 def child(args):
@@ -207,7 +212,8 @@ def child(args):
     if not isinstance(own, dict):
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
-    result["unmappings"], result["stream_waits"], result["mappings"] = tidalloc_counts()
+    (result["unmappings"], result["stream_waits"], result["mappings"], result["device_queries"],
+     result["device_query_ms"]) = tidalloc_counts()
     with open(args.result, "w") as f:
         json.dump(result, f)
 

@@ -871,7 +871,9 @@ def report_tidalloc(device):
     import tidalloc
     st = tidalloc.stats(device_index(device))
     print("stream_gct: tidalloc: %d mappings, %d unmappings, %.1f ms in mapping calls, %d stream "
-          "waits" % (st.mappings, st.unmappings, st.mapping_ns / 1e6, st.stream_waits),
+          "waits, %d device queries in %.1f ms"
+          % (st.mappings, st.unmappings, st.mapping_ns / 1e6, st.stream_waits, st.device_queries,
+             st.device_query_ns / 1e6),
           file=sys.stderr)
     from tidalloc import shim
     calls = {k: v for k, v in shim.counts().items() if v}

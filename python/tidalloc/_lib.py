@@ -21,13 +21,14 @@ _STAT_FIELDS = ("allocated_bytes", "requested_bytes", "active_bytes", "inactive_
 _COUNTERS = ("num_allocs", "num_frees", "pages_mapped", "pages_unmapped", "segments_created",
              "segments_released", "num_alloc_retries", "num_ooms", "num_sync_all_streams",
              "num_device_alloc", "num_device_free", "oversize_allocations", "memory_limit",
-             "mappings", "unmappings", "stream_waits", "mapping_ns")
+             "mappings", "unmappings", "stream_waits", "mapping_ns", "device_queries",
+             "device_query_ns")
 
 
 class Stats(ctypes.Structure):
     _fields_ = ([(name, Stat * _KINDS) for name in _STAT_FIELDS] +
                 [(name, ctypes.c_uint64) for name in _COUNTERS] +
-                [("reserved_u64", ctypes.c_uint64 * 4)])
+                [("reserved_u64", ctypes.c_uint64 * 2)])
 
 
 class BufOptions(ctypes.Structure):
@@ -248,6 +249,9 @@ def memory_stats(index=0):
     result["num_stream_waits"] = st.stream_waits
     # Not PyTorch's: the time spent in the driver's calls that map and unmap.
     result["device_mapping_ns"] = st.mapping_ns
+    # Not PyTorch's: the queries of the device's free memory, and their time.
+    result["num_device_queries"] = st.device_queries
+    result["device_query_ns"] = st.device_query_ns
     return result
 
 

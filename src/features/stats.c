@@ -81,6 +81,8 @@ int _tide_stats_collect(tide_allocator *a, tide_stats *out) {
   out->num_sync_all_streams = atomic_load(&a->num_sync_all_streams);
   out->stream_waits = atomic_load(&a->stream_waits);
   out->mapping_ns = atomic_load(&a->mapping_ns);
+  out->device_queries = atomic_load(&a->device_queries);
+  out->device_query_ns = atomic_load(&a->device_query_ns);
   out->memory_limit = atomic_load(&a->limit);
   return TIDE_OK;
 }

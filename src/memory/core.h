@@ -663,6 +663,8 @@ struct tide_allocator {
   _Atomic uint64_t num_sync_all_streams;
   _Atomic uint64_t stream_waits; /* tide_stats.stream_waits */
   _Atomic uint64_t mapping_ns;   /* tide_stats.mapping_ns (device_memory.c) */
+  _Atomic uint64_t device_queries;  /* tide_stats.device_queries (device_memory.c) */
+  _Atomic uint64_t device_query_ns; /* tide_stats.device_query_ns */
   _tide_trace_ring trace;
   struct _tide_pinned *pinned; /* the pinned host memory pool (pinned.c) */
   pthread_mutex_t bufs_mutex;  /* guards the list of growable buffers */
@@ -704,8 +706,9 @@ static inline size_t _tide_low_water(const struct tide_allocator *a) {
 }
 
 /* The device's free memory, or false where the backend cannot say; the
- * error a failed query leaves is not the caller's (device_memory.c). */
-bool _tide_device_free(const struct tide_allocator *a, size_t *free_bytes);
+ * error a failed query leaves is not the caller's. Counted and timed into
+ * tide_stats.device_queries and device_query_ns (device_memory.c). */
+bool _tide_device_free(struct tide_allocator *a, size_t *free_bytes);
 
 /* Bytes of the device that others hold (other processes, other allocators,
  * what allocates outside the allocator), with `free_bytes` free. */

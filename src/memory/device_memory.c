@@ -77,12 +77,18 @@ void _tide_budget_give(tide_allocator *a, size_t bytes) {
   atomic_fetch_sub_explicit(&a->reserved.cur, (int64_t)bytes, memory_order_relaxed);
 }
 
-bool _tide_device_free(const tide_allocator *a, size_t *free_bytes) {
+/* Counted and timed like the mapping calls: a driver call on the paths of
+ * growth and of the periodic check for others, whose cost a program must be
+ * able to see. */
+bool _tide_device_free(tide_allocator *a, size_t *free_bytes) {
   const _tide_backend *be = &a->backend;
   size_t total;
   _tide_saved_error saved;
   _tide_error_save(&saved);
+  uint64_t start = _tide_now_ns();
   bool ok = be->ops->mem_info(be->ctx, free_bytes, &total) == TIDE_OK;
+  atomic_fetch_add_explicit(&a->device_query_ns, _tide_now_ns() - start, memory_order_relaxed);
+  atomic_fetch_add_explicit(&a->device_queries, 1, memory_order_relaxed);
   _tide_error_restore(&saved);
   return ok;
 }

@@ -63,6 +63,9 @@ def test_empty_cache_and_fraction():
     assert st["reserved_bytes.all.current"] == 0
     assert st["num_device_unmap"] >= 1 and st["num_device_map"] == maps
     assert st["device_mapping_ns"] > mapping_ns  # the unmapping took time too
+    # The growth asked the device for its free memory, and the fields after
+    # device_mapping_ns in the C structure are read where they are.
+    assert st["num_device_queries"] >= 1 and st["device_query_ns"] > 0
     # Giving the cache back waits for the stream first (and the count is read
     # from the right field of the C structure, not its neighbours).
     assert waits + 1 <= st["num_stream_waits"] <= waits + 4

@@ -240,9 +240,13 @@ class _TimedRuns:
         report_peaks(label, "run %d" % self.runs, peaks)
         if self.costs is not None:
             now = tidalloc_stats(torch)
-            print("validate.py %s: run %d: %.1f ms in mapping calls, %d stream waits; %s"
+            print("validate.py %s: run %d: %.1f ms in mapping calls, %d stream waits, %d device "
+                  "queries in %.1f ms; %s"
                   % (label, self.runs, (now.mapping_ns - self.costs.mapping_ns) / 1e6,
-                     now.stream_waits - self.costs.stream_waits, counter_deltas(self.costs, now)),
+                     now.stream_waits - self.costs.stream_waits,
+                     now.device_queries - self.costs.device_queries,
+                     (now.device_query_ns - self.costs.device_query_ns) / 1e6,
+                     counter_deltas(self.costs, now)),
                   file=sys.stderr, flush=True)
         self.runs += 1
         after = device_mappings(torch)
