@@ -661,8 +661,8 @@ struct tide_allocator {
   _Atomic uint64_t num_alloc_retries;
   _Atomic uint64_t num_ooms;
   _Atomic uint64_t num_sync_all_streams;
-  _Atomic uint64_t stream_waits; /* tide_stats.stream_waits */
-  _Atomic uint64_t mapping_ns;   /* tide_stats.mapping_ns (device_memory.c) */
+  _Atomic uint64_t stream_waits;    /* tide_stats.stream_waits */
+  _Atomic uint64_t mapping_ns;      /* tide_stats.mapping_ns (device_memory.c) */
   _Atomic uint64_t device_queries;  /* tide_stats.device_queries (device_memory.c) */
   _Atomic uint64_t device_query_ns; /* tide_stats.device_query_ns */
   _tide_trace_ring trace;
