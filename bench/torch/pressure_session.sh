@@ -2,7 +2,9 @@
 # pressure_session.sh: the memory frontier and the two-process run on a GPU
 # machine, from the repository root: the library (Release) and the PyTorch
 # shim built once, then bench/torch/frontier.py for each of PROGRAMS under
-# CAPS, and, where TWO_PROCESS names a program, bench/torch/two_process.py.
+# CAPS, and, where TWO_PROCESS names a program, bench/torch/two_process.py at
+# each margin of MARGIN (default 1.06), the second process STAGGER seconds
+# after the first (default 0).
 # Everything lands in $OUT (default out/pressure): frontier.csv and .png,
 # two_process.csv, machine.txt, logs. SESSION_SECONDS (default 540) bounds
 # the frontier: no run starts after it.
@@ -83,7 +85,9 @@ if [[ -n ${PROGRAMS:-} ]] && ((budget > 60)); then
   "$py" bench/torch/frontier.py --summarize "$out/frontier.csv" | tee "$out/frontier_summary.txt"
 fi
 if [[ -n ${TWO_PROCESS:-} ]]; then
-  "$py" bench/torch/two_process.py --program "$TWO_PROCESS" --margin "${MARGIN:-1.06}" \
+  # shellcheck disable=SC2086
+  "$py" bench/torch/two_process.py --program "$TWO_PROCESS" --margins ${MARGIN:-1.06} \
+    --stagger "${STAGGER:-0}" \
     --csv "$out/two_process.csv" 2>&1 | tee "$out/two_process.log"
 fi
 echo "session: $((SECONDS - start)) s"

@@ -9,10 +9,16 @@ time and peaks are recorded. Under expandable segments a process keeps the
 pages it freed, so the first to grow can starve the second; tidalloc gives
 pages back when the device runs low.
 
-CSV columns: allocator,process,status,wall_s,peak_allocated_gib,
-peak_reserved_gib,room_gib,error.
+--margins runs the pair at several margins, tightest first, each allocator
+in turn; --stagger S starts the second process S seconds after the first,
+so that it grows while the first holds what it has freed (a second stream
+joining a running one) rather than beside it.
 
-    python bench/torch/two_process.py --program stream_gct:64 --csv out/two_process.csv"""
+CSV columns: allocator,process,status,wall_s,peak_allocated_gib,
+peak_reserved_gib,room_gib,error,margin,stagger_s.
+
+    python bench/torch/two_process.py --program stream_gct:64 --csv out/two_process.csv
+    python bench/torch/two_process.py --program stream_gct:64 --margins 1.0 1.02 1.06 --stagger 5"""
 import argparse
 import csv
 import json
@@ -28,7 +34,7 @@ import frontier  # noqa: E402
 
 GIB = float(1 << 30)
 COLUMNS = ("allocator", "process", "status", "wall_s", "peak_allocated_gib", "peak_reserved_gib",
-           "room_gib", "error")
+           "room_gib", "error", "margin", "stagger_s")
 BALLAST = """
 import sys, time, torch
 keep = int(sys.argv[1])
@@ -66,8 +72,12 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--program", default="stream_gct:64")
     p.add_argument("--allocators", nargs="+", default=["expandable", "tidalloc"])
-    p.add_argument("--margin", type=float, default=1.06,
-                   help="room left for both programs, as a multiple of their peaks allocated")
+    p.add_argument("--margin", "--margins", type=float, nargs="+", default=[1.06],
+                   dest="margins",
+                   help="room left for both programs, as a multiple of their peaks allocated "
+                   "(several: one pair per margin and allocator)")
+    p.add_argument("--stagger", type=float, default=0.0, metavar="S",
+                   help="start the second process S seconds after the first")
     p.add_argument("--context-gib", type=float, default=0.6,
                    help="room for each program's CUDA context, outside any allocator")
     p.add_argument("--csv", default="two_process.csv")
@@ -78,32 +88,47 @@ def main():
         raise SystemExit("two_process: %s does not run alone: %s" % (args.program,
                                                                      first.get("error")))
     peak = first["peak_allocated_gib"] * GIB
-    room = 2 * peak * args.margin + 2 * args.context_gib * GIB
     rows = []
-    for allocator in args.allocators:
-        free, _ = torch.cuda.mem_get_info()
-        ballast = subprocess.Popen([sys.executable, "-c", BALLAST, str(int(free - room))],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        ballast.stdout.readline()
-        procs = []
-        for k in range(2):
-            result = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-            cmd, env = child_cmd(args.program, allocator, result)
-            procs.append((k, result, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                                                      stderr=subprocess.PIPE, text=True)))
-        for k, result, proc in procs:
-            proc.wait()
-            out = read(result, proc)
-            row = {"allocator": allocator, "process": k, "room_gib": "%.3f" % (room / GIB)}
-            row.update(out)
-            rows.append({c: frontier.fmt(row.get(c, "")) for c in COLUMNS})
-            print(",".join(str(rows[-1][c]) for c in COLUMNS[:6]), flush=True)
-            if os.path.exists(result):
-                os.unlink(result)
-        ballast.stdin.close()
-        ballast.wait()
-        time.sleep(1)
-    with open(args.csv, "w", newline="") as f:
+    for margin in sorted(args.margins):
+        room = 2 * peak * margin + 2 * args.context_gib * GIB
+        for allocator in args.allocators:
+            rows += run_pair(args, torch, allocator, room, margin)
+            write_rows(args.csv, rows)
+
+
+def run_pair(args, torch, allocator, room, margin):
+    """The two programs beside a ballast that leaves `room` bytes: their rows."""
+    free, _ = torch.cuda.mem_get_info()
+    ballast = subprocess.Popen([sys.executable, "-c", BALLAST, str(int(free - room))],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ballast.stdout.readline()
+    procs, rows = [], []
+    for k in range(2):
+        if k and args.stagger:
+            time.sleep(args.stagger)
+        result = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+        cmd, env = child_cmd(args.program, allocator, result)
+        procs.append((k, result, subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                                  stderr=subprocess.PIPE, text=True)))
+    for k, result, proc in procs:
+        proc.wait()
+        out = read(result, proc)
+        row = {"allocator": allocator, "process": k, "room_gib": "%.3f" % (room / GIB),
+               "margin": margin, "stagger_s": args.stagger}
+        row.update(out)
+        rows.append({c: frontier.fmt(row.get(c, "")) for c in COLUMNS})
+        print(",".join(str(rows[-1][c]) for c in COLUMNS[:6]) + ",margin %g" % margin,
+              flush=True)
+        if os.path.exists(result):
+            os.unlink(result)
+    ballast.stdin.close()
+    ballast.wait()
+    time.sleep(1)
+    return rows
+
+
+def write_rows(path, rows):
+    with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(rows)
