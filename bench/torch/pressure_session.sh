@@ -18,7 +18,9 @@
 # allocated in that pairing with PAIRED_CAP_CONFIGS (default: expandable
 # tidalloc): paired_N.csv/.txt and paired_N_cap.csv/.txt. PAIRED_COMPILED=R
 # pairs the compiled model (128 frames) for R rounds of PAIRED_COMPILED_CONFIGS
-# (default: native tidalloc expandable): paired_compiled.csv/.txt.
+# (default: native tidalloc; PyTorch's own allocator grows until the device is
+# full, so a third worker beside it on an 80 GB card runs out of memory):
+# paired_compiled.csv/.txt.
 # FRONTIER_ARGS adds arguments to frontier.py (--peak-gib G, --allocators ...).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
@@ -74,7 +76,7 @@ fi
 if [[ -n ${PAIRED_COMPILED:-} ]]; then
   # shellcheck disable=SC2086
   paired paired_compiled "$PAIRED_COMPILED" stream_gct_compile --frames 128 \
-    --configs ${PAIRED_COMPILED_CONFIGS:-native tidalloc expandable}
+    --configs ${PAIRED_COMPILED_CONFIGS:-native tidalloc}
 fi
 budget=$(left)
 if [[ -n ${PROGRAMS:-} ]] && ((budget > 60)); then
