@@ -10,6 +10,13 @@ logits: generate synchronizes every step to check its stopping criteria),
 peak memory, and a digest of the generated ids, to compare with
 DynamicCache's (--summarize).
 
+The floor: what DynamicCache's torch.cat costs a token, at most, is a copy
+of the whole cache (read and written) at its mean length over the run, at
+the device's copy bandwidth (measured in the same process, a 1 GiB copy):
+cat_ms_per_token. A cache that grows in place saves at most that, so the
+best time per token it can reach is DynamicCache's minus it (--summarize's
+"floor" column, a multiple of DynamicCache's time per token).
+
 Memory: PyTorch's peak allocated and reserved bytes, tidalloc's peak
 reserved bytes (the growable caches' mapped pages; tidalloc is not PyTorch's
 allocator here), and their sum: an upper bound of the peak of the sum, as
@@ -45,7 +52,7 @@ COLUMNS = ("model", "params_m", "batch", "prompt", "new_tokens", "cache", "max_c
            "device", "dtype", "transformers", "torch", "status", "seconds", "ms_per_token",
            "ms_per_token_first10", "ms_per_token_last10", "torch_peak_allocated_gib",
            "torch_peak_reserved_gib", "tidalloc_peak_reserved_gib", "peak_total_gib",
-           "kv_bytes_gib", "ids_sha256", "error")
+           "kv_bytes_gib", "ids_sha256", "error", "copy_gb_per_s", "cat_ms_per_token")
 CACHES = ("growable", "dynamic", "static")
 GiB = float(1 << 30)
 
@@ -151,6 +158,23 @@ def kv_bytes(model, batch, tokens, dtype):
         torch.empty((), dtype=dtype).element_size()
 
 
+def copy_bandwidth(device):
+    """Bytes per second a device-to-device copy moves (read plus written),
+    from the best of a few copies of 1 GiB (64 MiB on the CPU)."""
+    n = (1 << 30) if device.startswith("cuda") else (64 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return 2 * n / best
+
+
 def per_token(marks, part):
     """ms per token over the first (part=0) or last (1) 10% of the steps."""
     gaps = [b - a for a, b in zip(marks, marks[1:])]
@@ -177,6 +201,11 @@ def run(args):
                transformers=transformers.__version__, torch=torch.__version__, status="ok",
                kv_bytes_gib="%.3f" % (kv_bytes(model, args.batch, positions, dtype) / GiB),
                error="")
+    bandwidth = copy_bandwidth(args.device)
+    mean_len = args.prompt + args.new_tokens / 2.0
+    cat_bytes = 2 * kv_bytes(model, args.batch, 1, dtype) * mean_len  # read and written
+    row.update(copy_gb_per_s="%.1f" % (bandwidth / 1e9),
+               cat_ms_per_token="%.4f" % (1e3 * cat_bytes / bandwidth))
     # Untimed: kernels, cuBLAS handles, the cache kind's first use.
     warm = make_cache(args.cache, model, max_cache_len)
     generate(model, ids, warm, min(16, args.new_tokens))
@@ -238,9 +267,9 @@ def summarize(path, out=sys.stdout):
     for r in rows:
         groups.setdefault((r["model"], r["batch"], r["new_tokens"]), {})[r["cache"]] = r
     differ = 0
-    print("%-12s %5s %6s  %-9s %10s %8s %8s %10s %7s  %s" % (
+    print("%-12s %5s %6s  %-9s %10s %8s %8s %10s %7s  %-15s %s" % (
         "model", "batch", "tokens", "cache", "ms/token", "x dyn", "last10%", "peak GiB",
-        "x dyn", "ids = dynamic's"), file=out)
+        "x dyn", "ids=dynamic's", "floor (x dyn)"), file=out)
     for (model, batch, tokens), by in sorted(groups.items()):
         ref = by.get("dynamic")
         for kind in CACHES:
@@ -251,7 +280,11 @@ def summarize(path, out=sys.stdout):
                 print("%-12s %5s %6s  %-9s %s" % (model, batch, tokens, kind, r["status"]),
                       file=out)
                 continue
-            ratio = peak_ratio = same = ""
+            ratio = peak_ratio = same = floor = ""
+            if kind == "dynamic" and r.get("cat_ms_per_token"):
+                # The best time per token a cache without torch.cat can reach.
+                dyn = float(r["ms_per_token"])
+                floor = "%.3f" % (max(0.0, dyn - float(r["cat_ms_per_token"])) / dyn)
             if ref is not None and ref["status"] == "ok":
                 ratio = "%.3f" % (float(r["ms_per_token"]) / float(ref["ms_per_token"]))
                 if r["peak_total_gib"] and float(ref["peak_total_gib"] or 0) > 0:
@@ -260,9 +293,9 @@ def summarize(path, out=sys.stdout):
                 same = "yes" if r["ids_sha256"] == ref["ids_sha256"] else "NO"
                 if kind != "dynamic" and same == "NO":
                     differ += 1
-            print("%-12s %5s %6s  %-9s %10s %8s %8s %10s %7s  %s" % (
+            print("%-12s %5s %6s  %-9s %10s %8s %8s %10s %7s  %-15s %s" % (
                 model, batch, tokens, kind, r["ms_per_token"], ratio,
-                r["ms_per_token_last10"], r["peak_total_gib"] or "-", peak_ratio, same),
+                r["ms_per_token_last10"], r["peak_total_gib"] or "-", peak_ratio, same, floor),
                 file=out)
     return differ
 
