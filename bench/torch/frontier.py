@@ -62,15 +62,11 @@ GIB = float(1 << 30)
 # Programs, as the child runs them: each returns its own timed seconds or None.
 # --------------------------------------------------------------------------
 
-def _run_stream_gct(arg, growable, compiled):
+def _script_row(argv, out):
+    """Runs the script argv[0] in this process with argv, and returns the
+    first row of the CSV it wrote to `out` (a temporary file, removed);
+    MemoryError where the row's status is not ok."""
     import runpy
-    out = tempfile.NamedTemporaryFile(suffix=".csv", delete=False).name
-    argv = [os.path.join(ROOT, "bench", "torch", "stream_gct.py"), "--frame-counts", arg,
-            "--csv", out]
-    if growable:
-        argv.append("--growable")
-    if compiled:
-        argv.append("--compile")
     sys.argv = argv
     try:
         runpy.run_path(argv[0], run_name="__main__")
@@ -82,7 +78,18 @@ def _run_stream_gct(arg, growable, compiled):
     os.unlink(out)
     if row["status"] != "ok":
         raise MemoryError(row.get("error") or row["status"])
-    return float(row["seconds"])
+    return row
+
+
+def _run_stream_gct(arg, growable, compiled):
+    out = tempfile.NamedTemporaryFile(suffix=".csv", delete=False).name
+    argv = [os.path.join(ROOT, "bench", "torch", "stream_gct.py"), "--frame-counts", arg,
+            "--csv", out]
+    if growable:
+        argv.append("--growable")
+    if compiled:
+        argv.append("--compile")
+    return float(_script_row(argv, out)["seconds"])
 
 
 def _run_gpt2(arg, growable, compiled):
@@ -117,26 +124,16 @@ def _run_lingbot(arg, growable, compiled):
     --sliding-window). The script catches its own out-of-memory and records
     it in its CSV, and resets the peaks before it returns, so its row gives
     the status, the streaming loop's seconds and the peaks."""
-    import runpy
     root = os.environ.get("LINGBOT_MAP")
     if not root:
         raise SystemExit("frontier: lingbot needs LINGBOT_MAP, a LingBot-Map checkout")
     frames, _, window = arg.partition(":")
     out = tempfile.NamedTemporaryFile(suffix=".csv", delete=False).name
-    script = os.path.join(root, "scripts", "benchmark_gct_memory.py")
-    sys.argv = [script, "--backend", "sdpa", "--frame-counts", frames or "512", "--output", out]
+    argv = [os.path.join(root, "scripts", "benchmark_gct_memory.py"), "--backend", "sdpa",
+            "--frame-counts", frames or "512", "--output", out]
     if window:
-        sys.argv += ["--sliding-window", window]
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as e:
-        if e.code not in (0, None):
-            raise
-    with open(out) as f:
-        row = next(csv.DictReader(f))
-    os.unlink(out)
-    if row["status"] != "ok":
-        raise MemoryError(row.get("error") or row["status"])
+        argv += ["--sliding-window", window]
+    row = _script_row(argv, out)
     return {"wall_s": float(row["seconds"]),
             "peak_allocated_gib": float(row["peak_allocated_gib"]),
             "peak_reserved_gib": float(row["peak_reserved_gib"])}
