@@ -53,13 +53,7 @@ enough() {
 
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 export TIDALLOC_LIB=$PWD/build-kv/libtidalloc.so
-{
-  echo "date: $(date -u)"
-  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
-  "$py" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__)' 2>&1
-  echo "cpus: $(nproc)"
-} | tee -a "$summary" >"$out/machine.txt"
+bench/torch/machine.sh "$py" | tee -a "$summary" >"$out/machine.txt"
 
 if ! { cmake -S . -B build-kv -DCMAKE_BUILD_TYPE=Release -DTIDE_BUILD_TESTS=OFF \
   -DTIDE_BUILD_EXAMPLES=OFF -DTIDE_BUILD_TOOLS=OFF && cmake --build build-kv -j"$(nproc)" --target tidalloc; } >"$out/build.log" 2>&1; then

@@ -54,13 +54,7 @@ start=$SECONDS
 
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 export TIDALLOC_CACHE=$PWD/build/shim-cache TIDALLOC_LIB=$PWD/build/libtidalloc.so
-{
-  echo "date: $(date -u)"
-  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
-  "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1
-  echo "cpus: $(nproc)"
-} | tee -a "$summary" >"$out/machine.txt"
+bench/torch/machine.sh "$py" | tee -a "$summary" >"$out/machine.txt"
 
 # The library (Release, with the tidalloc command) from source folder $1
 # into $1/build, its log in $out/$2.

@@ -32,12 +32,7 @@ if [[ -n ${WHEELS:-} ]]; then
     export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 
-{
-  echo "date: $(date -u)"
-  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
-  "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1
-} | tee "$out/machine.txt"
+bench/torch/machine.sh "$py" | tee "$out/machine.txt"
 
 if want build; then
   t0=$SECONDS

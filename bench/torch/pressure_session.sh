@@ -31,13 +31,7 @@ py=${TIDE_PYTHON:-python3}
 start=$SECONDS
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 export TIDALLOC_CACHE=$PWD/build-gpu-release/shim-cache TIDALLOC_LIB=$PWD/build-gpu-release/libtidalloc.so
-{
-  echo "date: $(date -u '+%Y-%m-%d %H:%M UTC')"
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
-  "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1
-  echo "cpus: $(nproc)"
-} | tee "$out/machine.txt"
+bench/torch/machine.sh "$py" | tee "$out/machine.txt"
 if [[ ! -f $TIDALLOC_LIB ]]; then
   cmake -S . -B build-gpu-release -DCMAKE_BUILD_TYPE=Release -DTIDE_BUILD_TESTS=OFF \
     -DTIDE_BUILD_EXAMPLES=OFF >"$out/build.log" 2>&1 &&

@@ -37,14 +37,7 @@ start=$(date +%s)
 note() { echo "$*" | tee -a "$summary"; }
 
 # The machine and the software.
-{
-  echo "date: $(date -u)"
-  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
-  echo "host: $(uname -a)"
-  echo "cpus: $(nproc)"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
-  "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -1
-} >"$out/machine.txt"
+bench/torch/machine.sh "$py" >"$out/machine.txt"
 cat "$out/machine.txt"
 if ! "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   note "stream_gct_session: $py has no torch that sees a GPU; set TIDE_PYTHON"
