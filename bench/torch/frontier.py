@@ -252,10 +252,11 @@ def launch(program, allocator, limit, timeout):
     return out
 
 
-def write_rows(path, rows):
+def write_rows(path, rows, columns=COLUMNS):
+    """The CSV at `path`, rewritten with every row so far (a cut run keeps its rows)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         w.writeheader()
         for row in rows:
             w.writerow(row)

@@ -20,7 +20,6 @@ peak_reserved_gib,room_gib,error,margin,stagger_s.
     python bench/torch/two_process.py --program stream_gct:64 --csv out/two_process.csv
     python bench/torch/two_process.py --program stream_gct:64 --margins 1.0 1.02 1.06 --stagger 5"""
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -93,7 +92,7 @@ def main():
         room = 2 * peak * margin + 2 * args.context_gib * GIB
         for allocator in args.allocators:
             rows += run_pair(args, torch, allocator, room, margin)
-            write_rows(args.csv, rows)
+            frontier.write_rows(args.csv, rows, COLUMNS)
 
 
 def run_pair(args, torch, allocator, room, margin):
@@ -125,13 +124,6 @@ def run_pair(args, torch, allocator, room, margin):
     ballast.wait()
     time.sleep(1)
     return rows
-
-
-def write_rows(path, rows):
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
 
 
 if __name__ == "__main__":
