@@ -19,7 +19,9 @@
 #   hf              bench/torch/hf_generate.py, one process per run, for each
 #                   MODEL:BATCH:NEW_TOKENS of HF_RUNS (default: gpt2 and llama1b,
 #                   batch 8 and 1, 2048 new tokens) and each cache of HF_CACHES
-#                   (default dynamic growable static, run next to each other)
+#                   (default dynamic growable static, run next to each other),
+#                   PyTorch's allocator set by HF_ALLOC_CONF (default
+#                   expandable_segments:True, the anchor the peaks compare to)
 #   hf_long         the same for HF_LONG_RUNS (default: 8192 new tokens, batch
 #                   8 then 1), with what time is left
 # Rows go to $OUT/hf_generate.csv; summary.txt has every stage's table,
@@ -87,7 +89,8 @@ hf_runs() {
     IFS=: read -r model batch tokens <<<"$spec"
     for cache in ${HF_CACHES:-dynamic growable static}; do
       enough "${HF_MIN_SECONDS:-60}" "hf $spec $cache" || continue
-      timeout -k 10 "$(left)" "$py" bench/torch/hf_generate.py --model "$model" \
+      PYTORCH_CUDA_ALLOC_CONF=${HF_ALLOC_CONF-expandable_segments:True} \
+        timeout -k 10 "$(left)" "$py" bench/torch/hf_generate.py --model "$model" \
         --batch "$batch" --new-tokens "$tokens" --cache "$cache" --csv "$out/hf_generate.csv" \
         >>"$out/hf_generate.log" 2>&1
       rc=$?

@@ -14,9 +14,10 @@
 # tests/torch/paired_time.py (one worker per configuration, the runs of a
 # round taking turns every PAIRED_SEGMENT frames, default 64), uncapped with
 # PAIRED_CONFIGS (default: expandable tidalloc tidalloc@stream_gct_growable),
-# then capped at PAIRED_CAP (default 1.02) x expandable segments' peak
-# allocated in that pairing with PAIRED_CAP_CONFIGS (default: expandable
-# tidalloc): paired_N.csv/.txt and paired_N_cap.csv/.txt. PAIRED_COMPILED=R
+# then capped at PAIRED_CAP (default 1.02; none skips it) x expandable
+# segments' peak allocated in that pairing with PAIRED_CAP_CONFIGS (default:
+# expandable tidalloc): paired_N.csv/.txt and paired_N_cap.csv/.txt, each
+# PAIRED_ROUNDS rounds (default 1). PAIRED_COMPILED=R
 # pairs the compiled model (128 frames) for R rounds of PAIRED_COMPILED_CONFIGS
 # (default: native tidalloc; PyTorch's own allocator grows until the device is
 # full, so a third worker beside it on an 80 GB card runs out of memory):
@@ -54,15 +55,15 @@ paired() {
 if [[ -n ${PAIRED_FRAMES:-} ]]; then
   n=$PAIRED_FRAMES
   # shellcheck disable=SC2086
-  paired "paired_$n" 1 stream_gct --frames "$n" --warmup-frames 16 \
+  paired "paired_$n" "${PAIRED_ROUNDS:-1}" stream_gct --frames "$n" --warmup-frames 16 \
     --segment-frames "${PAIRED_SEGMENT:-64}" \
     --configs ${PAIRED_CONFIGS:-expandable tidalloc tidalloc@stream_gct_growable}
   peak=$(sed -n 's/^expandable: peak allocated \([0-9.]*\) MiB.*/\1/p' "$out/paired_$n.txt")
-  if [[ -n $peak ]]; then
+  if [[ -n $peak && ${PAIRED_CAP:-1.02} != none ]]; then
     limit=$("$py" -c "print(round($peak / 1024 * ${PAIRED_CAP:-1.02}, 4))")
     echo "cap ${PAIRED_CAP:-1.02} x $peak MiB: $limit GiB"
     # shellcheck disable=SC2086
-    paired "paired_${n}_cap" 1 stream_gct --frames "$n" --warmup-frames 16 \
+    paired "paired_${n}_cap" "${PAIRED_ROUNDS:-1}" stream_gct --frames "$n" --warmup-frames 16 \
       --segment-frames "${PAIRED_SEGMENT:-64}" --limit-gib "$limit" \
       --configs ${PAIRED_CAP_CONFIGS:-expandable tidalloc}
   fi
