@@ -10,7 +10,9 @@
 # the frontier: no run starts after it.
 #   OUT=out PROGRAMS="gpt2:256 vit:20" CAPS="none 1.00 1.02 1.05" \
 #     bench/torch/pressure_session.sh
-# PAIRED_FRAMES=N first pairs the streaming model at N frames with
+# PAIRED_FRAMES=N first pairs PAIRED_PROGRAM (default stream_gct, the
+# streaming model; lingbot: LingBot-Map's own loop, LINGBOT_MAP naming its
+# checkout) at N frames with
 # tests/torch/paired_time.py (one worker per configuration, the runs of a
 # round taking turns every PAIRED_SEGMENT frames, default 64), uncapped with
 # PAIRED_CONFIGS (default: expandable tidalloc tidalloc@stream_gct_growable),
@@ -55,7 +57,7 @@ paired() {
 if [[ -n ${PAIRED_FRAMES:-} ]]; then
   n=$PAIRED_FRAMES
   # shellcheck disable=SC2086
-  paired "paired_$n" "${PAIRED_ROUNDS:-1}" stream_gct --frames "$n" --warmup-frames 16 \
+  paired "paired_$n" "${PAIRED_ROUNDS:-1}" "${PAIRED_PROGRAM:-stream_gct}" --frames "$n" --warmup-frames 16 \
     --segment-frames "${PAIRED_SEGMENT:-64}" \
     --configs ${PAIRED_CONFIGS:-expandable tidalloc tidalloc@stream_gct_growable}
   peak=$(sed -n 's/^expandable: peak allocated \([0-9.]*\) MiB.*/\1/p' "$out/paired_$n.txt")
@@ -63,7 +65,7 @@ if [[ -n ${PAIRED_FRAMES:-} ]]; then
     limit=$("$py" -c "print(round($peak / 1024 * ${PAIRED_CAP:-1.02}, 4))")
     echo "cap ${PAIRED_CAP:-1.02} x $peak MiB: $limit GiB"
     # shellcheck disable=SC2086
-    paired "paired_${n}_cap" "${PAIRED_ROUNDS:-1}" stream_gct --frames "$n" --warmup-frames 16 \
+    paired "paired_${n}_cap" "${PAIRED_ROUNDS:-1}" "${PAIRED_PROGRAM:-stream_gct}" --frames "$n" --warmup-frames 16 \
       --segment-frames "${PAIRED_SEGMENT:-64}" --limit-gib "$limit" \
       --configs ${PAIRED_CAP_CONFIGS:-expandable tidalloc}
   fi

@@ -16,4 +16,4 @@ fi
 export TIDALLOC_CONF=${TIDALLOC_CONF:-backend:host} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 cd "$here" || exit 1
 exec "$py" -m pytest -q -p no:cacheprovider test_kv.py test_hf.py \
-  test_stream_gct.py "$@"
+  test_stream_gct.py test_lingbot_stream.py "$@"

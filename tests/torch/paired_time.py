@@ -30,7 +30,9 @@ model, built once per worker, --frames frames with fresh caches each run;
 stream_gct_growable: its caches in tidalloc.kv.KVCaches; stream_gct_compile: its
 hot modules under torch.compile(mode="reduce-overhead"), and
 stream_gct_growable_compile with KVCaches too; compile_kv: the
-growing-KV decoder compiled so, --frames decoding steps per run).
+growing-KV decoder compiled so, --frames decoding steps per run; lingbot:
+LingBot-Map's own benchmark loop, from the checkout LINGBOT_MAP names, through
+bench/torch/lingbot_stream.py).
 
 Configurations as in run_validation.sh: native, expandable
 (expandable_segments:True), tidalloc (tidalloc.torch.install(), capture
@@ -105,7 +107,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from validate import PROGRAMS, SHORT_WARMUP_PROGRAMS  # noqa: E402: the workers' programs
+from validate import PROGRAMS, SHORT_WARMUP_PROGRAMS, STREAMING_PROGRAMS  # noqa: E402
 
 
 def add_conf(env, options):
@@ -486,10 +488,10 @@ def main():
                  "stream_gct programs (a compiled program's first runs record its graphs)")
 
     if args.segment_frames is not None and (args.segment_frames < 1 or any(
-            not split_config(c, args.program)[1].startswith("stream_gct")
+            split_config(c, args.program)[1] not in STREAMING_PROGRAMS
             for c in args.configs)):
         sys.exit("paired_time.py: --segment-frames takes a positive count, and only the "
-                 "stream_gct programs")
+                 "streaming programs (%s)" % ", ".join(STREAMING_PROGRAMS))
 
     print("program,pair,position,config,seconds,digest,maps,unmaps", flush=True)
 
@@ -553,7 +555,7 @@ def run_set(args, rounds, budget_s, emit, on_segment=None):
     """One set of worker processes, one per configuration, for up to `rounds`
     rounds; (status, rounds as run_rounds gives them)."""
     programs = [split_config(c, args.program)[1] for c in args.configs]
-    streaming = any(p.startswith("stream_gct") or p == "compile_kv" for p in programs)
+    streaming = any(p in STREAMING_PROGRAMS or p == "compile_kv" for p in programs)
     extra = ["--frames", str(args.frames)] if streaming else []
     if args.warmup_frames:
         extra += ["--warmup-frames", str(args.warmup_frames)]

@@ -55,7 +55,7 @@ streaming programs) also takes "begin", answered "begun", and then
 "segment" until the run ends: each streams the next N frames, answered
 "segment SECONDS", and the last "end SECONDS" and the run's line.
 
-    python tests/torch/validate.py gpt2|vit|stream_gct[_growable][_compile]|compile_kv native|tidalloc
+    python tests/torch/validate.py gpt2|vit|stream_gct[_growable][_compile]|compile_kv|lingbot native|tidalloc
                                    [--repeats N] [--frames N] [--trace-csv FILE.csv.gz]
                                    [--serve [--cold] [--label NAME] [--warmup-frames N]
                                     [--segment-frames N]]"""
@@ -127,10 +127,23 @@ def compile_kv(torch, dev, steps, layers=16, width=1024, batch=8):
 
 
 PROGRAMS = ("gpt2", "vit", "stream_gct", "stream_gct_growable", "stream_gct_compile",
-            "stream_gct_growable_compile", "compile_kv")
+            "stream_gct_growable_compile", "compile_kv", "lingbot")
 # The programs whose first run may be a shorter stream (--warmup-frames): a
 # compiled program's first runs record the graphs its timed runs replay.
-SHORT_WARMUP_PROGRAMS = ("stream_gct", "stream_gct_growable")
+SHORT_WARMUP_PROGRAMS = ("stream_gct", "stream_gct_growable", "lingbot")
+# The programs that stream frames, and can be timed in segments (--segment-frames).
+STREAMING_PROGRAMS = ("stream_gct", "stream_gct_growable", "stream_gct_compile",
+                      "stream_gct_growable_compile", "lingbot")
+
+
+def lingbot(dev, frames):
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "torch",
+                        "lingbot_stream.py")
+    spec = importlib.util.spec_from_file_location("lingbot_stream", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.paired_runner(dev, frames)
 
 
 def make_program(name, torch, dev, frames):
@@ -140,6 +153,8 @@ def make_program(name, torch, dev, frames):
                           compiled=name.endswith("_compile"))
     if name == "compile_kv":
         return compile_kv(torch, dev, frames)
+    if name == "lingbot":
+        return lingbot(dev, frames)
     return {"gpt2": gpt2, "vit": vit}[name](torch, dev)
 
 
@@ -368,11 +383,11 @@ def main():
     if args.warmup_frames is not None and (
             args.warmup_frames < 1 or args.program not in SHORT_WARMUP_PROGRAMS):
         sys.exit("validate.py: --warmup-frames takes a positive count, for stream_gct and "
-                 "stream_gct_growable (a compiled program's first runs record its graphs)")
+                 "stream_gct_growable and lingbot (a compiled program's first runs record its graphs)")
     if args.segment_frames is not None and (
-            args.segment_frames < 1 or not args.program.startswith("stream_gct")):
-        sys.exit("validate.py: --segment-frames takes a positive count, for the stream_gct "
-                 "programs")
+            args.segment_frames < 1 or args.program not in STREAMING_PROGRAMS):
+        sys.exit("validate.py: --segment-frames takes a positive count, for the streaming "
+                 "programs (%s)" % ", ".join(STREAMING_PROGRAMS))
     if args.allocator == "tidalloc":
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                         "python"))
