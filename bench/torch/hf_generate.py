@@ -17,6 +17,19 @@ cat_ms_per_token. A cache that grows in place saves at most that, so the
 best time per token it can reach is DynamicCache's minus it (--summarize's
 "floor" column, a multiple of DynamicCache's time per token).
 
+Whether the copies cost the step at all: every PROBE_EVERY-th step the
+logits processor waits for the device right after the forward pass has been
+issued, and notes how long the device was still busy (gpu_tail_ms_last10: the
+mean over the probes of the last 10% of the steps). Where the host issues
+the step slower than the device runs it, the tail is about zero and the
+device's copies hide behind the host's work: less work on the device then
+shortens the step by the tail at most. So over the last 10% of the steps a
+cache without torch.cat saves at most min(cat_ms_last10, gpu_tail_ms_last10)
+a token, cat_ms_last10 being the copy at the length of those steps
+(--summarize's "floor, last 10%" column). generate waits for the device at
+every step to check its stopping criteria anyway, so a probe moves that wait
+earlier and adds none.
+
 Memory: PyTorch's peak allocated and reserved bytes, tidalloc's peak
 reserved bytes (the growable caches' mapped pages; tidalloc is not PyTorch's
 allocator here), and their sum: an upper bound of the peak of the sum, as
@@ -52,7 +65,8 @@ COLUMNS = ("model", "params_m", "batch", "prompt", "new_tokens", "cache", "max_c
            "device", "dtype", "transformers", "torch", "status", "seconds", "ms_per_token",
            "ms_per_token_first10", "ms_per_token_last10", "torch_peak_allocated_gib",
            "torch_peak_reserved_gib", "tidalloc_peak_reserved_gib", "peak_total_gib",
-           "kv_bytes_gib", "ids_sha256", "error", "copy_gb_per_s", "cat_ms_per_token")
+           "kv_bytes_gib", "ids_sha256", "error", "copy_gb_per_s", "cat_ms_per_token",
+           "cat_ms_last10", "gpu_tail_ms_last10")
 CACHES = ("growable", "dynamic", "static")
 GiB = float(1 << 30)
 
@@ -106,15 +120,33 @@ def make_cache(kind, model, max_cache_len):
     return StaticCache(config=model.config, max_cache_len=max_cache_len)
 
 
-class StepClock:
-    """A logits processor that notes the host clock at every step."""
+# Steps between two probes of the device's tail (module docstring).
+PROBE_EVERY = 16
 
-    def __init__(self):
+
+class StepClock:
+    """A logits processor that notes the host clock at every step and, every
+    PROBE_EVERY-th step on a GPU, how long the device still worked after
+    the forward pass was issued (tails: (step, seconds))."""
+
+    def __init__(self, device="cpu"):
         self.marks = []
+        self.tails = []
+        self.probe = device.startswith("cuda")
 
     def __call__(self, input_ids, scores):
-        self.marks.append(time.perf_counter())
+        now = time.perf_counter()
+        self.marks.append(now)
+        if self.probe and len(self.marks) % PROBE_EVERY == 0:
+            torch.cuda.synchronize()
+            self.tails.append((len(self.marks) - 1, time.perf_counter() - now))
         return scores
+
+    def tail_ms_last10(self):
+        """Mean tail in ms over the probes of the last 10% of the steps."""
+        start = len(self.marks) - max(1, len(self.marks) // 10)
+        last = [t for step, t in self.tails if step >= start]
+        return "%.4f" % (1e3 * sum(last) / len(last)) if last else ""
 
 
 def generate(model, ids, cache, new_tokens, clock=None):
@@ -204,8 +236,11 @@ def run(args):
     bandwidth = copy_bandwidth(args.device)
     mean_len = args.prompt + args.new_tokens / 2.0
     cat_bytes = 2 * kv_bytes(model, args.batch, 1, dtype) * mean_len  # read and written
+    end_len = args.prompt + args.new_tokens * 0.95  # the mean length of the last 10%
+    end_bytes = 2 * kv_bytes(model, args.batch, 1, dtype) * end_len
     row.update(copy_gb_per_s="%.1f" % (bandwidth / 1e9),
-               cat_ms_per_token="%.4f" % (1e3 * cat_bytes / bandwidth))
+               cat_ms_per_token="%.4f" % (1e3 * cat_bytes / bandwidth),
+               cat_ms_last10="%.4f" % (1e3 * end_bytes / bandwidth))
     # Untimed: kernels, cuBLAS handles, the cache kind's first use.
     warm = make_cache(args.cache, model, max_cache_len)
     generate(model, ids, warm, min(16, args.new_tokens))
@@ -217,7 +252,7 @@ def run(args):
         torch.cuda.empty_cache()
     cache = make_cache(args.cache, model, max_cache_len)
     reset_peaks(args.device)
-    clock = StepClock()
+    clock = StepClock(args.device)
     try:
         synchronize(args.device)
         start = time.perf_counter()
@@ -230,6 +265,7 @@ def run(args):
         row.update(seconds="%.3f" % seconds, ms_per_token="%.4f" % (1e3 * seconds / produced),
                    ms_per_token_first10=per_token(clock.marks, 0),
                    ms_per_token_last10=per_token(clock.marks, 1),
+                   gpu_tail_ms_last10=clock.tail_ms_last10(),
                    ids_sha256=hashlib.sha256(out.cpu().numpy().tobytes()).hexdigest()[:16])
         if args.ids_out:
             torch.save(out.cpu(), args.ids_out)
@@ -269,7 +305,7 @@ def summarize(path, out=sys.stdout):
     differ = 0
     print("%-12s %5s %6s  %-9s %10s %8s %8s %10s %7s  %-15s %s" % (
         "model", "batch", "tokens", "cache", "ms/token", "x dyn", "last10%", "peak GiB",
-        "x dyn", "ids=dynamic's", "floor (x dyn)"), file=out)
+        "x dyn", "ids=dynamic's", "floor (x dyn) [floor, last 10%]"), file=out)
     for (model, batch, tokens), by in sorted(groups.items()):
         ref = by.get("dynamic")
         for kind in CACHES:
@@ -285,6 +321,11 @@ def summarize(path, out=sys.stdout):
                 # The best time per token a cache without torch.cat can reach.
                 dyn = float(r["ms_per_token"])
                 floor = "%.3f" % (max(0.0, dyn - float(r["cat_ms_per_token"])) / dyn)
+                if r.get("gpu_tail_ms_last10") and r.get("cat_ms_last10"):
+                    # Over the last steps: the copies save at most the device's tail.
+                    end = float(r["ms_per_token_last10"])
+                    saved = min(float(r["cat_ms_last10"]), float(r["gpu_tail_ms_last10"]))
+                    floor += " [%.3f]" % (max(0.0, end - saved) / end)
             if ref is not None and ref["status"] == "ok":
                 ratio = "%.3f" % (float(r["ms_per_token"]) / float(ref["ms_per_token"]))
                 if r["peak_total_gib"] and float(ref["peak_total_gib"] or 0) > 0:

@@ -201,4 +201,44 @@ def test_hf_generate_benchmark_runs_on_the_cpu(tmp_path):
         ids = x[-2] if x[3] == "dynamic" else x[-1]
         assert ids == "yes", r.stdout
     dynamic = next(x for x in lines if x[3] == "dynamic")
-    assert 0.0 <= float(dynamic[-1]) <= 1.0, r.stdout
+    assert 0.0 <= float(dynamic[-1]) <= 1.0, r.stdout  # no probe on the CPU: no [tail floor]
+
+
+def load_hf_generate():
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "torch",
+                        "hf_generate.py")
+    spec = importlib.util.spec_from_file_location("hf_generate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tail_floor_saves_at_most_the_devices_tail(tmp_path):
+    """--summarize's last-10% floor: DynamicCache's time per token there,
+    less the smaller of the copy it makes and the device's tail."""
+    hf = load_hf_generate()
+    base = dict(model="m", batch="8", new_tokens="8192", status="ok", peak_total_gib="1",
+                ids_sha256="x", ms_per_token="10.0", cat_ms_per_token="1.0")
+    rows = [dict(base, cache="dynamic", ms_per_token_last10="12.0", cat_ms_last10="2.0",
+                 gpu_tail_ms_last10="0.5"),
+            dict(base, cache="growable", ms_per_token_last10="11.6")]
+    path = tmp_path / "hf.csv"
+    for r in rows:
+        hf.append_row(str(path), r)
+    import io
+    out = io.StringIO()
+    assert hf.summarize(str(path), out) == 0
+    dynamic = next(line for line in out.getvalue().splitlines() if " dynamic " in line)
+    # floor over the run (10 - 1) / 10; over the last steps (12 - min(2, 0.5)) / 12
+    assert dynamic.split()[-2:] == ["0.900", "[0.958]"], dynamic
+
+
+def test_step_clock_probes_only_on_a_gpu_and_keeps_the_last_tenth():
+    hf = load_hf_generate()
+    clock = hf.StepClock("cpu")
+    for _ in range(40):
+        clock(None, None)
+    assert clock.tails == [] and clock.tail_ms_last10() == ""
+    clock.tails = [(3, 0.010), (35, 0.002), (39, 0.004)]  # steps 36-39 are the last 10%
+    assert clock.tail_ms_last10() == "4.0000"
