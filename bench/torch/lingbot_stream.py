@@ -66,21 +66,14 @@ def paired_runner(device, frames, extra_args=(), seed=0):
     images = script.make_source_images(frame_count=frames, source_count=args.num_source_images,
                                        height=height, width=width, materialize_inputs=False)
 
-    def autocast():
-        return script.make_autocast(dtype) if device != "cpu" else torch.autocast("cpu",
-                                                                                  enabled=False)
-
-    def forward(batch, per_block):
+    def forward(batch, scale_frames, per_block):
         torch.compiler.cudagraph_mark_step_begin()
-        with autocast():
+        with script.make_autocast(dtype):  # none for float32, the CPU's
             out = model.forward(batch, num_frame_for_scale=scale_frames,
                                 num_frame_per_block=per_block, causal_inference=True)
         return out["pose_enc"] if isinstance(out, dict) and "pose_enc" in out else None
 
-    scale_frames = args.num_scale_frames
-
     def segments(digest, every, frames=frames):
-        nonlocal scale_frames
         if every < 1:
             raise ValueError("segments of %d frames" % every)
         scale_frames = min(args.num_scale_frames, frames)
@@ -90,7 +83,7 @@ def paired_runner(device, frames, extra_args=(), seed=0):
             with torch.no_grad():
                 first = torch.cat([script.get_frame(images, i, dtype, device)
                                    for i in range(scale_frames)], dim=1)
-                poses.append(forward(first, scale_frames))
+                poses.append(forward(first, scale_frames, scale_frames))
                 del first
                 interval = max(int(args.keyframe_interval), 1)
                 since = scale_frames  # frames streamed since the last pause
@@ -98,7 +91,8 @@ def paired_runner(device, frames, extra_args=(), seed=0):
                     keyframe = interval <= 1 or (i - scale_frames) % interval == 0
                     if not keyframe:
                         model._set_skip_append(True)
-                    poses.append(forward(script.get_frame(images, i, dtype, device), 1))
+                    frame = script.get_frame(images, i, dtype, device)
+                    poses.append(forward(frame, scale_frames, 1))
                     if not keyframe:
                         model._set_skip_append(False)
                     since += 1

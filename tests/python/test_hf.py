@@ -205,13 +205,8 @@ def test_hf_generate_benchmark_runs_on_the_cpu(tmp_path):
 
 
 def load_hf_generate():
-    import importlib.util
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "torch",
-                        "hf_generate.py")
-    spec = importlib.util.spec_from_file_location("hf_generate", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from repo_module import load
+    return load("bench/torch/hf_generate.py")
 
 
 def test_tail_floor_saves_at_most_the_devices_tail(tmp_path):

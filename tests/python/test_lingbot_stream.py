@@ -6,9 +6,7 @@ import importlib.util
 import os
 
 import pytest
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.join(HERE, "..", "..")
+from repo_module import load
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get("LINGBOT_MAP") or any(importlib.util.find_spec(m) is None
@@ -16,18 +14,13 @@ pytestmark = pytest.mark.skipif(
     reason="needs LINGBOT_MAP (a LingBot-Map checkout) and einops and scipy")
 
 
-def load():
-    spec = importlib.util.spec_from_file_location(
-        "lingbot_stream", os.path.join(ROOT, "bench", "torch", "lingbot_stream.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+LINGBOT_STREAM = "bench/torch/lingbot_stream.py"
+SMALL = ["--height", "56", "--width", "56"]  # 4 x 4 patches: seconds a frame on a CPU
 
 
 def test_segments_pause_every_n_frames_and_give_the_whole_runs_outputs():
     import torch
-    run = load().paired_runner(torch.device("cpu"), 20, extra_args=["--height", "56",
-                                                                    "--width", "56"])
+    run = load(LINGBOT_STREAM).paired_runner(torch.device("cpu"), 20, extra_args=SMALL)
     whole, pieces = hashlib.sha256(), hashlib.sha256()
     run(whole)
     # 8 scale frames in one step, then one frame a step: a pause at the
@@ -41,11 +34,10 @@ def test_segments_pause_every_n_frames_and_give_the_whole_runs_outputs():
 
 def test_weights_are_seeded_so_every_process_computes_the_same():
     import torch
-    module = load()
+    module = load(LINGBOT_STREAM)
     digests = []
     for _ in range(2):
         d = hashlib.sha256()
-        module.paired_runner(torch.device("cpu"), 10, extra_args=["--height", "56",
-                                                                  "--width", "56"])(d)
+        module.paired_runner(torch.device("cpu"), 10, extra_args=SMALL)(d)
         digests.append(d.hexdigest())
     assert digests[0] == digests[1]

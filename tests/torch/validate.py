@@ -55,7 +55,8 @@ streaming programs) also takes "begin", answered "begun", and then
 "segment" until the run ends: each streams the next N frames, answered
 "segment SECONDS", and the last "end SECONDS" and the run's line.
 
-    python tests/torch/validate.py gpt2|vit|stream_gct[_growable][_compile]|compile_kv|lingbot native|tidalloc
+    python tests/torch/validate.py gpt2|vit|stream_gct[_growable][_compile]|compile_kv|lingbot
+                                   native|tidalloc
                                    [--repeats N] [--frames N] [--trace-csv FILE.csv.gz]
                                    [--serve [--cold] [--label NAME] [--warmup-frames N]
                                     [--segment-frames N]]"""
@@ -103,14 +104,20 @@ def vit(torch, dev):
     return run
 
 
-def stream_gct(torch, dev, frames, growable=False, compiled=False):
+def bench_torch_module(name):
+    """bench/torch/NAME.py, loaded by its path."""
     import importlib.util
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "torch",
-                        "stream_gct.py")
-    spec = importlib.util.spec_from_file_location("stream_gct", path)
+                        name + ".py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.paired_runner(dev, frames, growable=growable, compiled=compiled)
+    return module
+
+
+def stream_gct(torch, dev, frames, growable=False, compiled=False):
+    return bench_torch_module("stream_gct").paired_runner(dev, frames, growable=growable,
+                                                          compiled=compiled)
 
 
 def compile_kv(torch, dev, steps, layers=16, width=1024, batch=8):
@@ -136,16 +143,6 @@ STREAMING_PROGRAMS = ("stream_gct", "stream_gct_growable", "stream_gct_compile",
                       "stream_gct_growable_compile", "lingbot")
 
 
-def lingbot(dev, frames):
-    import importlib.util
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "torch",
-                        "lingbot_stream.py")
-    spec = importlib.util.spec_from_file_location("lingbot_stream", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.paired_runner(dev, frames)
-
-
 def make_program(name, torch, dev, frames):
     """The run(digest) function of a validation program."""
     if name.startswith("stream_gct"):
@@ -154,7 +151,7 @@ def make_program(name, torch, dev, frames):
     if name == "compile_kv":
         return compile_kv(torch, dev, frames)
     if name == "lingbot":
-        return lingbot(dev, frames)
+        return bench_torch_module("lingbot_stream").paired_runner(dev, frames)
     return {"gpt2": gpt2, "vit": vit}[name](torch, dev)
 
 
@@ -382,8 +379,8 @@ def main():
         sys.exit("validate.py: --repeats must be at least 1")
     if args.warmup_frames is not None and (
             args.warmup_frames < 1 or args.program not in SHORT_WARMUP_PROGRAMS):
-        sys.exit("validate.py: --warmup-frames takes a positive count, for stream_gct and "
-                 "stream_gct_growable and lingbot (a compiled program's first runs record its graphs)")
+        sys.exit("validate.py: --warmup-frames takes a positive count, for %s (a compiled "
+                 "program's first runs record its graphs)" % ", ".join(SHORT_WARMUP_PROGRAMS))
     if args.segment_frames is not None and (
             args.segment_frames < 1 or args.program not in STREAMING_PROGRAMS):
         sys.exit("validate.py: --segment-frames takes a positive count, for the streaming "
