@@ -19,7 +19,8 @@
 # then capped at PAIRED_CAP (default 1.02; none skips it) x expandable
 # segments' peak allocated in that pairing with PAIRED_CAP_CONFIGS (default:
 # expandable tidalloc): paired_N.csv/.txt and paired_N_cap.csv/.txt, each
-# PAIRED_ROUNDS rounds (default 1). PAIRED_COMPILED=R
+# PAIRED_ROUNDS rounds (default 1), no round begun with less than PAIRED_ROUND_S
+# seconds left (default 0: one round's length, so that none is cut). PAIRED_COMPILED=R
 # pairs the compiled model (128 frames) for R rounds of PAIRED_COMPILED_CONFIGS
 # (default: native tidalloc; PyTorch's own allocator grows until the device is
 # full, so a third worker beside it on an 80 GB card runs out of memory):
@@ -50,6 +51,7 @@ paired() {
   local name=$1 rounds=$2
   shift 2
   timeout -k 20 "$(left)" "$py" tests/torch/paired_time.py "$@" --pairs "$rounds" \
+    --budget-s "$(($(left) - ${PAIRED_ROUND_S:-0}))" \
     >"$out/$name.csv" 2>"$out/$name.txt"
   echo "$name: rc $?, $(grep -vc '^#\|^program' "$out/$name.csv") runs, $(left) s left"
   grep -v '^validate.py\|^\s*$' "$out/$name.txt" | tail -12
