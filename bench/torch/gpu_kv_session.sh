@@ -21,11 +21,15 @@
 #                   batch 8 and 1, 2048 new tokens) and each cache of HF_CACHES
 #                   (default dynamic growable static, run next to each other),
 #                   PyTorch's allocator set by HF_ALLOC_CONF (default
-#                   expandable_segments:True, the anchor the peaks compare to)
+#                   expandable_segments:True, the anchor the peaks compare to),
+#                   for each kernel of HF_SDPA (default: "default", PyTorch's
+#                   choice; hf_generate.py --sdpa), the ids kept to name the
+#                   first token where two caches' outputs part
 #   hf_long         the same for HF_LONG_RUNS (default: 8192 new tokens, batch
 #                   8 then 1), with what time is left
 # Rows go to $OUT/hf_generate.csv; summary.txt has every stage's table,
-# including whether each cache's greedy outputs equal DynamicCache's.
+# including whether each cache's greedy outputs equal DynamicCache's; the
+# logs, the kernel table and the saved ids travel in logs.tar.gz.
 #
 #   OUT=dir bench/torch/gpu_kv_session.sh
 #   OUT=dir STAGES="kernels hf" HF_RUNS="llama1b:8:2048" SESSION_SECONDS=240 bench/torch/gpu_kv_session.sh
@@ -84,17 +88,20 @@ paired() {
 }
 
 hf_runs() {
-  local spec model batch tokens cache rc
+  local spec model batch tokens cache kernel rc
   for spec in $1; do
     IFS=: read -r model batch tokens <<<"$spec"
-    for cache in ${HF_CACHES:-dynamic growable static}; do
-      enough "${HF_MIN_SECONDS:-60}" "hf $spec $cache" || continue
-      PYTORCH_CUDA_ALLOC_CONF=${HF_ALLOC_CONF-expandable_segments:True} \
-        timeout -k 10 "$(left)" "$py" bench/torch/hf_generate.py --model "$model" \
-        --batch "$batch" --new-tokens "$tokens" --cache "$cache" --csv "$out/hf_generate.csv" \
-        >>"$out/hf_generate.log" 2>&1
-      rc=$?
-      ((rc == 0)) || note "hf $spec $cache: rc $rc (hf_generate.log)"
+    for kernel in ${HF_SDPA:-default}; do
+      for cache in ${HF_CACHES:-dynamic growable static}; do
+        enough "${HF_MIN_SECONDS:-60}" "hf $spec $cache $kernel" || continue
+        PYTORCH_CUDA_ALLOC_CONF=${HF_ALLOC_CONF-expandable_segments:True} \
+          timeout -k 10 "$(left)" "$py" bench/torch/hf_generate.py --model "$model" \
+          --batch "$batch" --new-tokens "$tokens" --cache "$cache" --sdpa "$kernel" \
+          --csv "$out/hf_generate.csv" --ids-out "$out/ids_${model}_${batch}_${tokens}_${kernel}_$cache.pt" \
+          >>"$out/hf_generate.log" 2>&1
+        rc=$?
+        ((rc == 0)) || note "hf $spec $cache $kernel: rc $rc (hf_generate.log)"
+      done
     done
   done
 }
@@ -120,3 +127,8 @@ if [[ -s $out/hf_generate.csv ]]; then
   "$py" bench/torch/hf_generate.py --summarize "$out/hf_generate.csv" 2>&1 | tee -a "$summary"
 fi
 note "done after $SECONDS s"
+# Fewer files come back from a GPU machine than are written: all but the
+# summary and the table travel as one archive.
+tar -czf "$out/logs.tar.gz" -C "$out" --exclude logs.tar.gz --exclude summary.txt \
+  --exclude hf_generate.csv . 2>/dev/null &&
+  find "$out" -mindepth 1 ! -name logs.tar.gz ! -name summary.txt ! -name hf_generate.csv -delete

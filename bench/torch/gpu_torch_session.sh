@@ -11,7 +11,9 @@
 # STREAM_FRAMES is set. Logs and results go to $OUT (default out/torch);
 # the summary is printed last.
 #   OUT=/some/dir STEPS="build shim native alloc upstream" bench/torch/gpu_torch_session.sh
-# WHEELS=dir installs wheels from dir first (packages the machine lacks).
+# WHEELS=dir installs wheels from dir first (packages the machine lacks;
+# default: UPSTREAM_DIR/wheels where tests/torch/upstream/fetch_tests.sh put
+# the wheels PyTorch's tests import, such as expecttest).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 out=${OUT:-out/torch}
@@ -27,8 +29,10 @@ want() { [[ " $steps " == *" $1 "* ]]; }
 
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 export TIDALLOC_CACHE=${TIDALLOC_CACHE:-$PWD/build-torch/shim-cache}
-if [[ -n ${WHEELS:-} ]]; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl &&
+wheels=${WHEELS:-}
+[[ -z $wheels && -d $upstream/wheels ]] && wheels=$upstream/wheels
+if [[ -n $wheels ]]; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheels"/*.whl &&
     export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 
@@ -98,6 +102,10 @@ fi
 # loaded the other's.
 if want upstream; then
   [[ -f $upstream/VERSION ]] && note "upstream: test files of $(cat "$upstream/VERSION")"
+  # PyTorch's test helpers import expecttest, which a torch install lacks.
+  "$py" -c "import expecttest" 2>/dev/null ||
+    note "upstream: expecttest is not importable, so PyTorch's test files will not import" \
+      "(tests/torch/upstream/fetch_tests.sh puts its wheel in $upstream/wheels)"
   for f in ${UPSTREAM_FILES:-test/inductor/test_cudagraph_trees.py test/test_cuda.py}; do
     [[ -f $upstream/$f ]] || { note "upstream: $f not in $upstream, skipped"; continue; }
     base=$(basename "$f" .py)

@@ -41,7 +41,11 @@ llama1b (the Llama 3.2 1B shape: 16 layers, 32 query and 8 key/value heads
 of 64, 1.24B parameters), and tiny versions of both for the CPU (--tiny).
 StaticCache runs eager (generate's automatic compilation is turned off) so
 that the three caches are timed on the same path; --static-compile leaves
-it on.
+it on. --sdpa holds the attention to one kernel: PyTorch may choose another
+kernel for GrowableCache's strided views than for DynamicCache's contiguous
+tensors, whose last bits differ, and greedy decoding over random weights'
+nearly even logits turns that into other tokens; with --ids-out, --summarize
+names the first token where the ids part.
 
     python bench/torch/hf_generate.py --model llama1b --batch 8 --new-tokens 2048 \\
         --cache growable --csv hf.csv
@@ -66,8 +70,12 @@ COLUMNS = ("model", "params_m", "batch", "prompt", "new_tokens", "cache", "max_c
            "ms_per_token_first10", "ms_per_token_last10", "torch_peak_allocated_gib",
            "torch_peak_reserved_gib", "tidalloc_peak_reserved_gib", "peak_total_gib",
            "kv_bytes_gib", "ids_sha256", "error", "copy_gb_per_s", "cat_ms_per_token",
-           "cat_ms_last10", "gpu_tail_ms_last10")
+           "cat_ms_last10", "gpu_tail_ms_last10", "sdpa", "ids_file")
 CACHES = ("growable", "dynamic", "static")
+# --sdpa: the kernel scaled_dot_product_attention is held to, or PyTorch's own
+# choice ("default"), which can differ between a contiguous cache and
+# GrowableCache's strided views (tests/torch/kv_cache_gpu.py names both).
+SDPA_KERNELS = ("default", "flash", "efficient", "cudnn", "math")
 GiB = float(1 << 30)
 
 
@@ -147,6 +155,18 @@ class StepClock:
         start = len(self.marks) - max(1, len(self.marks) // 10)
         last = [t for step, t in self.tails if step >= start]
         return "%.4f" % (1e3 * sum(last) / len(last)) if last else ""
+
+
+def sdpa_context(kernel):
+    """A context holding scaled_dot_product_attention to `kernel`."""
+    import contextlib
+    if kernel == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([{"flash": SDPBackend.FLASH_ATTENTION,
+                         "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                         "cudnn": SDPBackend.CUDNN_ATTENTION,
+                         "math": SDPBackend.MATH}[kernel]])
 
 
 def generate(model, ids, cache, new_tokens, clock=None):
@@ -232,7 +252,7 @@ def run(args):
                device=args.device, dtype=str(dtype).replace("torch.", ""),
                transformers=transformers.__version__, torch=torch.__version__, status="ok",
                kv_bytes_gib="%.3f" % (kv_bytes(model, args.batch, positions, dtype) / GiB),
-               error="")
+               error="", sdpa=args.sdpa)
     bandwidth = copy_bandwidth(args.device)
     mean_len = args.prompt + args.new_tokens / 2.0
     cat_bytes = 2 * kv_bytes(model, args.batch, 1, dtype) * mean_len  # read and written
@@ -243,7 +263,8 @@ def run(args):
                cat_ms_last10="%.4f" % (1e3 * end_bytes / bandwidth))
     # Untimed: kernels, cuBLAS handles, the cache kind's first use.
     warm = make_cache(args.cache, model, max_cache_len)
-    generate(model, ids, warm, min(16, args.new_tokens))
+    with sdpa_context(args.sdpa):
+        generate(model, ids, warm, min(16, args.new_tokens))
     if hasattr(warm, "close"):
         warm.close()
     del warm
@@ -256,7 +277,8 @@ def run(args):
     try:
         synchronize(args.device)
         start = time.perf_counter()
-        out = generate(model, ids, cache, args.new_tokens, clock)
+        with sdpa_context(args.sdpa):
+            out = generate(model, ids, cache, args.new_tokens, clock)
         synchronize(args.device)
         seconds = time.perf_counter() - start
         produced = out.shape[1] - args.prompt
@@ -269,6 +291,11 @@ def run(args):
                    ids_sha256=hashlib.sha256(out.cpu().numpy().tobytes()).hexdigest()[:16])
         if args.ids_out:
             torch.save(out.cpu(), args.ids_out)
+            # Named relative to the CSV where they share a folder, so that the
+            # summary finds it wherever the folder is copied.
+            row["ids_file"] = (os.path.basename(args.ids_out) if args.csv and
+                               os.path.dirname(os.path.abspath(args.ids_out)) ==
+                               os.path.dirname(os.path.abspath(args.csv)) else args.ids_out)
     except torch.OutOfMemoryError as e:
         row.update(status="oom", error=" ".join(str(e).split())[:200])
     if args.device.startswith("cuda"):
@@ -301,19 +328,23 @@ def summarize(path, out=sys.stdout):
         rows = list(csv.DictReader(f))
     groups = {}
     for r in rows:
-        groups.setdefault((r["model"], r["batch"], r["new_tokens"]), {})[r["cache"]] = r
+        key = (r["model"], r["batch"], r["new_tokens"], r.get("sdpa") or "default")
+        groups.setdefault(key, {})[r["cache"]] = r
+    folder = os.path.dirname(os.path.abspath(path))
     differ = 0
-    print("%-12s %5s %6s  %-9s %10s %8s %8s %10s %7s  %-15s %s" % (
+    print("%-18s %5s %6s  %-9s %10s %8s %8s %10s %7s  %-15s %s" % (
         "model", "batch", "tokens", "cache", "ms/token", "x dyn", "last10%", "peak GiB",
         "x dyn", "ids=dynamic's", "floor (x dyn) [floor, last 10%]"), file=out)
-    for (model, batch, tokens), by in sorted(groups.items()):
+    for (model, batch, tokens, kernel), by in sorted(groups.items()):
+        if kernel != "default":
+            model = "%s/%s" % (model, kernel)
         ref = by.get("dynamic")
         for kind in CACHES:
             r = by.get(kind)
             if r is None:
                 continue
             if r["status"] != "ok":
-                print("%-12s %5s %6s  %-9s %s" % (model, batch, tokens, kind, r["status"]),
+                print("%-18s %5s %6s  %-9s %s" % (model, batch, tokens, kind, r["status"]),
                       file=out)
                 continue
             ratio = peak_ratio = same = floor = ""
@@ -331,14 +362,29 @@ def summarize(path, out=sys.stdout):
                 if r["peak_total_gib"] and float(ref["peak_total_gib"] or 0) > 0:
                     peak_ratio = "%.3f" % (float(r["peak_total_gib"]) /
                                            float(ref["peak_total_gib"]))
-                same = "yes" if r["ids_sha256"] == ref["ids_sha256"] else "NO"
-                if kind != "dynamic" and same == "NO":
+                same = "yes" if r["ids_sha256"] == ref["ids_sha256"] else \
+                    "NO" + first_difference(folder, r, ref)
+                if kind != "dynamic" and same.startswith("NO"):
                     differ += 1
-            print("%-12s %5s %6s  %-9s %10s %8s %8s %10s %7s  %-15s %s" % (
+            print("%-18s %5s %6s  %-9s %10s %8s %8s %10s %7s  %-15s %s" % (
                 model, batch, tokens, kind, r["ms_per_token"], ratio,
                 r["ms_per_token_last10"], r["peak_total_gib"] or "-", peak_ratio, same, floor),
                 file=out)
     return differ
+
+
+def first_difference(folder, row, ref):
+    """" (token N)": the first generated token where the ids saved for two
+    rows differ, where both were saved (--ids-out); else ""."""
+    paths = [os.path.join(folder, x["ids_file"]) for x in (row, ref) if x.get("ids_file")]
+    if len(paths) != 2 or not all(os.path.exists(p) for p in paths):
+        return ""
+    a, b = (torch.load(p) for p in paths)
+    if a.shape != b.shape:
+        return " (shapes)"
+    prompt = int(row["prompt"])
+    cols = (a != b).any(dim=0).nonzero().flatten()
+    return " (token %d)" % (int(cols[0]) - prompt) if len(cols) else ""
 
 
 def parse_args(argv=None):
@@ -358,7 +404,11 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny models, for the CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--csv", help="append the row to this CSV")
-    p.add_argument("--ids-out", help="save the generated ids (torch.save)")
+    p.add_argument("--ids-out", help="save the generated ids (torch.save); --summarize then "
+                   "names the first token where a cache's ids differ from DynamicCache's")
+    p.add_argument("--sdpa", choices=SDPA_KERNELS, default="default",
+                   help="hold scaled_dot_product_attention to one kernel (default: PyTorch's "
+                   "choice)")
     args = p.parse_args(argv)
     if not args.summarize and (args.batch < 1 or args.prompt < 1 or args.new_tokens < 1):
         p.error("--batch, --prompt and --new-tokens must be positive")

@@ -229,6 +229,35 @@ def test_tail_floor_saves_at_most_the_devices_tail(tmp_path):
     assert dynamic.split()[-2:] == ["0.900", "[0.958]"], dynamic
 
 
+def test_summary_names_the_first_token_that_differs_per_kernel(tmp_path):
+    """With the ids saved beside the CSV, --summarize names the first
+    generated token where a cache's ids part from DynamicCache's; rows held
+    to a kernel (--sdpa) compare with DynamicCache's under the same kernel."""
+    hf = load_hf_generate()
+    prompt = 3
+    ref = torch.arange(2 * 10).view(2, 10)
+    other = ref.clone()
+    other[1, prompt + 4] += 1  # the fifth generated token of the second sequence
+    torch.save(ref, str(tmp_path / "dyn.pt"))
+    torch.save(other, str(tmp_path / "grow.pt"))
+    base = dict(model="m", batch="2", new_tokens="7", prompt=str(prompt), status="ok",
+                peak_total_gib="1", ms_per_token="1.0", ms_per_token_last10="1.0")
+    path = str(tmp_path / "hf.csv")
+    for row in (dict(base, cache="dynamic", ids_sha256="a", ids_file="dyn.pt"),
+                dict(base, cache="growable", ids_sha256="b", ids_file="grow.pt"),
+                dict(base, cache="dynamic", ids_sha256="c", sdpa="flash"),
+                dict(base, cache="growable", ids_sha256="c", sdpa="flash")):
+        hf.append_row(path, row)
+    import io
+    out = io.StringIO()
+    assert hf.summarize(path, out) == 1
+    lines = out.getvalue().splitlines()
+    default = next(line for line in lines if line.startswith("m ") and " growable " in line)
+    assert "NO (token 4)" in default, out.getvalue()
+    flash = next(line for line in lines if line.startswith("m/flash ") and " growable " in line)
+    assert " yes" in flash, out.getvalue()
+
+
 def test_step_clock_probes_only_on_a_gpu_and_keeps_the_last_tenth():
     hf = load_hf_generate()
     clock = hf.StepClock("cpu")

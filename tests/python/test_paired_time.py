@@ -685,3 +685,27 @@ def test_workers_and_serve_speak_the_same_segment_protocol():
             if w.proc.poll() is None:
                 w.proc.kill()
 
+
+
+def test_a_worker_that_prints_while_it_is_built_still_starts(capsys):
+    """A program whose imports print (LingBot-Map's do) before the worker
+    says "ready": the lines go to stderr, and the worker starts; a worker
+    that ends without "ready" is an error naming it."""
+    import subprocess
+    import sys
+
+    def worker(text):
+        w = object.__new__(paired_time.Worker)
+        w.config = "expandable"
+        w.proc = subprocess.Popen([sys.executable, "-c", "print(%r, end='')" % text],
+                                  stdout=subprocess.PIPE, text=True)
+        return w
+
+    w = worker("flashinfer not available\nready\n")
+    w.wait_ready()
+    w.proc.wait()
+    assert "expandable: flashinfer not available" in capsys.readouterr().err
+    w = worker("some noise\n")
+    with pytest.raises(RuntimeError, match="expandable: worker did not start"):
+        w.wait_ready()
+    w.proc.wait()

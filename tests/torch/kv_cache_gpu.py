@@ -6,7 +6,9 @@
    over a growing and a sliding-window cache, bf16: accepted or refused,
    the largest difference from the same kernel over contiguous copies, and
    the memory the call allocated beyond its output (a kernel that copied the
-   cache would allocate about its size).
+   cache would allocate about its size); and which kernel PyTorch chooses by
+   itself over the views and over contiguous copies, and whether their
+   outputs are equal.
 2. A CUDA graph captured once over static_view(bucket) and a mask from a
    length tensor, replayed after each eager append for every length of the
    bucket, against eager attention over the exact cache.
@@ -61,6 +63,7 @@ def kernels(rows):
         cache_bytes = keys.numel() * keys.element_size()
         for step, q_len, causal in (("decode", 1, False), ("prefill", keys.shape[2], True)):
             q = torch.randn(b, h, q_len, d, device="cuda", dtype=dtype)
+            outputs = {}  # kernel: (output over the views, over contiguous copies)
             for name, backend in backends:
                 row = dict(cache=kind, step=step, kernel=name, strides=str(keys.stride()),
                            tokens=keys.shape[2])
@@ -74,6 +77,7 @@ def kernels(rows):
                         torch.cuda.synchronize()
                         extra = torch.cuda.max_memory_allocated() - base - \
                             out.numel() * out.element_size()
+                    outputs[name] = (out, ref)
                     diff = (out.float() - ref.float()).abs().max().item()
                     row.update(accepted="yes", max_diff="%.3g" % diff,
                                extra_bytes=extra, cache_bytes=cache_bytes)
@@ -99,7 +103,32 @@ def kernels(rows):
                         kind, step, name, " but took contiguous copies" if contiguous_ok
                         else ", as it refuses contiguous ones", msg))
                 rows.append(row)
+            rows.append(default_dispatch(kind, step, q, (keys, values), (ck, cv), causal, outputs))
         cache.close()
+
+
+def default_dispatch(kind, step, q, views, contiguous, causal, outputs):
+    """The kernel scaled_dot_product_attention chooses by itself over the
+    views and over contiguous copies, each named by the forced kernel whose
+    output it equals bit for bit: where they differ (PyTorch's choice can
+    depend on strides), a model's outputs over the cache may differ from
+    DynamicCache's in the last bits, which greedy decoding with random
+    weights turns into other tokens."""
+    out = F.scaled_dot_product_attention(q, *views, is_causal=causal)
+    ref = F.scaled_dot_product_attention(q, *contiguous, is_causal=causal)
+
+    def chosen(result, which):
+        names = [n for n, pair in outputs.items() if torch.equal(pair[which], result)]
+        return "/".join(names) or "none of the forced kernels"
+
+    on_views, on_contiguous = chosen(out, 0), chosen(ref, 1)
+    diff = (out.float() - ref.float()).abs().max().item()
+    check(diff == 0.0, "%s %s default dispatch: views run %s, contiguous copies %s; outputs %s"
+          % (kind, step, on_views, on_contiguous,
+             "equal" if diff == 0 else "differ by up to %g" % diff))
+    return dict(cache=kind, step=step, kernel="default (views: %s; contiguous: %s)"
+                % (on_views, on_contiguous), strides=str(views[0].stride()),
+                tokens=views[0].shape[2], accepted="yes", max_diff="%.3g" % diff)
 
 
 def graph_replay():

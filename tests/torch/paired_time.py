@@ -176,7 +176,12 @@ class Worker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1)
 
     def wait_ready(self):
+        # A program may print while it is built (LingBot-Map's imports do):
+        # those lines are passed on to stderr until the worker says "ready".
         line = self.proc.stdout.readline()
+        while line and line.strip() != "ready":
+            sys.stderr.write("%s: %s" % (self.config, line))
+            line = self.proc.stdout.readline()
         if line.strip() != "ready":
             raise RuntimeError("%s: worker did not start (%r)" % (self.config, line))
 

@@ -6,7 +6,8 @@
 # ignores: they are PyTorch's, never committed here). From a clone of
 # PyTorch's repository when one is named (git show vVERSION:FILE), else
 # downloaded from GitHub. Fetch them where there is a network, then carry
-# the folder to the GPU machine. .upstream/VERSION says where they came from.
+# the folder to the GPU machine. .upstream/VERSION says where they came from;
+# .upstream/wheels holds the wheel of expecttest, which the test files import.
 #   tests/torch/upstream/fetch_tests.sh 2.11.0
 #   tests/torch/upstream/fetch_tests.sh 2.11.0 ~/src/pytorch
 set -euo pipefail
@@ -28,5 +29,9 @@ for f in $files; do
   fi
   mv "$dest/$f.part" "$dest/$f"
 done
+# Their helpers import expecttest, which torch does not install: its wheel
+# travels with the files (gpu_torch_session.sh installs it from there).
+python3 -m pip download -q --no-deps -d "$dest/wheels" expecttest ||
+  echo "fetch_tests: expecttest's wheel not downloaded (no network?): put it in $dest/wheels" >&2
 echo "PyTorch $tag: $files (from ${git_dir:-GitHub}, $(date -u +%F))" >"$dest/VERSION"
 echo "fetch_tests: $(cat "$dest/VERSION") -> $dest"
