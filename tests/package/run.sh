@@ -107,7 +107,10 @@ grep -q "$work/missing.so" err.txt || { echo "the error does not name it: $(cat 
 
 step "the tidalloc command"
 "$work/venv/bin/tidalloc" --version
-TIDALLOC_CONF=backend:host "$work/venv/bin/tidalloc" info | grep -q '^backend: host'
+# Read whole, then searched: grep -q stops reading at its match, and under
+# pipefail the command's broken pipe would fail the step now and then.
+info=$(TIDALLOC_CONF=backend:host "$work/venv/bin/tidalloc" info)
+grep -q '^backend: host' <<<"$info" || { echo "tidalloc info: $info" >&2; exit 1; }
 
 step "pip uninstall"
 "${pip[@]}" uninstall --yes tidalloc
