@@ -709,3 +709,14 @@ def test_a_worker_that_prints_while_it_is_built_still_starts(capsys):
     with pytest.raises(RuntimeError, match="expandable: worker did not start"):
         w.wait_ready()
     w.proc.wait()
+
+
+def test_median_segment_ratio_ignores_one_stalled_segment():
+    """One segment stalled to 1.6 x its time moves the ratio of summed
+    segment times but not the median of the segments' ratios."""
+    pairs = [(4.0, 4.0 * r) for r in (0.98, 0.99, 1.0, 1.01, 1.02, 0.99, 1.0, 1.01)]
+    stalled = pairs[:3] + [(4.0, 6.4)] + pairs[4:]
+    summed = paired_time.segment_sum_interval(stalled)[0]
+    median, lo, hi = paired_time.segment_median_interval(stalled)
+    assert summed > 1.06
+    assert 0.99 <= median <= 1.01 and lo <= median <= hi

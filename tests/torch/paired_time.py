@@ -69,7 +69,8 @@ every configuration alike. Each segment's time is written as a comment
 line, "# segment ROUND,INDEX,CONFIG,SECONDS", and --summarize gives the
 ratio segment by segment (where in the run a difference lies) and the ratio of
 the summed segment times with an interval over the segments resampled, which a
-single round can give.
+single round can give, and beside it the median of the segments' ratios
+(a segment stalled by the machine moves the sum, not the median).
 
 For the compiled programs (compile_kv, stream_gct[_growable]_compile) the first
 configuration's worker starts alone and the others once it is ready: inductor
@@ -413,6 +414,16 @@ def segment_sum_interval(pairs):
     return (ratio_of_sums(pairs),) + bootstrap_interval(pairs, statistic=ratio_of_sums)
 
 
+def segment_median_interval(pairs):
+    """The median of the segments' ratios (B over A), and its 95% percentile
+    interval with the segments resampled. A machine that stalls one process
+    for seconds at a time makes one segment 1.5 x its usual time: the summed
+    times take that segment's stall whole, the median does not, so where the
+    two disagree a stall, not the allocator, set the sum."""
+    ratios = [b / a for a, b in pairs]
+    return (statistics.median(ratios),) + bootstrap_interval(ratios, statistic=statistics.median)
+
+
 def summarize_file(path, name_a, name_b):
     """Each program's pairs over all the runs in `path`, and run by run;
     for runs in segments, the ratio segment by segment (where in a run the
@@ -429,6 +440,9 @@ def summarize_file(path, name_a, name_b):
         ratio, lo, hi = segment_sum_interval(every)
         print("%s / %s, summed segment times: %.4f (95%% interval over %d segments, resampled: "
               "%.4f-%.4f)" % (name_b, name_a, ratio, len(every), lo, hi))
+        ratio, lo, hi = segment_median_interval(every)
+        print("%s / %s, median segment ratio: %.4f (95%% interval, resampled: %.4f-%.4f)"
+              % (name_b, name_a, ratio, lo, hi))
     for program, pairs in programs.items():
         print("%s, all runs:" % program)
         for line in summarize(pairs, name_a, name_b):
