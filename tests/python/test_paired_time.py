@@ -720,3 +720,13 @@ def test_median_segment_ratio_ignores_one_stalled_segment():
     median, lo, hi = paired_time.segment_median_interval(stalled)
     assert summed > 1.06
     assert 0.99 <= median <= 1.01 and lo <= median <= hi
+
+
+def test_crowded_device_is_named():
+    """Four LingBot-Map workers of about 20 GB on an 80 GB card come within
+    the low-water mark: said; two are not."""
+    total = 81559.0
+    four = [19850.0, 18322.0, 20276.0, 20484.0]
+    assert "low-water mark" in paired_time.crowding_warning(four, total)
+    assert paired_time.crowding_warning(four[:2], total) is None
+    assert paired_time.crowding_warning(four, None) is None

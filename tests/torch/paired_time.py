@@ -604,13 +604,51 @@ def run_set(args, rounds, budget_s, emit, on_segment=None):
         print("paired_time: %s" % e, file=sys.stderr)
         status = 1
     finally:
+        reserved = []
         for w in workers:
             rc, peaks = w.close()
             status |= rc != 0
             if peaks:
+                reserved.append(peaks[1])
                 print("%s: peak allocated %.1f MiB, reserved %.1f MiB (%.4f x allocated)"
                       % (w.config, peaks[0], peaks[1], peaks[1] / peaks[0]), file=sys.stderr)
+        warning = crowding_warning(reserved, device_total_mib())
+        if warning:
+            print(warning, file=sys.stderr)
     return status, done
+
+
+def device_total_mib():
+    """The first GPU's memory in MiB from nvidia-smi (no CUDA context in this
+    process), or None."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,"
+                              "nounits", "--id=0"], capture_output=True, text=True, timeout=30)
+        return float(out.stdout.split()[0]) if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+# What a worker holds on the device besides its allocator's memory: the CUDA
+# context with PyTorch's kernels loaded, about half a GiB.
+CONTEXT_MIB = 512
+
+
+def crowding_warning(reserved_mib, total_mib):
+    """A warning where the workers' reserved peaks and contexts together come
+    within the free-memory low-water mark (a 64th of the device) of the
+    device's memory: the workers hold their memory all at once, so
+    tidalloc's workers may have run under the device's pressure, recycling
+    pages an uncapped run keeps."""
+    if not reserved_mib or not total_mib:
+        return None
+    held = sum(reserved_mib) + CONTEXT_MIB * len(reserved_mib)
+    if held < total_mib - total_mib / 64:
+        return None
+    return ("paired_time: the workers' reserved peaks and contexts come to %.0f of the "
+            "device's %.0f MiB: "
+            "tidalloc's workers may have met the device's low-water mark and recycled pages; "
+            "fewer configurations at once keep an uncapped pairing uncapped" % (held, total_mib))
 
 
 if __name__ == "__main__":
