@@ -24,7 +24,9 @@
 #                   expandable_segments:True, the anchor the peaks compare to),
 #                   for each kernel of HF_SDPA (default: "default", PyTorch's
 #                   choice; hf_generate.py --sdpa), the ids kept to name the
-#                   first token where two caches' outputs part
+#                   first token where two caches' outputs part; HF_PROFILE_STEPS=N
+#                   profiles the host's work over N steps early and late in
+#                   each run (hf_generate.log; those runs' times are perturbed)
 #   hf_long         the same for HF_LONG_RUNS (default: 8192 new tokens, batch
 #                   8 then 1), with what time is left
 # Rows go to $OUT/hf_generate.csv; summary.txt has every stage's table,
@@ -97,6 +99,7 @@ hf_runs() {
         PYTORCH_CUDA_ALLOC_CONF=${HF_ALLOC_CONF-expandable_segments:True} \
           timeout -k 10 "$(left)" "$py" bench/torch/hf_generate.py --model "$model" \
           --batch "$batch" --new-tokens "$tokens" --cache "$cache" --sdpa "$kernel" \
+          --profile-steps "${HF_PROFILE_STEPS:-0}" \
           --csv "$out/hf_generate.csv" --ids-out "$out/ids_${model}_${batch}_${tokens}_${kernel}_$cache.pt" \
           >>"$out/hf_generate.log" 2>&1
         rc=$?

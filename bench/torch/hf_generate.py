@@ -30,6 +30,11 @@ a token, cat_ms_last10 being the copy at the length of those steps
 every step to check its stopping criteria anyway, so a probe moves that wait
 earlier and adds none.
 
+Where the host's time goes: --profile-steps N profiles N steps from a tenth
+and from nine tenths of the run (operators by their own CPU time), and every
+row counts the calls PyTorch's allocator made to the device
+(torch_device_allocs) and its retries after a failed one.
+
 Memory: PyTorch's peak allocated and reserved bytes, tidalloc's peak
 reserved bytes (the growable caches' mapped pages; tidalloc is not PyTorch's
 allocator here), and their sum: an upper bound of the peak of the sum, as
@@ -70,7 +75,8 @@ COLUMNS = ("model", "params_m", "batch", "prompt", "new_tokens", "cache", "max_c
            "ms_per_token_first10", "ms_per_token_last10", "torch_peak_allocated_gib",
            "torch_peak_reserved_gib", "tidalloc_peak_reserved_gib", "peak_total_gib",
            "kv_bytes_gib", "ids_sha256", "error", "copy_gb_per_s", "cat_ms_per_token",
-           "cat_ms_last10", "gpu_tail_ms_last10", "sdpa", "ids_file")
+           "cat_ms_last10", "gpu_tail_ms_last10", "sdpa", "ids_file", "torch_device_allocs",
+           "torch_alloc_retries", "profiled_steps")
 CACHES = ("growable", "dynamic", "static")
 # --sdpa: the kernel scaled_dot_product_attention is held to, or PyTorch's own
 # choice ("default"), which can differ between a contiguous cache and
@@ -157,6 +163,42 @@ class StepClock:
         return "%.4f" % (1e3 * sum(last) / len(last)) if last else ""
 
 
+class StepProfiler:
+    """A logits processor that profiles the host's work (torch.profiler, CPU
+    only) over `steps` steps from a tenth of the run and again from nine
+    tenths, and keeps each window's table of operators by their own CPU time:
+    where a step's host time goes early and late, when it grows with the
+    cache. The profiled steps run slower, so a profiled run's times are not
+    comparable to others (the row's profiled_steps says so)."""
+
+    def __init__(self, new_tokens, steps):
+        self.windows = [(new_tokens // 10, "early"), (new_tokens * 9 // 10, "late")]
+        self.steps = steps
+        self.step = 0
+        self.active = None
+        self.tables = []
+
+    def __call__(self, input_ids, scores):
+        from torch.profiler import ProfilerActivity, profile
+        if self.active is not None and self.step >= self.active[1] + self.steps:
+            prof, start, name = self.active
+            prof.stop()
+            self.tables.append("%s: steps %d-%d\n%s" % (
+                name, start, start + self.steps - 1,
+                prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)))
+            self.active = None
+        for start, name in self.windows:
+            if self.step == start and self.active is None:
+                prof = profile(activities=[ProfilerActivity.CPU])
+                prof.start()
+                self.active = (prof, start, name)
+        self.step += 1
+        return scores
+
+    def profiled_steps(self):
+        return self.steps * len(self.tables)
+
+
 def sdpa_context(kernel):
     """A context holding scaled_dot_product_attention to `kernel`."""
     import contextlib
@@ -169,12 +211,13 @@ def sdpa_context(kernel):
                          "math": SDPBackend.MATH}[kernel]])
 
 
-def generate(model, ids, cache, new_tokens, clock=None):
+def generate(model, ids, cache, new_tokens, clock=None, profiler=None):
     from transformers import LogitsProcessorList
     kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                   min_new_tokens=new_tokens, do_sample=False, past_key_values=cache)
-    if clock is not None:
-        kwargs["logits_processor"] = LogitsProcessorList([clock])
+    processors = [p for p in (clock, profiler) if p is not None]
+    if processors:
+        kwargs["logits_processor"] = LogitsProcessorList(processors)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # newer transformers call past_key_values `cache`
         with torch.no_grad():
@@ -274,11 +317,12 @@ def run(args):
     cache = make_cache(args.cache, model, max_cache_len)
     reset_peaks(args.device)
     clock = StepClock(args.device)
+    profiler = StepProfiler(args.new_tokens, args.profile_steps) if args.profile_steps else None
     try:
         synchronize(args.device)
         start = time.perf_counter()
         with sdpa_context(args.sdpa):
-            out = generate(model, ids, cache, args.new_tokens, clock)
+            out = generate(model, ids, cache, args.new_tokens, clock, profiler)
         synchronize(args.device)
         seconds = time.perf_counter() - start
         produced = out.shape[1] - args.prompt
@@ -289,6 +333,9 @@ def run(args):
                    ms_per_token_last10=per_token(clock.marks, 1),
                    gpu_tail_ms_last10=clock.tail_ms_last10(),
                    ids_sha256=hashlib.sha256(out.cpu().numpy().tobytes()).hexdigest()[:16])
+        if profiler is not None:
+            row["profiled_steps"] = profiler.profiled_steps()
+            print("\n\n".join(profiler.tables), file=sys.stderr, flush=True)
         if args.ids_out:
             torch.save(out.cpu(), args.ids_out)
             # Named relative to the CSV where they share a folder, so that the
@@ -301,6 +348,12 @@ def run(args):
     if args.device.startswith("cuda"):
         tp_alloc = torch.cuda.max_memory_allocated()
         tp_res = torch.cuda.max_memory_reserved()
+        stats = torch.cuda.memory_stats()
+        # Calls PyTorch's allocator made to the device (cudaMalloc, or a
+        # segment's growth under expandable segments) and retries after a
+        # failed one: where DynamicCache's new, longer tensors cost the host.
+        row.update(torch_device_allocs=stats.get("num_device_alloc", ""),
+                   torch_alloc_retries=stats.get("num_alloc_retries", ""))
         td = tidalloc_peak(args.device)
         row.update(torch_peak_allocated_gib="%.3f" % (tp_alloc / GiB),
                    torch_peak_reserved_gib="%.3f" % (tp_res / GiB),
@@ -406,6 +459,9 @@ def parse_args(argv=None):
     p.add_argument("--csv", help="append the row to this CSV")
     p.add_argument("--ids-out", help="save the generated ids (torch.save); --summarize then "
                    "names the first token where a cache's ids differ from DynamicCache's")
+    p.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="profile the host's work over N steps early and N late in the run "
+                   "(tables on stderr; the run's times are then not comparable)")
     p.add_argument("--sdpa", choices=SDPA_KERNELS, default="default",
                    help="hold scaled_dot_product_attention to one kernel (default: PyTorch's "
                    "choice)")

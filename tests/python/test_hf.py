@@ -204,6 +204,25 @@ def test_hf_generate_benchmark_runs_on_the_cpu(tmp_path):
     assert 0.0 <= float(dynamic[-1]) <= 1.0, r.stdout  # no probe on the CPU: no [tail floor]
 
 
+def test_hf_generate_profiles_the_host_early_and_late(tmp_path):
+    """--profile-steps N: a table of the host's operators over N steps from a
+    tenth and from nine tenths of the run, and the row counts the steps."""
+    import csv
+    import subprocess
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    out = tmp_path / "hf.csv"
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "torch", "hf_generate.py"),
+                        "--tiny", "--device", "cpu", "--model", "gpt2", "--new-tokens", "30",
+                        "--cache", "dynamic", "--profile-steps", "2", "--csv", str(out)],
+                       env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "early: steps 3-4" in r.stderr and "late: steps 27-28" in r.stderr, r.stderr
+    assert "aten::cat" in r.stderr  # DynamicCache's growth shows among the operators
+    with open(out) as f:
+        assert next(csv.DictReader(f))["profiled_steps"] == "4"
+
+
 def load_hf_generate():
     from repo_module import load
     return load("bench/torch/hf_generate.py")
