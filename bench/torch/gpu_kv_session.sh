@@ -132,6 +132,4 @@ fi
 note "done after $SECONDS s"
 # Fewer files come back from a GPU machine than are written: all but the
 # summary and the table travel as one archive.
-tar -czf "$out/logs.tar.gz" -C "$out" --exclude logs.tar.gz --exclude summary.txt \
-  --exclude hf_generate.csv . 2>/dev/null &&
-  find "$out" -mindepth 1 ! -name logs.tar.gz ! -name summary.txt ! -name hf_generate.csv -delete
+bench/torch/pack_logs.sh "$out" summary.txt hf_generate.csv

@@ -166,14 +166,7 @@ for spec in ${PAIRED:-}; do
 done
 note "session: $((SECONDS - start)) s"
 # (Only this folder's archive and summary are left out: a lane's own archive goes in.)
-# (tar's exit 1 says a file changed while it was read, as a lane's stray
-# process may still write: the archive is whole.)
 # (Traces, *trace*.csv.gz, stay out too: a lane that wants one back copies it
 # to $out, beside the archive, where the size limit on each file allows it.)
-tar -czf "$out/logs.tar.gz.tmp" -C "$out" --exclude=./logs.tar.gz.tmp --exclude=./summary.txt \
-  --exclude='*trace*.csv.gz' .
-(($? <= 1)) &&
-  find "$out" -mindepth 1 -maxdepth 1 ! -name logs.tar.gz.tmp ! -name summary.txt \
-    ! -name '*trace*.csv.gz' -exec rm -rf {} + &&
-  mv "$out/logs.tar.gz.tmp" "$out/logs.tar.gz"
+bench/torch/pack_logs.sh "$out" summary.txt '*trace*.csv.gz'
 cat "$summary"

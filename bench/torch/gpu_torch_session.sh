@@ -146,7 +146,6 @@ if [[ -n ${STREAM_FRAMES:-} && -f bench/torch/stream_gct.py ]]; then
   done
 fi
 # Fewer files come back than are written: the logs travel as one archive.
-tar -czf "$out/logs.tar.gz" -C "$out" --exclude logs.tar.gz --exclude summary.txt . 2>/dev/null &&
-  find "$out" -mindepth 1 ! -name logs.tar.gz ! -name summary.txt -delete
+bench/torch/pack_logs.sh "$out" summary.txt
 echo "== summary"
 cat "$summary"

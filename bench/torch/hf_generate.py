@@ -297,10 +297,9 @@ def run(args):
                kv_bytes_gib="%.3f" % (kv_bytes(model, args.batch, positions, dtype) / GiB),
                error="", sdpa=args.sdpa)
     bandwidth = copy_bandwidth(args.device)
-    mean_len = args.prompt + args.new_tokens / 2.0
-    cat_bytes = 2 * kv_bytes(model, args.batch, 1, dtype) * mean_len  # read and written
-    end_len = args.prompt + args.new_tokens * 0.95  # the mean length of the last 10%
-    end_bytes = 2 * kv_bytes(model, args.batch, 1, dtype) * end_len
+    token_bytes = 2 * kv_bytes(model, args.batch, 1, dtype)  # a token's cache, read and written
+    cat_bytes = token_bytes * (args.prompt + args.new_tokens / 2.0)  # at the mean length
+    end_bytes = token_bytes * (args.prompt + args.new_tokens * 0.95)  # the last 10%'s mean
     row.update(copy_gb_per_s="%.1f" % (bandwidth / 1e9),
                cat_ms_per_token="%.4f" % (1e3 * cat_bytes / bandwidth),
                cat_ms_last10="%.4f" % (1e3 * end_bytes / bandwidth))
