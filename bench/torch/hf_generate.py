@@ -467,6 +467,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if not args.summarize and (args.batch < 1 or args.prompt < 1 or args.new_tokens < 1):
         p.error("--batch, --prompt and --new-tokens must be positive")
+    if args.cache == "static" and args.sdpa == "flash":
+        p.error("--cache static with --sdpa flash: StaticCache attends over its whole length "
+                "with the unwritten positions masked, and the flash kernel takes no mask; use "
+                "--sdpa efficient (or default)")
     return args
 
 

@@ -204,6 +204,20 @@ def test_hf_generate_benchmark_runs_on_the_cpu(tmp_path):
     assert 0.0 <= float(dynamic[-1]) <= 1.0, r.stdout  # no probe on the CPU: no [tail floor]
 
 
+def test_hf_generate_refuses_static_cache_with_the_flash_kernel():
+    """StaticCache masks its unwritten positions and the flash kernel takes no
+    mask: the benchmark says so before building a model, not with PyTorch's
+    'No available kernel' mid-generation."""
+    import subprocess
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    script = os.path.join(root, "bench", "torch", "hf_generate.py")
+    r = subprocess.run([sys.executable, script, "--tiny", "--device", "cpu", "--cache", "static",
+                        "--sdpa", "flash", "--new-tokens", "4"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "flash kernel takes no mask" in r.stderr and "--sdpa efficient" in r.stderr
+
+
 def test_hf_generate_profiles_the_host_early_and_late(tmp_path):
     """--profile-steps N: a table of the host's operators over N steps from a
     tenth and from nine tenths of the run, and the row counts the steps."""
