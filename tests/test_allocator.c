@@ -422,6 +422,36 @@ static void test_device_queries(void **state) {
   destroy_clean(a);
 }
 
+/* Growth far from the device's low-water mark takes the device's free
+ * memory from the last reading: a query per growth would only cost a driver
+ * call. Near the mark every growth asks (a 64 MiB device: its mark, a 64th,
+ * is 1 MiB, and two marks of room are left only below 61 MiB). */
+static void test_growth_asks_the_device_near_its_mark(void **state) {
+  (void)state;
+  tide_allocator *a = make("host_capacity:64MiB,load_handles:False");
+  void *held[64] = {0};
+  held[0] = tide_malloc(a, 2 * MiB, NULL); /* the first growth reads the device */
+  assert_non_null(held[0]);
+  uint64_t first = stats_of(a).device_queries;
+  assert_true(first >= 1);
+  for (int i = 1; i < 8; i++) { /* to 16 MiB of 64: far from the mark */
+    held[i] = tide_malloc(a, 2 * MiB, NULL);
+    assert_non_null(held[i]);
+  }
+  tide_stats far = stats_of(a);
+  assert_true(far.mappings >= 8);
+  assert_int_equal(far.device_queries, first);
+  int n = 8;
+  while (n < 64 && (held[n] = tide_malloc(a, 2 * MiB, NULL)) != NULL) n++;
+  tide_stats near = stats_of(a);
+  assert_true(n >= 30); /* the 64 MiB device filled to its last pages */
+  /* Each growth within two marks (and the last, refused one) asked. */
+  assert_true(near.device_queries >= far.device_queries + 2);
+  assert_true(near.device_queries <= far.device_queries + (uint64_t)(n - 8) + 2);
+  for (int i = 0; i < n; i++) tide_free(a, held[i], NULL);
+  tide_destroy(a);
+}
+
 static void test_quick_reuse_and_flush(void **state) {
   (void)state;
   tide_allocator *a = make(NULL);
@@ -830,6 +860,7 @@ int main(void) {
       cmocka_unit_test(test_release_waits_for_the_limit),
       cmocka_unit_test(test_mapping_time),
       cmocka_unit_test(test_device_queries),
+      cmocka_unit_test(test_growth_asks_the_device_near_its_mark),
       cmocka_unit_test(test_quick_reuse_and_flush),
       cmocka_unit_test(test_stream_ordered_reuse),
       cmocka_unit_test(test_free_on_other_stream),

@@ -326,17 +326,13 @@ static size_t growth_bytes(const _tide_arena *arena, _tide_pool *pool, size_t ro
 
 /* Bytes growth may add before the allocator is under pressure (negative
  * when already past): the room below the memory limit, and the device's
- * free memory above its low-water mark (one backend query: growth already
- * costs several). */
+ * free memory above its low-water mark (asked of the device near the mark). */
 static int64_t growth_headroom(const _tide_arena *arena) {
   struct tide_allocator *a = arena->alloc;
   int64_t reserved = atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
   int64_t room = (int64_t)atomic_load_explicit(&a->limit, memory_order_relaxed) - reserved;
-  size_t free_bytes;
-  if (_tide_device_free(a, &free_bytes)) {
-    int64_t device_room = (int64_t)free_bytes - (int64_t)_tide_low_water(a);
-    if (device_room < room) room = device_room;
-  }
+  int64_t device_room;
+  if (_tide_device_room(a, &device_room) && device_room < room) room = device_room;
   return room;
 }
 

@@ -665,6 +665,10 @@ struct tide_allocator {
   _Atomic uint64_t mapping_ns;      /* tide_stats.mapping_ns (device_memory.c) */
   _Atomic uint64_t device_queries;  /* tide_stats.device_queries (device_memory.c) */
   _Atomic uint64_t device_query_ns; /* tide_stats.device_query_ns */
+  /* The last reading of what others hold of the device, and when
+   * (_tide_now_ns); others_seen_ns 0 before the first (device_memory.c). */
+  _Atomic int64_t others_seen;
+  _Atomic uint64_t others_seen_ns;
   _tide_trace_ring trace;
   struct _tide_pinned *pinned; /* the pinned host memory pool (pinned.c) */
   pthread_mutex_t bufs_mutex;  /* guards the list of growable buffers */
@@ -716,6 +720,11 @@ static inline int64_t _tide_others_hold(const struct tide_allocator *a, size_t f
   return (int64_t)a->total_memory - (int64_t)free_bytes -
          atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
 }
+
+/* The device's free memory above its low-water mark, for growth: from the
+ * last reading while it is recent and far from the mark, else asked of the
+ * device; false where the backend cannot say (device_memory.c). */
+bool _tide_device_room(struct tide_allocator *a, int64_t *room);
 
 /* How often an arena's allocations past the quick blocks ask the device how
  * much it has free: every this many. Counted, not timed, so that a program

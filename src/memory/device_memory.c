@@ -87,8 +87,44 @@ bool _tide_device_free(tide_allocator *a, size_t *free_bytes) {
   _tide_error_save(&saved);
   uint64_t start = _tide_now_ns();
   bool ok = be->ops->mem_info(be->ctx, free_bytes, &total) == TIDE_OK;
-  atomic_fetch_add_explicit(&a->device_query_ns, _tide_now_ns() - start, memory_order_relaxed);
+  uint64_t end = _tide_now_ns();
+  atomic_fetch_add_explicit(&a->device_query_ns, end - start, memory_order_relaxed);
   atomic_fetch_add_explicit(&a->device_queries, 1, memory_order_relaxed);
   _tide_error_restore(&saved);
+  if (ok) {
+    atomic_store_explicit(&a->others_seen, _tide_others_hold(a, *free_bytes), memory_order_relaxed);
+    atomic_store_explicit(&a->others_seen_ns, end, memory_order_relaxed);
+  }
   return ok;
+}
+
+/* How long a reading of what others hold stands in for a query at growth,
+ * and how far from the low-water mark (in marks) its estimate must leave the
+ * device. The estimate misses only what others took since the reading: the
+ * periodic check (_TIDE_DEVICE_CHECK_EVERY) renews it while the program
+ * allocates, and a program has to be that far from the mark before others'
+ * growth in that time could take it below. Near the mark, every growth asks:
+ * that is where pressure is decided. */
+#define READING_FRESH_NS 1000000000ull
+#define READING_MARGIN_MARKS 2
+
+/* A query of the device's free memory is a driver call that costs as much
+ * as a mapping (docs/design.md, "Memory by pressure"); growth far from
+ * pressure makes it with nothing to learn. */
+bool _tide_device_room(tide_allocator *a, int64_t *room) {
+  int64_t low = (int64_t)_tide_low_water(a);
+  uint64_t seen_ns = atomic_load_explicit(&a->others_seen_ns, memory_order_relaxed);
+  if (seen_ns != 0 && _tide_now_ns() - seen_ns < READING_FRESH_NS) {
+    int64_t estimate = (int64_t)a->total_memory -
+                       atomic_load_explicit(&a->others_seen, memory_order_relaxed) -
+                       atomic_load_explicit(&a->reserved.cur, memory_order_relaxed) - low;
+    if (estimate > READING_MARGIN_MARKS * low) {
+      *room = estimate;
+      return true;
+    }
+  }
+  size_t free_bytes;
+  if (!_tide_device_free(a, &free_bytes)) return false;
+  *room = (int64_t)free_bytes - low;
+  return true;
 }
