@@ -118,7 +118,7 @@ if want upstream; then
         TIDALLOC_INSTALL=$([[ $alloc == tidalloc ]] && echo 1 || echo 0) \
         TORCH_EXTENSIONS_DIR=$extensions/$alloc \
         PYTHONPATH=$OLDPWD/tests/torch/upstream:$PYTHONPATH \
-        timeout -s INT -k 30 "${UPSTREAM_SECONDS:-400}" "$py" -m pytest -q -p no:cacheprovider -p upstream_compat \
+        timeout -s INT -k 30 "${UPSTREAM_SECONDS:-400}" "$py" -m pytest -v -p no:cacheprovider -p upstream_compat \
           -n "${UPSTREAM_JOBS:-7}" "$(basename "$f")" "${sel[@]}" --junitxml="$out/${base}_$alloc.xml" \
           >"$out/${base}_$alloc.log" 2>&1; echo $? >"$out/${base}_$alloc.rc") &
     done
@@ -126,6 +126,14 @@ if want upstream; then
     rm -rf "$extensions"
     for alloc in native tidalloc; do
       note "upstream $base $alloc: exit $(cat "$out/${base}_$alloc.rc") ($((SECONDS - t0)) s): $(grep -m1 '^allocator:' "$out/${base}_$alloc.log"); $(tail -1 "$out/${base}_$alloc.log")"
+    done
+    # A fault of the device (an illegal address) fails every later test of its
+    # worker process: each worker's first failure, in the order it ran (-v), is
+    # the test to look at.
+    for alloc in native tidalloc; do
+      grep -E '^\[gw[0-9]+\] .*(FAILED|ERROR)' "$out/${base}_$alloc.log" |
+        awk '!seen[$1]++ {print "upstream " a " first failure of " $1 ": " $NF}' a="$alloc" |
+        tee -a "$summary"
     done
     "$py" tests/torch/upstream/compare_junit.py --common --known tests/torch/upstream/known.txt \
       "$out/${base}_native.xml" \
