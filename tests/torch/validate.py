@@ -219,10 +219,29 @@ def run_peaks(torch):
     return torch.cuda.max_memory_allocated() / 2**20, torch.cuda.max_memory_reserved() / 2**20
 
 
-def report_peaks(label, what, peaks):
-    print("validate.py %s: %s: peak allocated %.1f MiB, reserved %.1f MiB (%.4f x)"
-          % (label, what, peaks[0], peaks[1], peaks[1] / max(peaks[0], 1e-9)), file=sys.stderr,
-          flush=True)
+def buffers_beside(torch):
+    """tidalloc's peak reserved MiB since the last reset where the package
+    holds growable buffers beside another allocator (tidalloc.kv under
+    expandable segments: PyTorch's peaks leave them out), else None."""
+    if "tidalloc" not in sys.modules or tidalloc_stats(torch) is not None:
+        return None
+    import tidalloc
+    return tidalloc.stats(torch.cuda.current_device()).reserved_bytes[0].peak / 2**20
+
+
+def reset_peaks(torch):
+    torch.cuda.reset_peak_memory_stats()
+    if buffers_beside(torch) is not None:
+        import tidalloc
+        tidalloc.reset_peak(torch.cuda.current_device())
+
+
+def report_peaks(label, what, peaks, torch=None):
+    beside = buffers_beside(torch) if torch is not None else None
+    print("validate.py %s: %s: peak allocated %.1f MiB, reserved %.1f MiB (%.4f x)%s"
+          % (label, what, peaks[0], peaks[1], peaks[1] / max(peaks[0], 1e-9),
+             "" if beside is None else "; growable buffers in tidalloc beside it: peak reserved "
+             "%.1f MiB" % beside), file=sys.stderr, flush=True)
 
 
 class _TimedRuns:
@@ -241,7 +260,7 @@ class _TimedRuns:
         if self.cold:
             empty_caches(self.torch)
             self.before = device_mappings(self.torch) or self.before
-        self.torch.cuda.reset_peak_memory_stats()
+        reset_peaks(self.torch)
         self.costs = tidalloc_stats(self.torch)
 
     def end(self, seconds, digest):
@@ -249,7 +268,7 @@ class _TimedRuns:
         torch, label = self.torch, self.label
         peaks = run_peaks(torch)
         self.overall = (max(self.overall[0], peaks[0]), max(self.overall[1], peaks[1]))
-        report_peaks(label, "run %d" % self.runs, peaks)
+        report_peaks(label, "run %d" % self.runs, peaks, torch)
         if self.costs is not None:
             now = tidalloc_stats(torch)
             print("validate.py %s: run %d: %.1f ms in mapping calls, %d stream waits, %d device "
@@ -312,7 +331,7 @@ def serve(torch, run, warmups=1, cold=False, label="worker", by_pool=False, warm
     if warm_run is not None:
         first = None  # a shorter stream has other outputs: the first timed run is the reference
     overall = run_peaks(torch)
-    report_peaks(label, "first run%s" % ("s" if warmups > 1 else ""), overall)
+    report_peaks(label, "first run%s" % ("s" if warmups > 1 else ""), overall, torch)
     runs = _TimedRuns(torch, label, cold, first, overall)
     print("ready", flush=True)
     for line in sys.stdin:
