@@ -371,6 +371,15 @@ static bool any_captured(const world *w) {
   return false;
 }
 
+/* Whether a tide_capture_begin is in force: the allocator then takes a
+ * capture to be under way, and gives a released pool's memory back only
+ * after it (waiting for the whole device would invalidate the capture). */
+static bool any_begun(const world *w) {
+  for (int b = 0; b < BEGINS; b++)
+    if (w->begins[b].used) return true;
+  return false;
+}
+
 /* Whether the capture a detected pool was made for still allocates to it:
  * the allocator follows it through the stream that made the pool, until
  * that stream leaves the capture (the capture ends) or is destroyed. */
@@ -891,8 +900,9 @@ static void op_empty_cache(world *w) {
   begin(w, "tide_empty_cache");
   tide_status rc = tide_empty_cache(w->a);
   /* Returning a stream's cached pages waits for it: not while it is held or
-   * captured. */
-  expect_ok(w, rc, w->nheld || any_captured(w) ? ST(TIDE_ERR_NOT_READY) : 0);
+   * captured. A released pool's waits for the whole device: not while a
+   * capture is begun either. */
+  expect_ok(w, rc, w->nheld || any_captured(w) || any_begun(w) ? ST(TIDE_ERR_NOT_READY) : 0);
   if (rc == TIDE_ERR_NOT_READY && !fault_fired(w))
     CHECK(strstr(tide_last_error(), "held") || strstr(tide_last_error(), "captured"), "%s: %s",
           w->what, tide_last_error());
@@ -1293,10 +1303,11 @@ static void op_pool(world *w) {
   /* A detected capture that ended is forgotten by asking the backend; a
    * fault in that question keeps it. */
   unsigned allowed = ps->group && fault_fired(w) ? ST(TIDE_ERR_STATE) : 0;
-  /* The last user returns the pool's free memory: that waits for its
-   * streams, which a hold or a capture keeps busy (then the rest goes back
-   * at a later tide_empty_cache). */
-  if (last && (w->nheld || any_captured(w))) allowed |= ST(TIDE_ERR_NOT_READY);
+  /* The last user returns the pool's free memory: that waits for the whole
+   * device (graphs replay on any stream), which a hold keeps busy and a
+   * capture, begun or emulated, forbids (then the rest goes back at a later
+   * tide_empty_cache). */
+  if (last && (w->nheld || any_captured(w) || any_begun(w))) allowed |= ST(TIDE_ERR_NOT_READY);
   expect_ok(w, rc, allowed);
   if (rc == TIDE_ERR_STATE) return;
   if (--ps->uses == 0) pool_gone(w, i);

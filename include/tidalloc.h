@@ -532,7 +532,12 @@ TIDE_API size_t tide_buf_mapped(const tide_buf *buf);
  *   replays as it grows, and blocks never move. When the last user goes,
  *   its free memory goes back to the device at once, and the memory of
  *   blocks still allocated once they are freed and tide_empty_cache runs;
- *   then the pool is gone and its handle must not be used again.
+ *   then the pool is gone and its handle must not be used again. Graphs
+ *   replay, and their outputs are read, on streams the allocator does not
+ *   see, so giving a pool's memory back first waits for the whole device
+ *   (every stream); while a capture is begun or watched (or frees wait for
+ *   one) that wait would invalidate it, and the memory stays until a
+ *   tide_empty_cache after the capture.
  * - Blocks a capture freed are free in the pool afterwards, and the graph's
  *   replays write them: a later allocation in the pool on the same stream
  *   (in a later capture, or after a begin outside a capture) may take them.
@@ -553,10 +558,11 @@ TIDE_NODISCARD TIDE_API tide_status tide_pool_create(tide_allocator *alloc, tide
 /* One more user of `pool` (a graph that shares it). */
 TIDE_API tide_status tide_pool_retain(tide_pool *pool);
 /* One user fewer. The last one returns the pool's free memory to the
- * device; TIDE_ERR_NOT_READY (or a backend error) says that some of it could
- * not be returned yet (a stream still works on it): it goes back at the next
- * tide_empty_cache. Refused with TIDE_ERR_STATE when the only users left are
- * captures still in progress (end them first). */
+ * device, after waiting for the whole device (a replay of a graph may still
+ * run on any stream); TIDE_ERR_NOT_READY (or a backend error) says that some
+ * of it could not be returned yet (the device cannot be waited for now: a
+ * capture is under way, say): it goes back at the next tide_empty_cache. Refused with
+ * TIDE_ERR_STATE when the only users left are captures still in progress (end them first). */
 TIDE_API tide_status tide_pool_release(tide_pool *pool);
 /* A number naming the pool, never reused in the process (snapshots show it
  * as "capture_pool"; 0 there is the allocator's usual memory). 0 for a bad

@@ -43,9 +43,10 @@ typedef enum tide_backend_op {
   TIDE_OP_HOST_FREE,
   TIDE_OP_COPY,
   TIDE_OP_CAPTURE_STATUS,
-  TIDE_OP_EXPORT,        /* a memory handle to a file descriptor (sharing) */
-  TIDE_OP_IMPORT,        /* a file descriptor to a memory handle */
-  TIDE_OP_CAPTURE_GRAPH, /* the dependencies of a stream or node in a capture's graph */
+  TIDE_OP_EXPORT,             /* a memory handle to a file descriptor (sharing) */
+  TIDE_OP_IMPORT,             /* a file descriptor to a memory handle */
+  TIDE_OP_CAPTURE_GRAPH,      /* the dependencies of a stream or node in a capture's graph */
+  TIDE_OP_DEVICE_SYNCHRONIZE, /* waiting for every stream of the device */
   TIDE_OP_COUNT
 } tide_backend_op;
 

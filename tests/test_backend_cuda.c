@@ -291,12 +291,15 @@ static struct fake {
   int capture_queries;  /* cuStreamGetCaptureInfo calls */
   int captured_events;  /* events recorded on a capturing stream */
   /* What the backend must never do. */
-  int no_context;      /* a call without the primary context current */
-  int not_relaxed;     /* memory calls outside relaxed capture mode */
-  int broken_captures; /* waits that would have invalidated a capture */
-  int bad_arguments;   /* anything else the real driver would refuse */
-  int unmap_spans;     /* cuMemUnmap calls that ended several mappings */
-  int spans_refused;   /* ... that refuse_unmap_spans turned down */
+  int no_context;        /* a call without the primary context current */
+  int not_relaxed;       /* memory calls outside relaxed capture mode */
+  int broken_captures;   /* waits that would have invalidated a capture */
+  int bad_arguments;     /* anything else the real driver would refuse */
+  int unmap_spans;       /* cuMemUnmap calls that ended several mappings */
+  int spans_refused;     /* ... that refuse_unmap_spans turned down */
+  int ctx_syncs;         /* cuCtxSynchronize calls */
+  f_stream *streams[64]; /* created and not destroyed, for cuCtxSynchronize */
+  int nstreams;
   char first_problem[256];
 } fake = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
@@ -749,6 +752,10 @@ static fres f_stream_create(void **s, unsigned flags) {
   f_stream *st = calloc(1, sizeof *st);
   st->flags = flags;
   st->ctx = ctx_stack[ctx_depth - 1];
+  fake_lock();
+  if (fake.nstreams < (int)(sizeof fake.streams / sizeof *fake.streams))
+    fake.streams[fake.nstreams++] = st;
+  fake_unlock();
   *s = st;
   return F_SUCCESS;
 }
@@ -771,6 +778,10 @@ static fres f_stream_destroy(void *s) {
   fake_unlock();
   if (!ok) return F_INVALID_CONTEXT;
   if (!s) return F_INVALID_HANDLE;
+  fake_lock();
+  for (int i = 0; i < fake.nstreams; i++)
+    if (fake.streams[i] == s) fake.streams[i--] = fake.streams[--fake.nstreams];
+  fake_unlock();
   free(s);
   return F_SUCCESS;
 }
@@ -818,6 +829,28 @@ static fres f_stream_synchronize(void *s) {
     goto out;
   }
   st->completed = st->submitted; /* as if the host waited */
+  r = F_SUCCESS;
+out:
+  fake_unlock();
+  return r;
+}
+
+/* Every stream's work done; a stream being captured would have its capture
+ * invalidated, as the driver does. */
+static fres f_ctx_synchronize(void) {
+  fres r = F_INVALID_CONTEXT;
+  fake_lock();
+  if (!device_call("cuCtxSynchronize", false)) goto out;
+  fake.ctx_syncs++;
+  bool capturing = legacy_stream.capturing || fake.legacy_implicit;
+  for (int i = 0; i < fake.nstreams; i++) capturing |= fake.streams[i]->capturing;
+  if (capturing) {
+    problem(&fake.broken_captures, "cuCtxSynchronize while a stream is being captured");
+    r = F_CAPTURE_UNSUPPORTED;
+    goto out;
+  }
+  legacy_stream.completed = legacy_stream.submitted;
+  for (int i = 0; i < fake.nstreams; i++) fake.streams[i]->completed = fake.streams[i]->submitted;
   r = F_SUCCESS;
 out:
   fake_unlock();
@@ -914,6 +947,7 @@ static const struct {
     FN("cuCtxGetCurrent", f_ctx_get_current),
     FN("cuCtxPushCurrent", f_ctx_push_current),
     FN("cuCtxPopCurrent", f_ctx_pop_current),
+    FN("cuCtxSynchronize", f_ctx_synchronize),
     FN("cuThreadExchangeStreamCaptureMode", f_exchange_capture_mode),
     FN("cuMemGetInfo", f_mem_get_info),
     FN("cuMemGetAllocationGranularity", f_mem_get_granularity),
@@ -1018,6 +1052,7 @@ static void install_fake(fake_config cfg) {
   fake.capture_queries = fake.captured_events = 0;
   fake.no_context = fake.not_relaxed = fake.broken_captures = fake.bad_arguments = 0;
   fake.unmap_spans = fake.spans_refused = 0;
+  fake.ctx_syncs = fake.nstreams = 0;
   fake.first_problem[0] = '\0';
   fake_unlock();
   legacy_stream = (f_stream){0};

@@ -105,6 +105,7 @@ static void test_op_names(void **state) {
   assert_string_equal(tide_backend_op_name(TIDE_OP_SET_ACCESS), "set_access");
   assert_string_equal(tide_backend_op_name(TIDE_OP_EVENT_SYNCHRONIZE), "event_synchronize");
   assert_string_equal(tide_backend_op_name(TIDE_OP_MEM_INFO), "mem_info");
+  assert_string_equal(tide_backend_op_name(TIDE_OP_DEVICE_SYNCHRONIZE), "device_synchronize");
   assert_string_equal(tide_backend_op_name(TIDE_OP_COUNT), "unknown");
   assert_string_equal(tide_backend_op_name((tide_backend_op)-1), "unknown");
   for (int op = 0; op < TIDE_OP_COUNT; op++) {
@@ -737,6 +738,69 @@ static void test_streams_and_events(void **state) {
   close_device(&f);
 }
 
+/* device_synchronize waits for every stream, those nobody asked about too,
+ * and a destroyed one still draining; a held stream or one being captured
+ * (whose capture the driver would invalidate) refuses it, completing
+ * nothing. */
+static void test_device_synchronize(void **state) {
+  (void)state;
+  fixture f;
+  open_device(&f, 8 * GRAN);
+  const _tide_backend_ops *o = f.ops;
+  void *c = f.ctx;
+  assert_int_equal(o->device_synchronize(c), TIDE_OK);
+  tide_stream s1 = NULL, s2 = NULL;
+  assert_int_equal(o->stream_create(c, &s1), TIDE_OK);
+  assert_int_equal(o->stream_create(c, &s2), TIDE_OK);
+  _tide_event e1 = NULL, e2 = NULL;
+  assert_int_equal(o->event_create(c, &e1), TIDE_OK);
+  assert_int_equal(o->event_create(c, &e2), TIDE_OK);
+
+  assert_int_equal(_tide_host_stream_hold(&f.b, s1), TIDE_OK);
+  assert_int_equal(o->event_record(c, e1, s1), TIDE_OK);
+  assert_int_equal(o->device_synchronize(c), TIDE_ERR_NOT_READY);
+  assert_true(error_contains("held"));
+  assert_int_equal(o->event_query(c, e1), TIDE_ERR_NOT_READY);
+  /* A destroyed stream whose work still runs holds the device too. */
+  assert_int_equal(o->stream_destroy(c, s1), TIDE_OK);
+  assert_int_equal(o->device_synchronize(c), TIDE_ERR_NOT_READY);
+  assert_int_equal(_tide_host_stream_release(&f.b, s1), TIDE_OK);
+  assert_int_equal(o->device_synchronize(c), TIDE_OK);
+  assert_int_equal(o->event_query(c, e1), TIDE_OK);
+
+  /* A stream being captured: refused, and nothing else completes. */
+  assert_int_equal(_tide_host_stream_hold(&f.b, NULL), TIDE_OK);
+  assert_int_equal(o->event_record(c, e2, NULL), TIDE_OK);
+  assert_int_equal(_tide_host_stream_release(&f.b, NULL), TIDE_OK);
+  assert_int_equal(_tide_host_capture_begin(&f.b, s2), TIDE_OK);
+  assert_int_equal(o->device_synchronize(c), TIDE_ERR_NOT_READY);
+  assert_true(error_contains("captured"));
+  assert_int_equal(_tide_host_capture_end(&f.b, s2), TIDE_OK);
+  assert_int_equal(o->device_synchronize(c), TIDE_OK);
+
+  /* With a queue, it completes what waiting for each stream would. */
+  _tide_backend q;
+  _tide_conf_values conf = conf_of(8 * GRAN, GRAN, 1);
+  conf.host_queue_depth = 3;
+  assert_int_equal(_tide_host_open(&conf, 0, &q), TIDE_OK);
+  tide_stream qs = NULL;
+  _tide_event qe = NULL;
+  assert_int_equal(q.ops->stream_create(q.ctx, &qs), TIDE_OK);
+  assert_int_equal(q.ops->event_create(q.ctx, &qe), TIDE_OK);
+  assert_int_equal(q.ops->event_record(q.ctx, qe, qs), TIDE_OK);
+  assert_int_equal(q.ops->event_query(q.ctx, qe), TIDE_ERR_NOT_READY);
+  assert_int_equal(q.ops->device_synchronize(q.ctx), TIDE_OK);
+  assert_int_equal(q.ops->event_query(q.ctx, qe), TIDE_OK);
+  assert_int_equal(q.ops->event_destroy(q.ctx, qe), TIDE_OK);
+  assert_int_equal(q.ops->stream_destroy(q.ctx, qs), TIDE_OK);
+  q.ops->destroy(q.ctx);
+
+  assert_int_equal(o->event_destroy(c, e1), TIDE_OK);
+  assert_int_equal(o->event_destroy(c, e2), TIDE_OK);
+  assert_int_equal(o->stream_destroy(c, s2), TIDE_OK);
+  close_device(&f);
+}
+
 /* ------------------------------------------------------------------------ */
 /* Fault injection                                                          */
 /* ------------------------------------------------------------------------ */
@@ -871,6 +935,7 @@ static int call_op_once(op_fixture *x, tide_backend_op op) {
     if (rc == TIDE_OK) assert_true(id == 0 && n == 0);
     break;
   }
+  case TIDE_OP_DEVICE_SYNCHRONIZE: rc = o->device_synchronize(c); break;
   case TIDE_OP_ANY:
   case TIDE_OP_COUNT: break;
   }
@@ -1222,6 +1287,7 @@ int main(void) {
       cmocka_unit_test(test_preconditions),
       cmocka_unit_test(test_streams_and_events),
       cmocka_unit_test(test_queue_depth),
+      cmocka_unit_test(test_device_synchronize),
       cmocka_unit_test(test_fault_injection_each_op),
       cmocka_unit_test(test_fault_injection_any_op),
       cmocka_unit_test(test_call_counts),

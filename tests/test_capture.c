@@ -512,6 +512,106 @@ static void test_release_with_live_block(void **state) {
   destroy_clean(a); /* empty_cache returns the rest and the pool goes */
 }
 
+/* A graph replays on whatever stream the program launches it on (PyTorch
+ * captures on a side stream and replays on the current one), writing the
+ * blocks its capture freed: the stream of the pool's arena says nothing of
+ * that work. The last release gives the pool's pages back only once the
+ * whole device is done; while a replay still runs (a held stream) they stay,
+ * and go with the first tide_empty_cache after it. */
+static void test_release_waits_for_replays(void **state) {
+  (void)state;
+  tide_allocator *a = make(NULL);
+  tide_stream s = new_stream(a), r = new_stream(a);
+  tide_pool *pool = NULL;
+  tu_assert_ok(tide_pool_create(a, &pool));
+  capture_begin(a, s, pool);
+  void *tmp = must_malloc(a, 9 * MiB, s); /* an intermediate, freed in the capture */
+  tu_assert_ok(tide_free(a, tmp, s));
+  capture_end(a, s);
+  uint64_t held = tide_host_bytes_in_use(a);
+  assert_true(held >= 9 * MiB);
+  tu_assert_ok(tide_host_stream_hold(a, r)); /* the graph replayed on r, still running */
+  tu_assert_ok(tide_pool_release(pool));
+  assert_int_equal(tide_pool_release(pool), TIDE_ERR_NOT_READY); /* the last user */
+  assert_non_null(strstr(tide_last_error(), "next tide_empty_cache"));
+  assert_non_null(strstr(tide_last_error(), "held"));
+  assert_int_equal(tide_host_bytes_in_use(a), held); /* the replay's pages stay mapped */
+  assert_int_equal(tide_pool_retain(pool), TIDE_ERR_STATE);
+  check_all(a);
+  assert_int_equal(tide_empty_cache(a), TIDE_ERR_NOT_READY);
+  assert_int_equal(tide_host_bytes_in_use(a), held);
+  tu_assert_ok(tide_host_stream_release(a, r)); /* the replay is done */
+  tu_assert_ok(tide_stream_destroy(a, r));
+  destroy_clean(a);
+}
+
+/* A graph's output outlives the graph and is read on another stream than
+ * the capture's (without tide_record_stream, as PyTorch reads a replay's
+ * output on the replay's stream); freed there, its pages go only once that
+ * read is done. */
+static void test_output_outlives_pool(void **state) {
+  (void)state;
+  tide_allocator *a = make(NULL);
+  tide_stream s = new_stream(a), r = new_stream(a);
+  tide_pool *pool = NULL;
+  tu_assert_ok(tide_pool_create(a, &pool));
+  capture_begin(a, s, pool);
+  void *out = must_malloc(a, 9 * MiB, s);
+  capture_end(a, s);
+  tu_assert_ok(tide_pool_release(pool));
+  tu_assert_ok(tide_pool_release(pool)); /* nothing runs: the free pages go */
+  uint64_t held = tide_host_bytes_in_use(a);
+  assert_true(held >= 9 * MiB);
+  tu_assert_ok(tide_host_stream_hold(a, r)); /* a kernel on r reads the output */
+  tu_assert_ok(tide_free_home(a, out, r));   /* the tensor goes while it runs */
+  assert_int_equal(tide_empty_cache(a), TIDE_ERR_NOT_READY);
+  assert_int_equal(tide_host_bytes_in_use(a), held);
+  check_all(a);
+  tu_assert_ok(tide_host_stream_release(a, r));
+  tu_assert_ok(tide_stream_destroy(a, r));
+  destroy_clean(a);
+}
+
+/* Waiting for the whole device while a stream is being captured would
+ * invalidate the capture: a pool released then keeps its memory, without
+ * that wait, until a tide_empty_cache after the capture. */
+static void test_release_during_another_capture(void **state) {
+  (void)state;
+  tide_allocator *a = make(NULL);
+  tide_stream s = new_stream(a), t = new_stream(a);
+  tide_pool *gone = NULL, *busy = NULL;
+  tu_assert_ok(tide_pool_create(a, &gone));
+  tu_assert_ok(tide_pool_create(a, &busy));
+  capture_begin(a, s, gone);
+  void *tmp = must_malloc(a, 9 * MiB, s);
+  tu_assert_ok(tide_free(a, tmp, s));
+  capture_end(a, s);
+  assert_true(tide_host_bytes_in_use(a) >= 9 * MiB);
+  capture_begin(a, t, busy);
+  void *p = must_malloc(a, 3 * MiB, t);
+  uint64_t held = tide_host_bytes_in_use(a);
+  uint64_t syncs = tide_host_call_count(a, TIDE_OP_DEVICE_SYNCHRONIZE);
+  tu_assert_ok(tide_pool_release(gone));
+  assert_int_equal(tide_pool_release(gone), TIDE_ERR_NOT_READY);
+  assert_non_null(strstr(tide_last_error(), "capture"));
+  assert_int_equal(tide_host_call_count(a, TIDE_OP_DEVICE_SYNCHRONIZE), syncs);
+  assert_int_equal(tide_host_bytes_in_use(a), held);
+  assert_int_equal(tide_empty_cache(a), TIDE_ERR_NOT_READY); /* the capture goes on */
+  assert_int_equal(tide_host_call_count(a, TIDE_OP_DEVICE_SYNCHRONIZE), syncs);
+  void *q = must_malloc(a, 3 * MiB, t); /* and still allocates to its pool */
+  assert_int_equal(pool_holding(a, q), tide_pool_id(busy));
+  tu_assert_ok(tide_free(a, q, t));
+  tu_assert_ok(tide_free(a, p, t));
+  capture_end(a, t);
+  tu_assert_ok(tide_empty_cache(a)); /* the released pool's memory goes now */
+  tide_stats ps = pool_stats(busy);
+  assert_int_equal(tide_host_bytes_in_use(a), reserved(&ps)); /* only busy's */
+  check_all(a);
+  tu_assert_ok(tide_pool_release(busy));
+  tu_assert_ok(tide_pool_release(busy));
+  destroy_clean(a);
+}
+
 /* The arenas of a pool that is gone serve the next pool, whose stats
  * start from zero; the allocator's keep the history. */
 static void test_next_pool_starts_from_zero(void **state) {
@@ -1135,6 +1235,9 @@ int main(void) {
       cmocka_unit_test(test_emulated_capture),
       cmocka_unit_test(test_two_graphs_share_a_pool),
       cmocka_unit_test(test_release_with_live_block),
+      cmocka_unit_test(test_release_waits_for_replays),
+      cmocka_unit_test(test_output_outlives_pool),
+      cmocka_unit_test(test_release_during_another_capture),
       cmocka_unit_test(test_next_pool_starts_from_zero),
       cmocka_unit_test(test_stream_destroy_keeps_pool),
       cmocka_unit_test(test_pool_grows_during_and_between_captures),

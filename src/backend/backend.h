@@ -45,6 +45,11 @@
  * - streams: NULL is the default stream. Events recorded on a stream complete
  *   once the work queued on it before the record is done; event_query answers
  *   TIDE_OK (done) or TIDE_ERR_NOT_READY.
+ * - device_synchronize: waits until the work queued on every stream of the
+ *   device is done, also on streams the allocator never saw (cuCtxSynchronize).
+ *   Never while a stream of the device may be being captured: on CUDA the
+ *   wait invalidates the capture; the host backend refuses it then, and while
+ *   a stream is held (TIDE_ERR_NOT_READY).
  * - stream_capture_status: whether `stream` is being captured into a graph
  *   now, and the id of its capture (never 0 while capturing; streams forked
  *   into a capture share its id). Legal during a capture. The default stream
@@ -97,6 +102,7 @@ typedef struct _tide_backend_ops {
   int (*stream_create)(void *ctx, tide_stream *out);
   int (*stream_destroy)(void *ctx, tide_stream stream);
   int (*stream_synchronize)(void *ctx, tide_stream stream);
+  int (*device_synchronize)(void *ctx);
   /* TIDE_OK if the stream exists (cheap; legal while it is being captured). */
   int (*stream_check)(void *ctx, tide_stream stream);
   int (*stream_capture_status)(void *ctx, tide_stream stream, bool *capturing,

@@ -21,12 +21,14 @@
  * - Pinned host memory: cuMemHostAlloc (portable and device-mapped, as
  *   PyTorch's host allocator asks) / cuMemFreeHost. Copies: cuMemcpyAsync,
  *   which with unified addressing finds the direction from the pointers.
- *   These entry points, cuDeviceCanAccessPeer, cuStreamGetCaptureInfo and
- *   cuGraphNodeGetDependencies are optional: a driver without them still
- *   serves device memory, and the call that needs one says that the driver
- *   lacks it (without cuStreamGetCaptureInfo no stream is seen being
- *   captured; the two graph queries serve graph_capture_record_stream_reuse,
- *   at the ABI of 12.0, without edge data).
+ *   Waiting for the whole device (a capture pool's memory given back):
+ *   cuCtxSynchronize. These entry points, cuDeviceCanAccessPeer,
+ *   cuStreamGetCaptureInfo and cuGraphNodeGetDependencies are optional: a
+ *   driver without them still serves device memory, and the call that needs
+ *   one says that the driver lacks it (without cuStreamGetCaptureInfo no
+ *   stream is seen being captured; the two graph queries serve
+ *   graph_capture_record_stream_reuse, at the ABI of 12.0, without edge
+ *   data).
  * - Context: the device's primary context, retained while the backend is
  *   open, so that memory and streams are shared with the CUDA runtime (and
  *   PyTorch). A call makes it current only if the calling thread has another
@@ -187,6 +189,7 @@ typedef struct cuda_driver {
   CUresult (*event_query)(CUevent);
   CUresult (*event_synchronize)(CUevent);
   /* Optional: NULL when the driver lacks them. */
+  CUresult (*ctx_synchronize)(void);
   CUresult (*device_can_access_peer)(int *, CUdevice, CUdevice);
   CUresult (*memcpy_async)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
   CUresult (*mem_host_alloc)(void **, size_t, unsigned int);
@@ -242,6 +245,7 @@ static const driver_symbol proc_symbols[] = {
     SYMBOL("cuEventSynchronize", event_synchronize),
 };
 static const driver_symbol optional_symbols[] = {
+    SYMBOL("cuCtxSynchronize", ctx_synchronize),
     SYMBOL("cuDeviceCanAccessPeer", device_can_access_peer),
     SYMBOL("cuMemcpyAsync", memcpy_async),
     SYMBOL("cuMemHostAlloc", mem_host_alloc),
@@ -1021,6 +1025,19 @@ static int cuda_stream_synchronize(void *ctx, tide_stream stream) {
   return TIDE_OK;
 }
 
+/* Every stream of the device (the primary context's), also those the
+ * allocator never saw. The allocator asks only while no capture is known to
+ * be under way: the driver invalidates a capture this wait meets. */
+static int cuda_device_synchronize(void *ctx) {
+  cuda_device *d = ctx;
+  if (!d->drv.ctx_synchronize)
+    return driver_lacks(d, "cuCtxSynchronize", "waiting for every stream of the device");
+  scope s;
+  CUresult r = SCOPED(d, &s, "cuCtxSynchronize", d->drv.ctx_synchronize());
+  if (r != CUDA_SUCCESS) return fail(d, r, s.call, "waiting for every stream of the device");
+  return TIDE_OK;
+}
+
 /* Whether `stream` is a stream of this device: its context must be ours
  * (NULL and the special handles name the current context, ours inside the
  * scope). Only a clear answer refuses it: a handle the driver does not know,
@@ -1274,6 +1291,7 @@ static const _tide_backend_ops cuda_ops = {
     .stream_create = cuda_stream_create,
     .stream_destroy = cuda_stream_destroy,
     .stream_synchronize = cuda_stream_synchronize,
+    .device_synchronize = cuda_device_synchronize,
     .stream_check = cuda_stream_check,
     .stream_capture_status = cuda_stream_capture_status,
     .capture_deps = cuda_capture_deps,

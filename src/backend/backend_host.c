@@ -99,6 +99,7 @@ static const char *const op_names[TIDE_OP_COUNT] = {
     [TIDE_OP_EXPORT] = "export",
     [TIDE_OP_IMPORT] = "import",
     [TIDE_OP_CAPTURE_GRAPH] = "capture_graph",
+    [TIDE_OP_DEVICE_SYNCHRONIZE] = "device_synchronize",
 };
 
 const char *tide_backend_op_name(tide_backend_op op) {
@@ -1036,6 +1037,47 @@ static int host_stream_synchronize(void *ctx, tide_stream stream) {
   return TIDE_OK;
 }
 
+/* Every stream's work done, as cuCtxSynchronize waits for it, destroyed
+ * streams still draining included. A held stream would keep the wait going
+ * for ever; a stream being captured would have its capture invalidated by
+ * the driver: both are refused, and nothing completes. */
+static int host_device_synchronize(void *ctx) {
+  host_device *d = ctx;
+  int rc = ENTER(d, TIDE_OP_DEVICE_SYNCHRONIZE);
+  if (rc) return rc;
+  lock(d);
+  tide_stream captured = NULL, held = NULL;
+  bool any_captured = false, any_held = false;
+  for (uint32_t i = 0; i < d->stream_count; i++) {
+    const host_stream *s = &d->streams[i];
+    if (!s->alive && !s->held) continue; /* a free slot, or a stream that ran out */
+    if (s->capture_id && !any_captured) {
+      any_captured = true;
+      captured = stream_id(d, i);
+    } else if (s->held && !any_held) {
+      any_held = true;
+      held = stream_id(d, i);
+    }
+  }
+  if (!any_captured && !any_held)
+    for (uint32_t i = 0; i < d->stream_count; i++)
+      if (d->streams[i].alive) d->streams[i].completed = d->streams[i].submitted;
+  unlock(d);
+  char text[48];
+  if (any_captured)
+    return _tide_error_set(TIDE_ERR_NOT_READY,
+                           "device_synchronize: %s is being captured into a graph, and waiting "
+                           "for the whole device would invalidate the capture; try again after "
+                           "the capture ends",
+                           stream_text(captured, text, sizeof text));
+  if (any_held)
+    return _tide_error_set(TIDE_ERR_NOT_READY,
+                           "device_synchronize: %s is held, so waiting for the device would never "
+                           "end; release it (tide_host_stream_release) first",
+                           stream_text(held, text, sizeof text));
+  return TIDE_OK;
+}
+
 static int host_stream_check(void *ctx, tide_stream stream) {
   host_device *d = ctx;
   lock(d);
@@ -1459,6 +1501,7 @@ static const _tide_backend_ops host_ops = {
     .stream_create = host_stream_create,
     .stream_destroy = host_stream_destroy,
     .stream_synchronize = host_stream_synchronize,
+    .device_synchronize = host_device_synchronize,
     .stream_check = host_stream_check,
     .stream_capture_status = host_stream_capture_status,
     .capture_deps = host_capture_deps,

@@ -8,7 +8,9 @@
  *   allocated in it (arena.pool_id), so stream-ordered reuse, growth of
  *   expandable segments and the stats work there as in any arena. While
  *   the pool has users those arenas never give memory back (keep_cache):
- *   a graph's replays write the blocks its capture freed.
+ *   a graph's replays write the blocks its capture freed. Once it has none,
+ *   they give it back after waiting for the whole device, not their own
+ *   streams: replays run on the streams they are launched on.
  * - The fast paths of tide_malloc and tide_free test one flag,
  *   capture_watch, which is nonzero only while a capture is routed to a
  *   pool or a free is deferred; then they come here, where locks and
@@ -231,8 +233,11 @@ static void reap_pools(tide_allocator *a) {
   pthread_mutex_unlock(&a->captures.mutex);
 }
 
-/* The last user went: the pool's free memory goes back to the device; what
- * is still allocated or waits on streams goes with a later tide_empty_cache. */
+/* The last user went: the pool's free memory goes back to the device, once
+ * the whole device is done with it (_tide_stream_settle of a pool's arena:
+ * its graphs replay on any stream); what is still allocated or waits on
+ * streams, and everything while a capture is under way, goes with a later
+ * tide_empty_cache. */
 static int give_back(tide_allocator *a, tide_pool *pool) {
   _tide_arena **arenas;
   size_t n = _tide_capture_pool_arenas(a, pool->id, &arenas);
@@ -256,9 +261,15 @@ static int give_back(tide_allocator *a, tide_pool *pool) {
   return first ? _tide_error_restore(&saved) : TIDE_OK;
 }
 
+static void retry_deferred(tide_allocator *a);
+
 tide_status tide_pool_release(tide_pool *pool) {
   CHECK_POOL(pool);
   tide_allocator *a = pool->alloc;
+  /* Frees deferred by captures that ended, and the records of detected
+   * captures that ended, no longer keep the watch on: the memory goes back
+   * now unless a capture is still under way (see give_back). */
+  retry_deferred(a);
   _tide_capture_prune(a);
   pthread_mutex_lock(&a->captures.mutex);
   int rc = _tide_capture_pool_live(pool, __func__);
@@ -277,8 +288,6 @@ tide_status tide_pool_release(tide_pool *pool) {
                        "back only at the next tide_empty_cache");
   return (tide_status)rc;
 }
-
-static void retry_deferred(tide_allocator *a);
 
 /* A caller that routes a capture's allocations itself (tide_pool_malloc)
  * still needs frees to be deferred while a stream they wait for is being

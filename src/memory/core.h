@@ -491,8 +491,10 @@ void _tide_idle_marks_poll(_tide_arena *arena);
  * (_tide_idle_marks_usable); best effort. */
 void _tide_idle_mark_add(_tide_arena *arena, bool usable);
 /* Wait for the arena's stream: work queued on it may still touch free
- * blocks (a block freed on its own stream is free at once). After it,
- * everything freed so far is idle. */
+ * blocks (a block freed on its own stream is free at once). A capture
+ * pool's arena waits for the whole device instead (graphs replay on any
+ * stream), and not while a capture is watched (TIDE_ERR_NOT_READY). After
+ * it, everything freed so far is idle. */
 int _tide_stream_settle(_tide_arena *arena);
 /* Block until a block freed at `stamp` is idle: wait for an idle mark after
  * its free, or without one, for the stream. */

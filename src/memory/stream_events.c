@@ -97,7 +97,34 @@ void _tide_idle_mark_add(_tide_arena *arena, bool usable) {
 /* Waiting for the stream                                                    */
 /* ------------------------------------------------------------------------ */
 
+/* A capture pool's memory is used by work the arena's stream does not
+ * order: its graphs replay on whatever stream the program launches them on,
+ * and their outputs are read there. Only the whole device says when that
+ * work is done (PyTorch's allocator frees a graph's memory with cudaFree,
+ * which waits for the device). Waiting for the device while a capture is
+ * under way would invalidate the capture, so then nothing is waited for
+ * and the memory stays, to go back once no capture is (TIDE_ERR_NOT_READY). */
+static int device_settle(_tide_arena *arena) {
+  struct tide_allocator *a = arena->alloc;
+  const _tide_backend *be = &a->backend;
+  if (atomic_load_explicit(&a->capture_watch, memory_order_acquire) != 0)
+    return _tide_error_set(TIDE_ERR_NOT_READY,
+                           "cannot return the memory of a capture pool yet: its graphs' replays "
+                           "may still use it on any stream, and waiting for the whole device "
+                           "would invalidate the capture under way (a stream is captured, or "
+                           "about to be)");
+  _tide_note_stream_wait(a);
+  int rc = be->ops->device_synchronize(be->ctx);
+  if (rc) {
+    _tide_error_prefix("cannot return the memory of a capture pool yet");
+    return rc;
+  }
+  arena->idle_before = ++arena->clock; /* everything freed so far is idle */
+  return TIDE_OK;
+}
+
 int _tide_stream_settle(_tide_arena *arena) {
+  if (arena->pool_id != 0) return device_settle(arena);
   const _tide_backend *be = &arena->alloc->backend;
   /* A destroyed stream's work is ordered before the default stream's. */
   tide_stream s = arena->stream_gone ? NULL : arena->stream;

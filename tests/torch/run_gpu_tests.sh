@@ -6,6 +6,9 @@
 #   smoke.py         under python -m tidalloc run: tensors, a model, the
 #                    figures, empty_cache, a torch.cuda.graph capture
 #   graph_safety.py  graphs replayed while other tensors are allocated and written
+#   graph_release.py a graph's memory let go while a replay of it, or a read of
+#                    its output, still runs on another stream: under PyTorch's
+#                    allocator, then under tidalloc
 #   growable_kv.py   a short KV loop (128 steps, float32 and bfloat16)
 #   share_mp.py      CUDA tensors sent to a spawned process through
 #                    torch.multiprocessing (tidalloc's sharing)
@@ -80,6 +83,8 @@ run_test quiet_shim_launch bash -c 'err=$("$1" -m tidalloc run tests/torch/bridg
   { [[ -z $err ]] || { echo "stderr: $err"; false; }; }' _ "$py"
 run_test smoke "$py" -m tidalloc run tests/torch/smoke.py
 run_test graph_safety "$py" tests/torch/graph_safety.py
+run_test graph_release_native "$py" tests/torch/graph_release.py --native
+run_test graph_release "$py" tests/torch/graph_release.py
 run_test growable_kv "$py" -m tidalloc run tests/torch/growable_kv.py 128 --repeats 1
 run_test share_mp "$py" tests/torch/share_mp.py
 run_test distributed "$py" tests/torch/distributed.py
