@@ -223,7 +223,10 @@ def buffers_beside(torch):
     """tidalloc's peak reserved MiB since the last reset where the package
     holds growable buffers beside another allocator (tidalloc.kv under
     expandable segments: PyTorch's peaks leave them out), else None."""
-    if "tidalloc" not in sys.modules or tidalloc_stats(torch) is not None:
+    # Only a program that made KV caches (tidalloc.kv) holds them: asking
+    # otherwise would open tidalloc on the device for nothing.
+    if ("tidalloc.kv" not in sys.modules or not hasattr(torch.cuda, "current_device") or
+            tidalloc_stats(torch) is not None):
         return None
     import tidalloc
     return tidalloc.stats(torch.cuda.current_device()).reserved_bytes[0].peak / 2**20
