@@ -164,39 +164,51 @@ class StepClock:
 
 
 class StepProfiler:
-    """A logits processor that profiles the host's work (torch.profiler, CPU
-    only) over `steps` steps from a tenth of the run and again from nine
-    tenths, and keeps each window's table of operators by their own CPU time:
-    where a step's host time goes early and late, when it grows with the
-    cache. The profiled steps run slower, so a profiled run's times are not
-    comparable to others (the row's profiled_steps says so)."""
+    """A logits processor that profiles a run's work (torch.profiler) over
+    `steps` steps from a tenth of the run and again from nine tenths, and
+    keeps each window's table of operators by their own host time, and on a
+    GPU a second by their own device time: where a step's time goes early
+    and late, when it grows with the cache, and on which side. The profiled
+    steps run slower, so a profiled run's times are not comparable to others
+    (the row's profiled_steps says so)."""
 
-    def __init__(self, new_tokens, steps):
+    def __init__(self, new_tokens, steps, device="cpu"):
         self.windows = [(new_tokens // 10, "early"), (new_tokens * 9 // 10, "late")]
         self.steps = steps
         self.step = 0
         self.active = None
         self.tables = []
+        self.gpu = device.startswith("cuda")
 
     def __call__(self, input_ids, scores):
         from torch.profiler import ProfilerActivity, profile
         if self.active is not None and self.step >= self.active[1] + self.steps:
             prof, start, name = self.active
             prof.stop()
-            self.tables.append("%s: steps %d-%d\n%s" % (
+            averages = prof.key_averages()
+            self.tables.append("%s: steps %d-%d, by host time\n%s" % (
                 name, start, start + self.steps - 1,
-                prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)))
+                averages.table(sort_by="self_cpu_time_total", row_limit=15)))
+            if self.gpu:
+                self.tables.append("%s: steps %d-%d, by device time\n%s" % (
+                    name, start, start + self.steps - 1,
+                    averages.table(sort_by="self_device_time_total", row_limit=15)))
             self.active = None
         for start, name in self.windows:
             if self.step == start and self.active is None:
-                prof = profile(activities=[ProfilerActivity.CPU])
+                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.gpu
+                                                       else [])
+                prof = profile(activities=activities)
                 prof.start()
                 self.active = (prof, start, name)
         self.step += 1
         return scores
 
     def profiled_steps(self):
-        return self.steps * len(self.tables)
+        return self.steps * len(self.windows_done())
+
+    def windows_done(self):
+        return [t for t in self.tables if ", by host time" in t.split("\n", 1)[0]]
 
 
 def sdpa_context(kernel):
@@ -316,7 +328,7 @@ def run(args):
     cache = make_cache(args.cache, model, max_cache_len)
     reset_peaks(args.device)
     clock = StepClock(args.device)
-    profiler = StepProfiler(args.new_tokens, args.profile_steps) if args.profile_steps else None
+    profiler = StepProfiler(args.new_tokens, args.profile_steps, args.device) if args.profile_steps else None
     try:
         synchronize(args.device)
         start = time.perf_counter()
