@@ -205,12 +205,18 @@ def child(args):
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "out of memory" not in text.lower() and not isinstance(e, MemoryError):
             raise
-        result.update(status="oom", error=text[:200], wall_s="")
+        result.update(status="oom", error=text[:700], wall_s="")
     if not isinstance(own, dict):
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
     (result["unmappings"], result["stream_waits"], result["mappings"], result["device_queries"],
      result["device_query_ms"]) = tidalloc_counts()
+    if args.trace:
+        try:
+            from tidalloc import viz
+            viz.write_replay_trace(args.trace, 0, cap=TRACE_EVENTS)
+        except Exception as e:  # the run's figures stand without it
+            print("frontier: no trace written: %s" % e, file=sys.stderr)
     with open(args.result, "w") as f:
         json.dump(result, f)
 
@@ -219,7 +225,14 @@ def child(args):
 # The parent: fresh processes, pairs, the CSV and the picture.
 # --------------------------------------------------------------------------
 
-def launch(program, allocator, limit, timeout):
+TRACE_EVENTS = 8_000_000  # the trace ring of a traced run: the longest program's events
+
+
+def trace_path(trace_dir, program, allocator, cap):
+    return os.path.join(trace_dir, "%s_%s_%s.csv.gz" % (program.replace(":", "_"), allocator, cap))
+
+
+def launch(program, allocator, limit, timeout, trace=None):
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
@@ -236,6 +249,10 @@ def launch(program, allocator, limit, timeout):
         cmd += ["--limit-bytes", str(limit)]
     if allocator == "tidalloc-growable":
         cmd.append("--growable")
+    if trace and allocator.startswith("tidalloc"):
+        conf = env.get("TIDALLOC_CONF", "")
+        env["TIDALLOC_CONF"] = (conf + "," if conf else "") + "trace:%d" % TRACE_EVENTS
+        cmd += ["--trace", trace]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         with open(result) as f:
@@ -293,7 +310,11 @@ def run_frontier(args):
                     print("frontier: the time budget is spent; stopping", file=sys.stderr)
                     write_rows(args.csv, rows)
                     return rows
-                out = launch(program, allocator, limit, args.timeout)
+                trace = None
+                if args.trace_dir:
+                    os.makedirs(args.trace_dir, exist_ok=True)
+                    trace = trace_path(args.trace_dir, program, allocator, cap)
+                out = launch(program, allocator, limit, args.timeout, trace)
                 row = {"program": program, "allocator": allocator, "cap": cap, "order": k,
                        "limit_gib": "" if limit is None else limit / GIB}
                 row.update(out)
@@ -415,6 +436,11 @@ def main():
     p.add_argument("--summarize", metavar="CSV")
     p.add_argument("--plot", metavar="CSV",
                    help="draw the PNG of a CSV this script wrote, beside it (no GPU)")
+    p.add_argument("--trace-dir", help="tidalloc's runs record every allocation and free and "
+                   "write them here as PROGRAM_ALLOCATOR_CAP.csv.gz, for `tidalloc replay` (an "
+                   "out-of-memory run's trace too: replayed under the same limit, it shows "
+                   "where the memory was)")
+    p.add_argument("--trace", help=argparse.SUPPRESS)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--program", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
