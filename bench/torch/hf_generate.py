@@ -190,9 +190,12 @@ class StepProfiler:
                 name, start, start + self.steps - 1,
                 averages.table(sort_by="self_cpu_time_total", row_limit=15)))
             if self.gpu:
+                try:
+                    table = averages.table(sort_by="self_device_time_total", row_limit=15)
+                except (AttributeError, KeyError, ValueError):  # the name before torch 2.4
+                    table = averages.table(sort_by="self_cuda_time_total", row_limit=15)
                 self.tables.append("%s: steps %d-%d, by device time\n%s" % (
-                    name, start, start + self.steps - 1,
-                    averages.table(sort_by="self_device_time_total", row_limit=15)))
+                    name, start, start + self.steps - 1, table))
             self.active = None
         for start, name in self.windows:
             if self.step == start and self.active is None:
