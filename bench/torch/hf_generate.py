@@ -474,8 +474,9 @@ def parse_args(argv=None):
     p.add_argument("--ids-out", help="save the generated ids (torch.save); --summarize then "
                    "names the first token where a cache's ids differ from DynamicCache's")
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
-                   help="profile the host's work over N steps early and N late in the run "
-                   "(tables on stderr; the run's times are then not comparable)")
+                   help="profile N steps early and N late in the run, by host time and, on "
+                   "a GPU, by device time (tables on stderr; the run's times are then not "
+                   "comparable)")
     p.add_argument("--sdpa", choices=SDPA_KERNELS, default="default",
                    help="hold scaled_dot_product_attention to one kernel (default: PyTorch's "
                    "choice)")

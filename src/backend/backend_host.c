@@ -1037,9 +1037,9 @@ static int host_stream_synchronize(void *ctx, tide_stream stream) {
   return TIDE_OK;
 }
 
-/* Every stream's work done, as cuCtxSynchronize waits for it, destroyed
- * streams still draining included. A held stream would keep the wait going
- * for ever; a stream being captured would have its capture invalidated by
+/* Every stream's work done, as cuCtxSynchronize waits for it. A held
+ * stream (a destroyed one still draining among them) would keep the wait
+ * going for ever; a stream being captured would have its capture invalidated by
  * the driver: both are refused, and nothing completes. */
 static int host_device_synchronize(void *ctx) {
   host_device *d = ctx;

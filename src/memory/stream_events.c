@@ -104,7 +104,7 @@ void _tide_idle_mark_add(_tide_arena *arena, bool usable) {
  * which waits for the device). Waiting for the device while a capture is
  * under way would invalidate the capture, so then nothing is waited for
  * and the memory stays, to go back once no capture is (TIDE_ERR_NOT_READY). */
-static int device_settle(_tide_arena *arena) {
+static int wait_device(_tide_arena *arena) {
   struct tide_allocator *a = arena->alloc;
   const _tide_backend *be = &a->backend;
   if (atomic_load_explicit(&a->capture_watch, memory_order_acquire) != 0)
@@ -119,12 +119,10 @@ static int device_settle(_tide_arena *arena) {
     _tide_error_prefix("cannot return the memory of a capture pool yet");
     return rc;
   }
-  arena->idle_before = ++arena->clock; /* everything freed so far is idle */
   return TIDE_OK;
 }
 
-int _tide_stream_settle(_tide_arena *arena) {
-  if (arena->pool_id != 0) return device_settle(arena);
+static int wait_stream(_tide_arena *arena) {
   const _tide_backend *be = &arena->alloc->backend;
   /* A destroyed stream's work is ordered before the default stream's. */
   tide_stream s = arena->stream_gone ? NULL : arena->stream;
@@ -134,6 +132,12 @@ int _tide_stream_settle(_tide_arena *arena) {
     _tide_error_prefix("cannot return cached memory of stream %p yet", (void *)arena->stream);
     return rc;
   }
+  return TIDE_OK;
+}
+
+int _tide_stream_settle(_tide_arena *arena) {
+  int rc = arena->pool_id != 0 ? wait_device(arena) : wait_stream(arena);
+  if (rc) return rc;
   arena->idle_before = ++arena->clock; /* everything freed so far is idle */
   return TIDE_OK;
 }
