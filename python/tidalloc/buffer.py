@@ -184,23 +184,28 @@ class GrowableTensor:
 
     def append(self, rows):
         """Copy `rows` (n x row_shape) to the end; returns the tensor of all rows."""
-        n = rows.shape[0]
+        if tuple(rows.shape[1:]) != self.row_shape:
+            raise ValueError("GrowableTensor.append: rows of shape %s, expected (n,) + %s"
+                             % (tuple(rows.shape), self.row_shape))
+        start = self.extend(rows.shape[0])
+        self._full[start:self.rows].copy_(rows)
+        return self._full[:self.rows]
+
+    def extend(self, n):
+        """Add n rows, their contents unset, and return where they start:
+        the rows [start, start + n) are the caller's to fill."""
         end = self.rows + n
         if end > self.capacity_rows:
             raise ValueError("GrowableTensor.append: %d + %d rows is beyond the capacity of %d "
                              "rows; create it with a larger capacity_rows"
                              % (self.rows, n, self.capacity_rows))
-        if tuple(rows.shape[1:]) != self.row_shape:
-            raise ValueError("GrowableTensor.append: rows of shape %s, expected (n,) + %s"
-                             % (tuple(rows.shape), self.row_shape))
         # Growing maps pages now and uses no stream (nothing queued reads past
         # the old length), so no stream is looked up here.
         if self._resize(self._handle, end * self.row_bytes, None) != 0:
             raise _lib.TidallocError("GrowableTensor.append: tide_buf_resize(%d) failed: %s"
                                      % (end * self.row_bytes, _lib.last_error()))
-        self._full[self.rows:end].copy_(rows)
-        self.rows = end
-        return self._full[:end]
+        start, self.rows = self.rows, end
+        return start
 
     def truncate(self, rows):
         """Keep the first `rows` rows; pages past them go once the current

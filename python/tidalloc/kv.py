@@ -107,6 +107,9 @@ class _Rows:
         if window is None:
             self.grow = GrowableTensor(self.row_shape, dtype, steps, device=device,
                                        map_ahead_rows=map_ahead_steps)
+            # The whole capacity as [B, H, T, D]: an append narrows it, the
+            # fewest tensor operations a decode step can cost.
+            self.heads = _heads_major(self.grow._full)
             self.buf = None
         else:
             self.grow = None
@@ -129,7 +132,23 @@ class _Rows:
         first = (self.head - (self.length - start) * self.row_elems) % self.ring_elems
         return self.flat[first:first + n * self.row_elems].view((n,) + self.row_shape)
 
+    def heads_view(self):
+        """All steps held as [B, H, T, D]."""
+        if self.grow is not None:
+            return self.heads.narrow(2, 0, self.length)
+        return _heads_major(self.rows())
+
     # -- writing
+    def append_heads(self, new):
+        """new: [B, H, t, D]; returns all steps held as [B, H, T, D]."""
+        if self.grow is None:
+            self.append(_steps_major(new))
+            return self.heads_view()
+        start = self.grow.extend(new.shape[2])
+        self.length = self.grow.rows
+        self.heads.narrow(2, start, self.length - start).copy_(new)
+        return self.heads.narrow(2, 0, self.length)
+
     def append(self, new):
         """new: [t, B, H, D]."""
         if self.grow is not None:
@@ -158,6 +177,7 @@ class _Rows:
 
     def close(self):
         if self.grow is not None:
+            self.heads = None
             self.grow.close()
         else:
             self.flat = None
@@ -222,6 +242,16 @@ class KVCache:
         self.device = torch.device(k.device)
 
     def _check(self, k, v):
+        ks, vs = k.shape, v.shape
+        if (len(ks) == 4 and len(vs) == 4 and ks[2] == vs[2]
+                and (ks[0], ks[1], ks[3]) == self._k.row_shape
+                and (vs[0], vs[1], vs[3]) == self._v.row_shape
+                and k.device == self.device and v.device == self.device):
+            return
+        self._explain(k, v)
+
+    def _explain(self, k, v):
+        """Raise the error that names what _check found wrong."""
         if k.dim() != 4 or v.dim() != 4 or k.shape[2] != v.shape[2]:
             raise ValueError("KVCache.append: k and v must be [B, H, t, D] with the same t "
                              "(got %s and %s)" % (tuple(k.shape), tuple(v.shape)))
@@ -248,19 +278,19 @@ class KVCache:
             raise ValueError("KVCache.append: %d + %d steps is beyond max_len=%d; create the "
                              "cache with a larger max_len (it reserves address space, not "
                              "memory)" % (self._k.length, t, self.max_len))
-        self._k.append(_steps_major(k))
-        self._v.append(_steps_major(v))
+        keys = self._k.append_heads(k)
+        values = self._v.append_heads(v)
         self.seen += t
-        return self.keys, self.values
+        return keys, values
 
     @property
     def keys(self):
         """All steps held, [B, H, T, D] (None before the first append)."""
-        return None if self._k is None else _heads_major(self._k.rows())
+        return None if self._k is None else self._k.heads_view()
 
     @property
     def values(self):
-        return None if self._v is None else _heads_major(self._v.rows())
+        return None if self._v is None else self._v.heads_view()
 
     def __len__(self):
         return 0 if self._k is None else self._k.length
