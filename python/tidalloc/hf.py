@@ -244,8 +244,9 @@ class GrowableCache(Cache):
     max_position_embeddings tokens of address space unless max_cache_len is
     given. Without config, full-attention layers are made as the model asks
     for them, each reserving max_cache_len (default 65536) tokens.
-    map_ahead_tokens: tokens kept mapped beyond the length (default: 2 MiB
-    worth)."""
+    map_ahead_tokens: tokens kept mapped beyond the length (default:
+    tidalloc.kv.KVCache's, up to 4 MiB worth and at most a sixteenth of the
+    tokens held)."""
 
     def __init__(self, config=None, max_cache_len=None, map_ahead_tokens=None):
         if config is not None:

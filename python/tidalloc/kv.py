@@ -42,9 +42,15 @@ from .buffer import Buffer, GrowableTensor, _typestr, _View
 
 __all__ = ["KVCache"]
 
-# Pages mapped ahead of the length by default (a worker thread maps them), so
-# that a decode step seldom waits for a mapping: 2 MiB, the usual granularity.
-DEFAULT_MAP_AHEAD_BYTES = 2 << 20
+# Memory mapped ahead of the length by default (a worker thread maps it), so
+# that an append seldom waits for a mapping: at most 4 MiB (two pages of the
+# usual granularity) and at most a sixteenth of the cache. A small cache (a
+# decode step's keys of a small model) then holds no page it does not use,
+# since its appends cross a page seldom and a mapping made in the append
+# costs little; a large one (a streaming model's frames) has its next pages
+# ready, for at most 1/16 more memory.
+DEFAULT_MAP_AHEAD_BYTES = 4 << 20
+DEFAULT_MAP_AHEAD_FRACTION = 1.0 / 16
 
 
 def _torch():
@@ -93,7 +99,8 @@ class _Rows:
     buffer or a ring. `view(start, n)` is the [n, B, H, D] rows from step
     `start` on (in the ring, `start` counts from the oldest step held)."""
 
-    def __init__(self, row_shape, dtype, steps, window, device, host, map_ahead_steps):
+    def __init__(self, row_shape, dtype, steps, window, device, host, map_ahead_steps,
+                 map_ahead_fraction=0.0):
         torch = _torch()
         self.row_shape = tuple(row_shape)
         self.dtype = dtype
@@ -106,7 +113,8 @@ class _Rows:
         self.head = 0       # ring: the element where the next step goes
         if window is None:
             self.grow = GrowableTensor(self.row_shape, dtype, steps, device=device,
-                                       map_ahead_rows=map_ahead_steps)
+                                       map_ahead_rows=map_ahead_steps,
+                                       map_ahead_fraction=map_ahead_fraction)
             # The whole capacity as [B, H, T, D]: an append narrows it, the
             # fewest tensor operations a decode step can cost.
             self.heads = _heads_major(self.grow._full)
@@ -202,7 +210,8 @@ class KVCache:
     them; pages are mapped as it grows). window: keep only the last `window`
     steps, in a ring buffer (then max_len is not needed). map_ahead_steps:
     steps kept mapped beyond the length, mapped by a worker thread (default:
-    2 MiB worth). The shape, dtypes and device come from the first append.
+    up to 4 MiB worth, and no more than a sixteenth of the steps held, so a
+    small cache maps pages as its appends reach them). The shape, dtypes and device come from the first append.
 
     The tensors returned by append(), keys and values are views: valid until
     the steps they cover are dropped or overwritten (by truncate, put, a
@@ -234,10 +243,12 @@ class KVCache:
         for t in (k, v):
             row_shape = (t.shape[0], t.shape[1], t.shape[3])
             row_bytes = t.shape[0] * t.shape[1] * t.shape[3] * t.element_size()
-            ahead = self.map_ahead_steps
+            ahead, fraction = self.map_ahead_steps, 0.0
             if ahead is None:
                 ahead = max(1, -(-DEFAULT_MAP_AHEAD_BYTES // max(1, row_bytes)))
-            sides.append(_Rows(row_shape, t.dtype, self.max_len, self.window, index, host, ahead))
+                fraction = DEFAULT_MAP_AHEAD_FRACTION
+            sides.append(_Rows(row_shape, t.dtype, self.max_len, self.window, index, host, ahead,
+                               fraction))
         self._k, self._v = sides
         self.device = torch.device(k.device)
 

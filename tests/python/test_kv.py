@@ -64,6 +64,31 @@ def test_append_equals_cat_and_returns_views_of_fixed_storage():
     cache.close()
 
 
+def test_default_map_ahead_holds_a_sixteenth_at_most():
+    # A small cache maps a page when an append reaches it (nothing ahead
+    # beyond its last partial page); a large one keeps pages mapped ahead,
+    # never more than 4 MiB and a sixteenth of its length beyond it.
+    import time
+    small = KVCache(max_len=1 << 16)
+    small.append(torch.zeros(1, 4, 1, 16), torch.zeros(1, 4, 1, 16))
+    buf, row = small._k.grow._buf, small._k.row_bytes
+    page = buf.mapped
+    while len(small) * row < 3 * page:
+        small.append(torch.zeros(1, 4, 97, 16), torch.zeros(1, 4, 97, 16))
+        assert buf.mapped - len(small) * row < page, (buf.mapped, len(small) * row)
+    small.close()
+    large = KVCache(max_len=1 << 16)
+    step = torch.zeros(1, 8, 512, 128)
+    while len(large) * 4096 < 40 * page:
+        large.append(step, step)
+    buf, length = large._k.grow._buf, len(large) * 4096
+    deadline = time.monotonic() + 10
+    while buf.mapped < length + page and time.monotonic() < deadline:
+        time.sleep(0.01)  # the worker maps ahead on its own thread
+    assert length + page <= buf.mapped <= length + max(4 << 20, length // 16) + page
+    large.close()
+
+
 def test_sdpa_reads_the_views():
     cache = KVCache(max_len=32)
     ref_k = ref_v = None
