@@ -2,10 +2,16 @@
 # gpu_kv_session.sh: the KV-cache measurements on one GPU, from the repository
 # root, within SESSION_SECONDS (default 450): a stage or run is not begun with
 # less than its minimum left, and each is cut at what is left. Stages
-# (STAGES, in order; default "kernels stream hf stream_compile hf_long"):
+# (STAGES, in order; default "kernels decode stream hf stream_compile hf_long"):
 #   kernels         tests/torch/kv_cache_gpu.py: which SDPA kernels take
 #                   tidalloc.kv.KVCache's views, and a CUDA graph replayed over
 #                   a bucket of lengths (kv_kernels.csv, kv_cache_gpu.txt)
+#   decode          bench/torch/kv_decode.py: a decode step's appends and
+#                   attention alone (GPT-2's 12 layers of 12 heads), host and
+#                   wall time per step as the cache grows, torch.cat against
+#                   KVCache, for each batch of DECODE_BATCHES (default "1 8"),
+#                   DECODE_TOKENS steps (default 8192), kernel DECODE_SDPA
+#                   (default flash) (kv_decode.csv)
 #   stream          bench/torch/stream_gct.py's model, STREAM_FRAMES frames
 #                   (default 128), paired with tests/torch/paired_time.py, one
 #                   process per configuration, STREAM_ROUNDS rounds (default 2):
@@ -45,7 +51,7 @@ mkdir -p "$out"
 out=$(cd "$out" && pwd)
 py=${TIDE_PYTHON:-python3}
 budget=${SESSION_SECONDS:-450}
-stages=${STAGES:-kernels stream hf stream_compile hf_long}
+stages=${STAGES:-kernels decode stream hf stream_compile hf_long}
 summary=$out/summary.txt
 : >"$summary"
 note() { echo "$*" | tee -a "$summary"; }
@@ -75,6 +81,18 @@ if want kernels && enough 30 kernels; then
     >"$out/kv_cache_gpu.txt" 2>&1
   note "kernels (rc $?): $(tail -1 "$out/kv_cache_gpu.txt")"
   grep '^FAIL' "$out/kv_cache_gpu.txt" | tee -a "$summary"
+fi
+
+if want decode; then
+  for batch in ${DECODE_BATCHES:-1 8}; do
+    enough 40 "decode batch $batch" || continue
+    PYTORCH_CUDA_ALLOC_CONF=${HF_ALLOC_CONF-expandable_segments:True} \
+      timeout -k 10 "$(left)" "$py" bench/torch/kv_decode.py --batch "$batch" \
+      --tokens "${DECODE_TOKENS:-8192}" --sdpa "${DECODE_SDPA:-flash}" \
+      --csv "$out/kv_decode.csv" >>"$out/kv_decode.txt" 2>&1
+    note "decode batch $batch (rc $?):"
+    tail -17 "$out/kv_decode.txt" | tee -a "$summary"
+  done
 fi
 
 # paired NAME PROGRAM ROUNDS CONFIGS...: paired_time.py over the configurations.

@@ -1,0 +1,154 @@
+"""kv_decode.py: what a decode step's cache and attention cost on the host and
+on the device as the cache grows, with no model around them.
+
+Each step runs, for each of --layers layers, what an attention layer of a
+decoder does with its cache: append one token's keys and values ([B, H, 1,
+D]) and attend to the whole cache with one query (scaled_dot_product_attention,
+the kernel chosen by --sdpa). Two caches, one after the other in the same
+process: torch.cat of the whole cache (DynamicCache's way) and
+tidalloc.kv.KVCache. For each window of --window steps it records the host's
+time to issue a step (the clock around the layers, no synchronization) and the
+wall time of a step (the window from a synchronized device to a synchronized
+device, divided by its steps). A host time that grows with the cache's length
+is work the host does per token of cache; a wall time above the host time is
+the device's.
+
+    PYTHONPATH=python python bench/torch/kv_decode.py --tokens 8192 --csv kv_decode.csv
+    TIDALLOC_CONF=backend:host PYTHONPATH=python python bench/torch/kv_decode.py \\
+        --device cpu --tokens 256 --layers 2 --heads 2 --window 64
+
+Columns: cache, batch, heads, head_dim, layers, tokens (the length at the
+window's end), host_us_per_step, wall_us_per_step, sdpa, device."""
+import argparse
+import contextlib
+import csv
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+
+COLUMNS = ("cache", "batch", "heads", "head_dim", "layers", "tokens", "host_us_per_step",
+           "wall_us_per_step", "sdpa", "device")
+
+
+class CatCache:
+    """DynamicLayer's way: the whole cache copied by torch.cat every step."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def append(self, k, v):
+        if self.k is None:
+            self.k, self.v = k, v
+        else:
+            self.k = torch.cat((self.k, k), dim=2)
+            self.v = torch.cat((self.v, v), dim=2)
+        return self.k, self.v
+
+    def close(self):
+        self.k = self.v = None
+
+
+def make_cache(kind, max_len):
+    if kind == "cat":
+        return CatCache()
+    from tidalloc.kv import KVCache
+    return KVCache(max_len=max_len)
+
+
+def kernel_context(name):
+    if name == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION,
+                        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                        "math": SDPBackend.MATH}[name])
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(kind, args, device, dtype):
+    """Rows of one cache kind: one per window of steps."""
+    b, h, d, layers = args.batch, args.heads, args.head_dim, args.layers
+    g = torch.Generator(device=device).manual_seed(0)
+    # The step's inputs, made once: the loop measures the cache and the
+    # attention, not the making of random numbers.
+    prompt = torch.randn(b, h, args.prompt, d, device=device, dtype=dtype, generator=g)
+    k = torch.randn(b, h, 1, d, device=device, dtype=dtype, generator=g)
+    v = torch.randn(b, h, 1, d, device=device, dtype=dtype, generator=g)
+    q = torch.randn(b, h, 1, d, device=device, dtype=dtype, generator=g)
+    caches = [make_cache(kind, args.prompt + args.tokens) for _ in range(layers)]
+    for c in caches:
+        c.append(prompt, prompt)
+    rows = []
+    with torch.no_grad(), kernel_context(args.sdpa):
+        done = 0
+        while done < args.tokens:
+            n = min(args.window, args.tokens - done)
+            synchronize(device)
+            start = time.perf_counter()
+            host = 0.0
+            for _ in range(n):
+                t0 = time.perf_counter()
+                for c in caches:
+                    keys, values = c.append(k, v)
+                    F.scaled_dot_product_attention(q, keys, values)
+                host += time.perf_counter() - t0
+            synchronize(device)
+            wall = time.perf_counter() - start
+            done += n
+            rows.append(dict(cache=kind, batch=b, heads=h, head_dim=d, layers=layers,
+                             tokens=args.prompt + done, host_us_per_step="%.1f" % (1e6 * host / n),
+                             wall_us_per_step="%.1f" % (1e6 * wall / n), sdpa=args.sdpa,
+                             device=device.type))
+    for c in caches:
+        c.close()
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=8192, help="decode steps (default 8192)")
+    p.add_argument("--window", type=int, default=1024, help="steps per row (default 1024)")
+    p.add_argument("--sdpa", choices=("default", "flash", "efficient", "math"),
+                   default="default")
+    p.add_argument("--caches", default="cat,kvcache", help="kinds, in order (cat, kvcache)")
+    p.add_argument("--csv", help="append the rows to this CSV")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("kv_decode: no CUDA device; use --device cpu (with TIDALLOC_CONF=backend:host)")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for kind in args.caches.split(","):
+        if kind not in ("cat", "kvcache"):
+            sys.exit("kv_decode: unknown cache %r (cat, kvcache)" % kind)
+        rows += run(kind, args, device, dtype)
+    print("%-8s %7s %10s %10s" % ("cache", "tokens", "host us", "wall us"))
+    for r in rows:
+        print("%-8s %7s %10s %10s" % (r["cache"], r["tokens"], r["host_us_per_step"],
+                                      r["wall_us_per_step"]))
+    if args.csv:
+        new = not os.path.exists(args.csv) or os.path.getsize(args.csv) == 0
+        with open(args.csv, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=COLUMNS)
+            if new:
+                w.writeheader()
+            w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
