@@ -221,3 +221,20 @@ def test_static_view_is_read_by_one_compiled_function_across_lengths():
     with pytest.raises(ValueError, match="only on a growing cache"):
         KVCache(window=4).static_view(4)
     cache.close()
+
+
+def test_kv_decode_bench_runs_on_the_host(tmp_path):
+    # bench/torch/kv_decode.py on the CPU: a row per window and cache kind.
+    import csv
+    import subprocess
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    out = tmp_path / "kv_decode.csv"
+    env = dict(os.environ, PYTHONPATH=os.path.join(root, "python"))
+    subprocess.run([sys.executable, os.path.join(root, "bench", "torch", "kv_decode.py"),
+                    "--device", "cpu", "--tokens", "64", "--window", "32", "--layers", "2",
+                    "--heads", "2", "--head-dim", "8", "--csv", str(out)],
+                   check=True, env=env, capture_output=True, timeout=120)
+    rows = list(csv.DictReader(open(out)))
+    assert [(r["cache"], r["tokens"]) for r in rows] == [
+        ("cat", "64"), ("cat", "96"), ("kvcache", "64"), ("kvcache", "96")]
+    assert all(float(r["wall_us_per_step"]) > 0 for r in rows)
