@@ -9,9 +9,10 @@
 #   decode          bench/torch/kv_decode.py: a decode step's appends and
 #                   attention alone (GPT-2's 12 layers of 12 heads), host and
 #                   wall time per step as the cache grows, torch.cat against
-#                   KVCache, for each batch of DECODE_BATCHES (default "1 8"),
-#                   DECODE_TOKENS steps (default 8192), kernel DECODE_SDPA
-#                   (default flash) (kv_decode.csv)
+#                   KVCache, for each BATCH:SOURCE of DECODE_RUNS (default
+#                   "1:projection 1:strided 8:projection"; kv_decode.py
+#                   --source), DECODE_TOKENS steps (default 8192), kernel
+#                   DECODE_SDPA (default flash) (kv_decode.csv)
 #   stream          bench/torch/stream_gct.py's model, STREAM_FRAMES frames
 #                   (default 128), paired with tests/torch/paired_time.py, one
 #                   process per configuration, STREAM_ROUNDS rounds (default 2):
@@ -84,13 +85,14 @@ if want kernels && enough 30 kernels; then
 fi
 
 if want decode; then
-  for batch in ${DECODE_BATCHES:-1 8}; do
-    enough 40 "decode batch $batch" || continue
+  for spec in ${DECODE_RUNS:-1:projection 1:strided 8:projection}; do
+    IFS=: read -r batch source <<<"$spec"
+    enough 40 "decode $spec" || continue
     PYTORCH_CUDA_ALLOC_CONF=${HF_ALLOC_CONF-expandable_segments:True} \
       timeout -k 10 "$(left)" "$py" bench/torch/kv_decode.py --batch "$batch" \
-      --tokens "${DECODE_TOKENS:-8192}" --sdpa "${DECODE_SDPA:-flash}" \
+      --source "$source" --tokens "${DECODE_TOKENS:-8192}" --sdpa "${DECODE_SDPA:-flash}" \
       --csv "$out/kv_decode.csv" >>"$out/kv_decode.txt" 2>&1
-    note "decode batch $batch (rc $?):"
+    note "decode $spec (rc $?):"
     tail -17 "$out/kv_decode.txt" | tee -a "$summary"
   done
 fi

@@ -18,7 +18,7 @@ the device's.
         --device cpu --tokens 256 --layers 2 --heads 2 --window 64
 
 Columns: cache, batch, heads, head_dim, layers, tokens (the length at the
-window's end), host_us_per_step, wall_us_per_step, sdpa, device."""
+window's end), host_us_per_step, wall_us_per_step, sdpa, source, device."""
 import argparse
 import contextlib
 import csv
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 
 COLUMNS = ("cache", "batch", "heads", "head_dim", "layers", "tokens", "host_us_per_step",
-           "wall_us_per_step", "sdpa", "device")
+           "wall_us_per_step", "sdpa", "source", "device")
 
 
 class CatCache:
@@ -81,9 +81,22 @@ def run(kind, args, device, dtype):
     # The step's inputs, made once: the loop measures the cache and the
     # attention, not the making of random numbers.
     prompt = torch.randn(b, h, args.prompt, d, device=device, dtype=dtype, generator=g)
-    k = torch.randn(b, h, 1, d, device=device, dtype=dtype, generator=g)
-    v = torch.randn(b, h, 1, d, device=device, dtype=dtype, generator=g)
-    q = torch.randn(b, h, 1, d, device=device, dtype=dtype, generator=g)
+    if args.source == "projection":
+        # As a model makes them: one projection's output [B, 1, 3 * H * D]
+        # split into q, k, v and viewed as [B, H, 1, D] (GPT-2's c_attn).
+        # With B > 1 these are not contiguous, so copying them takes a
+        # kernel; with B = 1 they are, and copy_ takes a memcpy.
+        qkv = torch.randn(b, 1, 3 * h * d, device=device, dtype=dtype, generator=g)
+        q, k, v = (t.view(b, 1, h, d).transpose(1, 2) for t in qkv.split(h * d, dim=2))
+    elif args.source == "strided":
+        # Views that are never contiguous (every other D-sized chunk): a copy
+        # kernel at any batch.
+        wide = torch.randn(3, b, 1, h, 2 * d, device=device, dtype=dtype, generator=g)
+        q, k, v = (t[..., :d].transpose(1, 2) for t in wide)
+    else:
+        k = torch.randn(b, h, 1, d, device=device, dtype=dtype, generator=g)
+        v = torch.randn(b, h, 1, d, device=device, dtype=dtype, generator=g)
+        q = torch.randn(b, h, 1, d, device=device, dtype=dtype, generator=g)
     caches = [make_cache(kind, args.prompt + args.tokens) for _ in range(layers)]
     for c in caches:
         c.append(prompt, prompt)
@@ -107,7 +120,7 @@ def run(kind, args, device, dtype):
             rows.append(dict(cache=kind, batch=b, heads=h, head_dim=d, layers=layers,
                              tokens=args.prompt + done, host_us_per_step="%.1f" % (1e6 * host / n),
                              wall_us_per_step="%.1f" % (1e6 * wall / n), sdpa=args.sdpa,
-                             device=device.type))
+                             source=args.source, device=device.type))
     for c in caches:
         c.close()
     return rows
@@ -126,6 +139,11 @@ def main():
     p.add_argument("--sdpa", choices=("default", "flash", "efficient", "math"),
                    default="default")
     p.add_argument("--caches", default="cat,kvcache", help="kinds, in order (cat, kvcache)")
+    p.add_argument("--source", choices=("projection", "contiguous", "strided"),
+                   default="projection",
+                   help="the step's keys and values: views of one projection's output, as a "
+                        "model makes them (default), tensors of their own (copied by a "
+                        "memcpy), or views never contiguous (copied by a kernel)")
     p.add_argument("--csv", help="append the rows to this CSV")
     args = p.parse_args()
     device = torch.device(args.device)
