@@ -21,7 +21,10 @@ device.
 package's [B, H, T, D] cache, appended in place): [scale frames][a ring of 64
 frame slots][special tokens of evicted frames] (a frame past the window takes
 the slot of the frame it evicts, whose special tokens are appended first),
-attention reading it where it is; the camera caches are KVCaches too. --compile compiles the
+attention reading it where it is; the camera caches are KVCaches too. The
+caches store K in bf16, what the attention reads (KVCache's dtype), so that a
+step converts its own keys rather than the whole fp32 cache; --kv-dtype
+appended keeps them in fp32 as they come. --compile compiles the
 encoder blocks, frame blocks and the fixed-shape parts of the global blocks
 with torch.compile(mode="reduce-overhead") (CUDA graphs), the cache work
 staying eager.
@@ -316,23 +319,27 @@ class GrowableKVCache:
     the window takes the slot of the oldest frame in the ring (KVCache.put),
     whose special tokens are appended at the end first: nothing is rebuilt,
     and attention reads the cache where it is (the order of keys does not
-    change attention's result)."""
+    change attention's result). kv_dtype "attention": K and V stored in the
+    compute dtype, which attend() converts them to anyway (the same values,
+    converted once a step's keys instead of the whole cache every step);
+    "appended": K in fp32 and V in the compute dtype, as they come."""
 
-    def __init__(self, shape, device, total_frames, map_ahead_frames=1):
+    def __init__(self, shape, device, total_frames, map_ahead_frames=1, kv_dtype="attention"):
         from tidalloc.kv import KVCache
         t = shape.tokens
         held = shape.scale_frames + shape.window
         rows = held * t + shape.special * max(0, total_frames - held)
         self.shape = shape
-        # K in fp32 and V in the compute dtype, as the first append brings them.
-        self.kv = KVCache(max_len=rows, map_ahead_steps=map_ahead_frames * t)
+        self.kv = KVCache(max_len=rows, map_ahead_steps=map_ahead_frames * t,
+                          dtype=COMPUTE_DTYPE if kv_dtype == "attention" else None)
         self.frames = 0       # frames held (scale frames and ring)
         self.appended = 0     # frames ever appended: the ring's clock
         self.special_tokens = 0
 
     def append(self, k, v):
         """k, v: [B, H, T, D] of B new frames, appended a frame at a time."""
-        if not self.kv.initialized:
+        if not self.kv.initialized and self.kv.dtype is None:
+            # K in fp32 and V in the compute dtype, as the first append brings them.
             k, v = k.float(), v.to(COMPUTE_DTYPE)
         for i in range(k.shape[0]):
             self._append_frame(k[i:i + 1], v[i:i + 1])
@@ -408,9 +415,10 @@ class GrowableCameraCache:
 class StreamState:
     """What a stream keeps across steps: the caches and the outputs."""
 
-    def __init__(self, shape, device, total_frames, growable=False, map_ahead_frames=1):
+    def __init__(self, shape, device, total_frames, growable=False, map_ahead_frames=1,
+                 kv_dtype="attention"):
         if growable:
-            kv = [GrowableKVCache(shape, device, total_frames, map_ahead_frames)
+            kv = [GrowableKVCache(shape, device, total_frames, map_ahead_frames, kv_dtype)
                   for _ in range(shape.layers)]
             cam = [GrowableCameraCache(shape, device, total_frames)
                    for _ in range(shape.camera_blocks * shape.camera_iterations)]
@@ -807,7 +815,8 @@ def run_frames(model, frames, args, frame_rows):
            "peak_reserved_gib": "", "error": ""}
     state = None
     try:
-        state = StreamState(model.shape, device, frames, args.growable, args.map_ahead_frames)
+        state = StreamState(model.shape, device, frames, args.growable, args.map_ahead_frames,
+                            args.kv_dtype)
         log = FrameLog(device, frames, state) if args.per_frame_csv else None
         synchronize(device)
         start = time.perf_counter()
@@ -852,7 +861,8 @@ def warm_up(model, args):
     for _ in range(2 if args.compile else 1):
         if frames <= 0:
             return
-        state = StreamState(model.shape, args.device, frames, args.growable, args.map_ahead_frames)
+        state = StreamState(model.shape, args.device, frames, args.growable, args.map_ahead_frames,
+                            args.kv_dtype)
         generator = torch.Generator(device=args.device).manual_seed(args.seed)
         try:
             stream(model, state, frames, args.device, generator, args.compile)
@@ -933,6 +943,9 @@ def parse_args(argv=None):
                    help="with --growable, the rows of N frames each KV cache keeps mapped ahead, "
                    "mapped by a worker thread of its own (default 1; 0: none, each append maps "
                    "what it needs)")
+    p.add_argument("--kv-dtype", choices=("attention", "appended"), default="attention",
+                   help="with --growable, what the KV caches store K as: the compute dtype the "
+                   "attention reads (default), or fp32 as it comes")
     p.add_argument("--compile", action="store_true",
                    help='hot modules under torch.compile(mode="reduce-overhead")')
     p.add_argument("--device", default="cuda")
@@ -1003,11 +1016,13 @@ def main(argv=None):
 # For tests/torch/validate.py --serve (paired timing)
 # ---------------------------------------------------------------------------
 
-def paired_runner(device, frames, growable=False, tiny=False, seed=0, compiled=False):
+def paired_runner(device, frames, growable=False, tiny=False, seed=0, compiled=False,
+                  kv_dtype="attention"):
     """A function run(digest, frames=frames) that streams `frames` frames
     through one model built here, with fresh caches every call, and adds the
     outputs (every pose, the last depth and confidence) to `digest`. compiled: the hot
-    modules under torch.compile(mode="reduce-overhead"), as --compile.
+    modules under torch.compile(mode="reduce-overhead"), as --compile;
+    kv_dtype as --kv-dtype.
     run.segments(digest, every, frames=frames) is the same run as a
     generator that pauses after each `every` frames (at the first step
     boundary past them), so that a pairing can interleave two processes'
@@ -1019,7 +1034,7 @@ def paired_runner(device, frames, growable=False, tiny=False, seed=0, compiled=F
         if every < 1:
             raise ValueError("segments of %d frames" % every)
         generator = torch.Generator(device=device).manual_seed(seed + 1)
-        state = StreamState(shape, device, frames, growable)
+        state = StreamState(shape, device, frames, growable, kv_dtype=kv_dtype)
         try:
             done, since = 0, 0
             for batch in stream_steps(model, state, frames, device, generator, compiled):

@@ -33,8 +33,8 @@ Two kinds of storage:
 Tensors: CUDA tensors with tidalloc's cuda backend, CPU tensors with its host
 backend (TIDALLOC_CONF=backend:host, an emulated device in host memory, for
 tests). The cache's shape (B, H, D for keys and values separately) and dtypes
-are taken from the first append; later appends are converted to those dtypes
-as copy_ converts."""
+(unless `dtype` is given) are taken from the first append; later appends are
+converted to those dtypes as copy_ converts."""
 import ctypes
 
 from . import _lib
@@ -192,6 +192,10 @@ class _Rows:
             self.buf.close()
 
 
+def _itemsize(dtype):
+    return _torch().empty((), dtype=dtype).element_size()
+
+
 def _steps_major(t):
     """[B, H, t, D] -> [t, B, H, D] (a view)."""
     return t.permute(2, 0, 1, 3)
@@ -211,13 +215,20 @@ class KVCache:
     steps, in a ring buffer (then max_len is not needed). map_ahead_steps:
     steps kept mapped beyond the length, mapped by a worker thread (default:
     up to 4 MiB worth, and no more than a sixteenth of the steps held, so a
-    small cache maps pages as its appends reach them). The shape, dtypes and device come from the first append.
+    small cache maps pages as its appends reach them). dtype: what keys and
+    values are stored as (default: their dtypes at the first append); an
+    append converts to it as copy_ converts. A model that attends in a lower
+    precision than it makes K in (K in fp32 from a LayerNorm under autocast,
+    attention in bf16) stores what the attention reads: each step's keys are
+    then converted once, at their append, instead of the whole cache at
+    every step, and the cache takes half the memory. The shape and device
+    come from the first append.
 
     The tensors returned by append(), keys and values are views: valid until
     the steps they cover are dropped or overwritten (by truncate, put, a
     window moving past them, reorder or close)."""
 
-    def __init__(self, max_len=None, window=None, map_ahead_steps=None):
+    def __init__(self, max_len=None, window=None, map_ahead_steps=None, dtype=None):
         if window is None and max_len is None:
             raise ValueError("KVCache: give max_len (the most steps it holds) or window")
         if window is not None and window < 1:
@@ -227,6 +238,7 @@ class KVCache:
         self.max_len = max_len if window is None else window
         self.window = window
         self.map_ahead_steps = map_ahead_steps
+        self.dtype = dtype
         self.seen = 0       # steps appended in total (the position of the next one)
         self._k = self._v = None
         self.device = None
@@ -241,13 +253,14 @@ class KVCache:
         host = k.device.type == "cpu"
         sides = []
         for t in (k, v):
+            dtype = self.dtype or t.dtype
             row_shape = (t.shape[0], t.shape[1], t.shape[3])
-            row_bytes = t.shape[0] * t.shape[1] * t.shape[3] * t.element_size()
+            row_bytes = t.shape[0] * t.shape[1] * t.shape[3] * _itemsize(dtype)
             ahead, fraction = self.map_ahead_steps, 0.0
             if ahead is None:
                 ahead = max(1, -(-DEFAULT_MAP_AHEAD_BYTES // max(1, row_bytes)))
                 fraction = DEFAULT_MAP_AHEAD_FRACTION
-            sides.append(_Rows(row_shape, t.dtype, self.max_len, self.window, index, host, ahead,
+            sides.append(_Rows(row_shape, dtype, self.max_len, self.window, index, host, ahead,
                                fraction))
         self._k, self._v = sides
         self.device = torch.device(k.device)

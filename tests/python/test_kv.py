@@ -89,6 +89,24 @@ def test_default_map_ahead_holds_a_sixteenth_at_most():
     large.close()
 
 
+def test_dtype_stores_what_attention_reads():
+    # K made in fp32, attention in bf16: a cache stored in bf16 gives the
+    # attention exactly what converting the fp32 cache at every step gives it.
+    wide, narrow = KVCache(max_len=64), KVCache(max_len=64, dtype=torch.bfloat16)
+    q = torch.randn(2, 3, 1, 8).to(torch.bfloat16)
+    for k, v in steps(12, dtype_v=torch.bfloat16):
+        kw, vw = wide.append(k, v)
+        kn, vn = narrow.append(k, v)
+        assert kw.dtype == torch.float32 and kn.dtype == vn.dtype == torch.bfloat16
+        assert torch.equal(kn, kw.to(torch.bfloat16)) and torch.equal(vn, vw)
+        assert torch.equal(F.scaled_dot_product_attention(q, kn, vn),
+                           F.scaled_dot_product_attention(q, kw.to(torch.bfloat16), vw))
+    # Half the bytes a step for the keys.
+    assert narrow._k.row_bytes * 2 == wide._k.row_bytes
+    wide.close()
+    narrow.close()
+
+
 def test_sdpa_reads_the_views():
     cache = KVCache(max_len=32)
     ref_k = ref_v = None

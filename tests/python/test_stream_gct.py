@@ -201,7 +201,7 @@ model = sg.build_model(shape, "cpu")
 held_max, t = shape.scale_frames + shape.window, shape.tokens
 outputs = {}
 for growable in (False, True):
-    state = sg.StreamState(shape, "cpu", %(frames)d, growable, %(map_ahead)d)
+    state = sg.StreamState(shape, "cpu", %(frames)d, growable, %(map_ahead)d, %(kv_dtype)r)
     ptrs = {}  # each cache's storage address, from its first append (made lazily)
 
     def check(batch):
@@ -217,7 +217,8 @@ for growable in (False, True):
             assert len(cache.kv) == rows, (n, len(cache.kv), rows)
             assert cache.kv.keys.shape[2] == cache.kv.values.shape[2] == rows
             assert cache.kv.keys.data_ptr() == ptr
-            assert cache.kv.keys.dtype == torch.float32
+            # K as the attention reads it (bf16), or fp32 as it comes.
+            assert cache.kv.keys.dtype == %(key_dtype)s
             assert cache.kv.values.dtype == torch.bfloat16
         for cache in state.camera:
             assert len(cache.kv) == cache.kv.values.shape[2] == n
@@ -233,12 +234,15 @@ print("growable ok")
 """
 
 
-@pytest.mark.parametrize("map_ahead", [1, 0], ids=["map-ahead", "no-map-ahead"])
-def test_growable_buffers_follow_the_rule_in_place(map_ahead):
+@pytest.mark.parametrize("map_ahead,kv_dtype", [(1, "attention"), (0, "appended")],
+                         ids=["map-ahead,bf16-keys", "no-map-ahead,fp32-keys"])
+def test_growable_buffers_follow_the_rule_in_place(map_ahead, kv_dtype):
     if not library_found():
         pytest.skip("--growable needs libtidalloc.so (make build, or set TIDALLOC_LIB)")
     code = GROWABLE_CHECK % {"root": ROOT, "script": SCRIPT, "frames": FRAMES,
-                             "map_ahead": map_ahead}
+                             "map_ahead": map_ahead, "kv_dtype": kv_dtype,
+                             "key_dtype": "torch.bfloat16" if kv_dtype == "attention"
+                             else "torch.float32"}
     env = dict(os.environ, OMP_NUM_THREADS="1", TIDALLOC_CONF="backend:host")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=600)
@@ -259,3 +263,35 @@ def test_compiled_model_runs(tmp_path):
     with open(out) as f:
         rows = list(csv.DictReader(f))
     assert [(r["frames"], r["status"]) for r in rows] == [(str(FRAMES), "ok")]
+
+
+KEY_DTYPE_CHECK = r"""
+import hashlib, sys
+sys.path.insert(0, %(root)r + "/python")
+import importlib.util
+import torch
+spec = importlib.util.spec_from_file_location("stream_gct", %(script)r)
+sg = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sg)
+torch.set_num_threads(1)
+digests = []
+for kv_dtype in ("attention", "appended"):
+    run = sg.paired_runner("cpu", %(frames)d, growable=True, tiny=True, kv_dtype=kv_dtype)
+    d = hashlib.sha256()
+    run(d)
+    digests.append(d.hexdigest())
+print(digests[0] == digests[1], digests)
+"""
+
+
+def test_keys_stored_in_bf16_change_no_output():
+    # attend() converts K to bf16 at every step: a cache that stores it in
+    # bf16 gives the attention the same values, so every output is equal.
+    if not library_found():
+        pytest.skip("--growable needs libtidalloc.so (make build, or set TIDALLOC_LIB)")
+    code = KEY_DTYPE_CHECK % {"root": ROOT, "script": SCRIPT, "frames": FRAMES}
+    env = dict(os.environ, OMP_NUM_THREADS="1", TIDALLOC_CONF="backend:host")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("True"), r.stdout

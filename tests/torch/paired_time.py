@@ -27,7 +27,8 @@ saves a third of the time of two separate pairings. --pairs counts rounds.
 
 Programs: validate.py's (gpt2, vit, stream_gct: bench/torch/stream_gct.py's
 model, built once per worker, --frames frames with fresh caches each run;
-stream_gct_growable: its caches in tidalloc.kv.KVCaches; stream_gct_compile: its
+stream_gct_growable: its caches in tidalloc.kv.KVCaches, K in bf16 as attention
+reads it (stream_gct_growable_fp32k: in fp32 as it comes); stream_gct_compile: its
 hot modules under torch.compile(mode="reduce-overhead"), and
 stream_gct_growable_compile with KVCaches too; compile_kv: the
 growing-KV decoder compiled so, --frames decoding steps per run; lingbot:

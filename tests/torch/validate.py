@@ -21,7 +21,9 @@ seconds,repeats,median_seconds,min_seconds,max_seconds,peak_reserved_all_mib
   stream_gct: bench/torch/stream_gct.py's model (random weights, seed 0,
         built once), --frames frames (default 128) streamed with fresh
         caches each run, grown by torch.cat; stream_gct_growable: the same
-        with the caches in the package's tidalloc.kv.KVCache; stream_gct_compile:
+        with the caches in the package's tidalloc.kv.KVCache, K stored in
+        bf16 as the attention reads it (stream_gct_growable_fp32k: in fp32
+        as it comes, as the torch.cat caches keep it); stream_gct_compile:
         the hot modules under torch.compile(mode="reduce-overhead") (the
         first run, untimed, compiles and records the CUDA graphs), and
         stream_gct_growable_compile the same with the caches in KVCaches
@@ -115,9 +117,9 @@ def bench_torch_module(name):
     return module
 
 
-def stream_gct(torch, dev, frames, growable=False, compiled=False):
+def stream_gct(torch, dev, frames, growable=False, compiled=False, kv_dtype="attention"):
     return bench_torch_module("stream_gct").paired_runner(dev, frames, growable=growable,
-                                                          compiled=compiled)
+                                                          compiled=compiled, kv_dtype=kv_dtype)
 
 
 def compile_kv(torch, dev, steps, layers=16, width=1024, batch=8):
@@ -133,21 +135,23 @@ def compile_kv(torch, dev, steps, layers=16, width=1024, batch=8):
     return run
 
 
-PROGRAMS = ("gpt2", "vit", "stream_gct", "stream_gct_growable", "stream_gct_compile",
-            "stream_gct_growable_compile", "compile_kv", "lingbot")
+PROGRAMS = ("gpt2", "vit", "stream_gct", "stream_gct_growable", "stream_gct_growable_fp32k",
+            "stream_gct_compile", "stream_gct_growable_compile", "compile_kv", "lingbot")
 # The programs whose first run may be a shorter stream (--warmup-frames): a
 # compiled program's first runs record the graphs its timed runs replay.
-SHORT_WARMUP_PROGRAMS = ("stream_gct", "stream_gct_growable", "lingbot")
+SHORT_WARMUP_PROGRAMS = ("stream_gct", "stream_gct_growable", "stream_gct_growable_fp32k",
+                         "lingbot")
 # The programs that stream frames, and can be timed in segments (--segment-frames).
-STREAMING_PROGRAMS = ("stream_gct", "stream_gct_growable", "stream_gct_compile",
-                      "stream_gct_growable_compile", "lingbot")
+STREAMING_PROGRAMS = ("stream_gct", "stream_gct_growable", "stream_gct_growable_fp32k",
+                      "stream_gct_compile", "stream_gct_growable_compile", "lingbot")
 
 
 def make_program(name, torch, dev, frames):
     """The run(digest) function of a validation program."""
     if name.startswith("stream_gct"):
         return stream_gct(torch, dev, frames, growable="growable" in name,
-                          compiled=name.endswith("_compile"))
+                          compiled=name.endswith("_compile"),
+                          kv_dtype="appended" if name.endswith("_fp32k") else "attention")
     if name == "compile_kv":
         return compile_kv(torch, dev, frames)
     if name == "lingbot":
