@@ -25,6 +25,7 @@ marked x) is written beside the CSV when matplotlib is importable.
 
     python bench/torch/frontier.py --programs gpt2 vit --csv out/frontier.csv
     python bench/torch/frontier.py --programs stream_gct:128 --caps none 1.02 1.05
+    python bench/torch/frontier.py --programs gpt2 --caps 1.00 1.01 1.02 --refine 3
     python bench/torch/frontier.py --summarize out/frontier.csv   # ratios, no GPU
     python bench/torch/frontier.py --plot out/frontier.csv        # the PNG, no GPU
 
@@ -283,6 +284,64 @@ def fmt(v):
     return "%.4f" % v if isinstance(v, float) else v
 
 
+class BudgetSpent(Exception):
+    pass
+
+
+def run_caps(args, program, caps, allocators, peak, rows, deadline, first=0):
+    """Each cap of `caps`, every allocator on consecutive rows, in an order
+    that rotates from cap to cap (starting at rotation `first`)."""
+    for i, cap in enumerate(caps, first):
+        order = allocators[i % len(allocators):] + allocators[:i % len(allocators)]
+        limit = None if cap == "none" else math.ceil(peak * float(cap))
+        for k, allocator in enumerate(order):
+            if deadline and time.time() > deadline:
+                raise BudgetSpent()
+            trace = None
+            if args.trace_dir:
+                os.makedirs(args.trace_dir, exist_ok=True)
+                trace = trace_path(args.trace_dir, program, allocator, cap)
+            out = launch(program, allocator, limit, args.timeout, trace)
+            row = {"program": program, "allocator": allocator, "cap": cap, "order": k,
+                   "limit_gib": "" if limit is None else limit / GIB}
+            row.update(out)
+            row = {c: fmt(row.get(c, "")) for c in COLUMNS}
+            rows.append(row)
+            write_rows(args.csv, rows)
+            print(",".join(str(row[c]) for c in COLUMNS[:8]), flush=True)
+
+
+# The allocators whose tightest caps --refine compares.
+REFINED = ("expandable", "tidalloc")
+
+
+def refine_caps(rows, program, n):
+    """n caps evenly spaced inside the grid step where expandable segments'
+    and tidalloc's tightest completing caps lie: strictly between the
+    lower of the caps just below each one's tightest (which failed) and the
+    higher of the two tightest, formatted to 4 decimals. Empty where either
+    never completed, or completed at every cap tried (nothing below to
+    refine against)."""
+    bounds = []
+    for allocator in REFINED:
+        tried = [(float(r["cap"]), r["status"] == "ok") for r in rows
+                 if r["program"] == program and r["allocator"] == allocator and r["cap"] != "none"]
+        ok = [c for c, good in tried if good]
+        if not ok:
+            return []
+        tightest = min(ok)
+        failed = [c for c, good in tried if not good and c < tightest]
+        if not failed:
+            return []
+        bounds.append((max(failed), tightest))
+    lo, hi = min(b[0] for b in bounds), max(b[1] for b in bounds)
+    tried = {round(float(r["cap"]), 6) for r in rows
+             if r["program"] == program and r["cap"] != "none"}
+    caps = ["%.4f" % (lo + (hi - lo) * (j + 1) / (n + 1)) for j in range(n)]
+    return [c for c in dict.fromkeys(caps)
+            if lo < float(c) < hi and round(float(c), 6) not in tried]
+
+
 def run_frontier(args):
     rows = []
     deadline = time.time() + args.budget_seconds if args.budget_seconds else None
@@ -302,26 +361,18 @@ def run_frontier(args):
                 continue
             peak = first["peak_allocated_gib"] * GIB
             print("%s: peak allocated %.3f GiB uncapped" % (program, peak / GIB), flush=True)
-        for i, cap in enumerate(args.caps):
-            order = allocators[i % len(allocators):] + allocators[:i % len(allocators)]
-            limit = None if cap == "none" else math.ceil(peak * float(cap))
-            for k, allocator in enumerate(order):
-                if deadline and time.time() > deadline:
-                    print("frontier: the time budget is spent; stopping", file=sys.stderr)
-                    write_rows(args.csv, rows)
-                    return rows
-                trace = None
-                if args.trace_dir:
-                    os.makedirs(args.trace_dir, exist_ok=True)
-                    trace = trace_path(args.trace_dir, program, allocator, cap)
-                out = launch(program, allocator, limit, args.timeout, trace)
-                row = {"program": program, "allocator": allocator, "cap": cap, "order": k,
-                       "limit_gib": "" if limit is None else limit / GIB}
-                row.update(out)
-                row = {c: fmt(row.get(c, "")) for c in COLUMNS}
-                rows.append(row)
-                write_rows(args.csv, rows)
-                print(",".join(str(row[c]) for c in COLUMNS[:8]), flush=True)
+        try:
+            run_caps(args, program, args.caps, allocators, peak, rows, deadline)
+            if args.refine:
+                caps = refine_caps(rows, program, args.refine)
+                print("%s: refined caps %s" % (program, " ".join(caps) or "none (no step to "
+                                               "refine)"), flush=True)
+                run_caps(args, program, caps, [a for a in allocators if a in REFINED], peak,
+                         rows, deadline, first=len(args.caps))
+        except BudgetSpent:
+            print("frontier: the time budget is spent; stopping", file=sys.stderr)
+            write_rows(args.csv, rows)
+            return rows
     plot(args.csv, rows)
     return rows
 
@@ -397,10 +448,7 @@ def summarize(path):
     for program in sorted({r["program"] for r in rows}):
         mine = [r for r in rows if r["program"] == program]
         print(program)
-        caps = []
-        for c in DEFAULT_CAPS + tuple(sorted({r["cap"] for r in mine})):
-            if c not in caps and any(r["cap"] == c for r in mine):
-                caps.append(c)
+        caps = sorted({r["cap"] for r in mine}, key=lambda c: -1.0 if c == "none" else float(c))
         for cap in caps:
             got = {r["allocator"]: r for r in mine if r["cap"] == cap}
             cells = []
@@ -433,6 +481,10 @@ def main():
     p.add_argument("--peak-gib", type=float, default=0,
                    help="the programs' peak allocated GiB, known from an earlier run: the caps "
                    "are multiples of it, and no first run measures it")
+    p.add_argument("--refine", type=int, default=0, metavar="N",
+                   help="after the caps, N more caps evenly spaced inside the grid step where "
+                   "expandable segments' and tidalloc's tightest completing caps lie, for those "
+                   "two, so that the margin between them is measured, not the grid's")
     p.add_argument("--summarize", metavar="CSV")
     p.add_argument("--plot", metavar="CSV",
                    help="draw the PNG of a CSV this script wrote, beside it (no GPU)")

@@ -25,7 +25,9 @@
 # (default: native tidalloc; PyTorch's own allocator grows until the device is
 # full, so a third worker beside it on an 80 GB card runs out of memory):
 # paired_compiled.csv/.txt.
-# FRONTIER_ARGS adds arguments to frontier.py (--peak-gib G, --allocators ...).
+# FRONTIER_ARGS adds arguments to frontier.py (--peak-gib G, --allocators ...,
+# --refine N: N caps more inside the grid step where expandable segments' and
+# tidalloc's tightest completing caps lie).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 1
 out=${OUT:-out/pressure}
