@@ -196,13 +196,13 @@ class GrowableTensor:
         the rows [start, start + n) are the caller's to fill."""
         end = self.rows + n
         if end > self.capacity_rows:
-            raise ValueError("GrowableTensor.append: %d + %d rows is beyond the capacity of %d "
+            raise ValueError("GrowableTensor: %d + %d rows is beyond the capacity of %d "
                              "rows; create it with a larger capacity_rows"
                              % (self.rows, n, self.capacity_rows))
         # Growing maps pages now and uses no stream (nothing queued reads past
         # the old length), so no stream is looked up here.
         if self._resize(self._handle, end * self.row_bytes, None) != 0:
-            raise _lib.TidallocError("GrowableTensor.append: tide_buf_resize(%d) failed: %s"
+            raise _lib.TidallocError("GrowableTensor: tide_buf_resize(%d) failed: %s"
                                      % (end * self.row_bytes, _lib.last_error()))
         start, self.rows = self.rows, end
         return start
