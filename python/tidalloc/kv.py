@@ -96,7 +96,7 @@ def _tensor_over(buf, nbytes, dtype, device, host):
 
 class _Rows:
     """Steps of one tensor (keys or values): rows of [B, H, D] in a growable
-    buffer or a ring. `view(start, n)` is the [n, B, H, D] rows from step
+    buffer or a ring. `rows(start, n)` is the [n, B, H, D] rows from step
     `start` on (in the ring, `start` counts from the oldest step held)."""
 
     def __init__(self, row_shape, dtype, steps, window, device, host, map_ahead_steps,
