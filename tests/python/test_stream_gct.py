@@ -188,14 +188,30 @@ def test_map_ahead_frames_must_not_be_negative():
     assert r.returncode == 2 and "--map-ahead-frames must be 0 or more" in r.stderr
 
 
-GROWABLE_CHECK = r"""
-import sys, torch
+# What a check run in its own process starts with: the script as module sg.
+CHECK_PRELUDE = r"""
+import hashlib, importlib.util, sys
+import torch
 sys.path.insert(0, %(root)r + "/python")
-import importlib.util
 spec = importlib.util.spec_from_file_location("stream_gct", %(script)r)
 sg = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sg)
 torch.set_num_threads(1)
+"""
+
+
+def run_check(body, **values):
+    """CHECK_PRELUDE + body in a fresh python on the host backend (values
+    filled in with ROOT, SCRIPT and FRAMES); its stdout, once it exits 0."""
+    code = (CHECK_PRELUDE + body) % dict(root=ROOT, script=SCRIPT, frames=FRAMES, **values)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TIDALLOC_CONF="backend:host")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+GROWABLE_CHECK = r"""
 shape = sg.make_shape(tiny=True)
 model = sg.build_model(shape, "cpu")
 held_max, t = shape.scale_frames + shape.window, shape.tokens
@@ -239,15 +255,9 @@ print("growable ok")
 def test_growable_buffers_follow_the_rule_in_place(map_ahead, kv_dtype):
     if not library_found():
         pytest.skip("--growable needs libtidalloc.so (make build, or set TIDALLOC_LIB)")
-    code = GROWABLE_CHECK % {"root": ROOT, "script": SCRIPT, "frames": FRAMES,
-                             "map_ahead": map_ahead, "kv_dtype": kv_dtype,
-                             "key_dtype": "torch.bfloat16" if kv_dtype == "attention"
-                             else "torch.float32"}
-    env = dict(os.environ, OMP_NUM_THREADS="1", TIDALLOC_CONF="backend:host")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert "growable ok" in r.stdout
+    out = run_check(GROWABLE_CHECK, map_ahead=map_ahead, kv_dtype=kv_dtype,
+                    key_dtype="torch.bfloat16" if kv_dtype == "attention" else "torch.float32")
+    assert "growable ok" in out
 
 
 @pytest.mark.skipif(not os.environ.get("STREAM_GCT_COMPILE_TEST"),
@@ -266,14 +276,6 @@ def test_compiled_model_runs(tmp_path):
 
 
 KEY_DTYPE_CHECK = r"""
-import hashlib, sys
-sys.path.insert(0, %(root)r + "/python")
-import importlib.util
-import torch
-spec = importlib.util.spec_from_file_location("stream_gct", %(script)r)
-sg = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sg)
-torch.set_num_threads(1)
 digests = []
 for kv_dtype in ("attention", "appended"):
     run = sg.paired_runner("cpu", %(frames)d, growable=True, tiny=True, kv_dtype=kv_dtype)
@@ -289,9 +291,5 @@ def test_keys_stored_in_bf16_change_no_output():
     # bf16 gives the attention the same values, so every output is equal.
     if not library_found():
         pytest.skip("--growable needs libtidalloc.so (make build, or set TIDALLOC_LIB)")
-    code = KEY_DTYPE_CHECK % {"root": ROOT, "script": SCRIPT, "frames": FRAMES}
-    env = dict(os.environ, OMP_NUM_THREADS="1", TIDALLOC_CONF="backend:host")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("True"), r.stdout
+    out = run_check(KEY_DTYPE_CHECK)
+    assert out.startswith("True"), out
