@@ -150,19 +150,15 @@ class _Rows:
     def append_heads(self, new):
         """new: [B, H, t, D]; returns all steps held as [B, H, T, D]."""
         if self.grow is None:
-            self.append(_steps_major(new))
+            self._ring_append(_steps_major(new))
             return self.heads_view()
         start = self.grow.extend(new.shape[2])
         self.length = self.grow.rows
         self.heads.narrow(2, start, self.length - start).copy_(new)
         return self.heads.narrow(2, 0, self.length)
 
-    def append(self, new):
-        """new: [t, B, H, D]."""
-        if self.grow is not None:
-            self.grow.append(new)
-            self.length = self.grow.rows
-            return
+    def _ring_append(self, new):
+        """new: [t, B, H, D], after the newest step of the ring."""
         t = new.shape[0]
         if t > self.window:
             new, t = new[t - self.window:], self.window
