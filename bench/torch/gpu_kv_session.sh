@@ -18,7 +18,9 @@
 #                   process per configuration, STREAM_ROUNDS rounds (default 2):
 #                   torch.cat under expandable segments (the reference) and the
 #                   native allocator, and the caches in KVCache under both
-#                   (STREAM_CONFIGS) (stream_eager.csv, stream_eager.txt)
+#                   (STREAM_CONFIGS) (stream_eager.csv, stream_eager.txt);
+#                   STREAM_WARMUP_FRAMES=N makes each worker's untimed first
+#                   run N frames long
 #   stream_compile  the same with the hot modules compiled
 #                   (mode="reduce-overhead"), STREAM_COMPILE_ROUNDS rounds
 #                   (default 1) of STREAM_COMPILE_CONFIGS (default: torch.cat and
@@ -103,8 +105,8 @@ paired() {
   shift 3
   limit=$(left)
   timeout -k 20 "$limit" "$py" tests/torch/paired_time.py "$program" \
-    --frames "${STREAM_FRAMES:-128}" --pairs "$rounds" --budget-s "$((limit * 2 / 3))" \
-    --configs "$@" >"$out/$name.csv" 2>"$out/$name.txt"
+    --frames "${STREAM_FRAMES:-128}" ${STREAM_WARMUP_FRAMES:+--warmup-frames "$STREAM_WARMUP_FRAMES"} \
+    --pairs "$rounds" --budget-s "$((limit * 2 / 3))" --configs "$@" >"$out/$name.csv" 2>"$out/$name.txt"
   note "$name (rc $?, $(grep -vc '^#\|^program' "$out/$name.csv") runs):"
   grep -v '^validate.py\|^\s*$' "$out/$name.txt" | tail -20 | tee -a "$summary"
 }
