@@ -136,9 +136,25 @@ if want upstream; then
         tee -a "$summary"
     done
     "$py" tests/torch/upstream/compare_junit.py --common --known tests/torch/upstream/known.txt \
-      "$out/${base}_native.xml" \
+      --unexplained "$out/${base}_unexplained.txt" "$out/${base}_native.xml" \
       "$out/${base}_tidalloc.xml" >"$out/${base}_compare.txt" 2>&1
     tail -5 "$out/${base}_compare.txt" | tee -a "$summary"
+    # Each test that failed under tidalloc alone, run again alone (its own
+    # process, under each allocator): whether it fails by itself or only
+    # after the tests its worker ran before it.
+    while read -r t; do
+      [[ -n $t ]] || continue
+      for alloc in native tidalloc; do
+        (cd "$upstream/$(dirname "$f")" &&
+          TIDALLOC_INSTALL=$([[ $alloc == tidalloc ]] && echo 1 || echo 0) \
+          PYTHONPATH=$OLDPWD/tests/torch/upstream:$PYTHONPATH \
+          timeout -s INT -k 10 "${UPSTREAM_ALONE_SECONDS:-90}" "$py" -m pytest -q -p no:cacheprovider \
+            -p upstream_compat "$(basename "$f")::$t" >"$out/${base}_alone_$alloc.log" 2>&1)
+        note "upstream $base alone $alloc: $t: exit $?: $(tail -1 "$out/${base}_alone_$alloc.log")"
+        cat "$out/${base}_alone_$alloc.log" >>"$out/${base}_alone.log"
+      done
+    done <"$out/${base}_unexplained.txt" 2>/dev/null
+    rm -f "$out/${base}"_alone_native.log "$out/${base}"_alone_tidalloc.log
   done
 fi
 

@@ -6,7 +6,12 @@ whose outcome differs, and last the tests that pass under the native
 allocator only. --known names tests (one per line, "name  reason") that
 inspect the native allocator's internals: they are listed apart. --common
 compares only the tests both runs reached (runs stopped by a time limit
-write the tests they finished)."""
+write the tests they finished). --unexplained FILE writes the tests that
+pass under the native allocator only and are not known, one "Class::test"
+a line, for a rerun of each alone: a test run after others in one worker
+process can fail from what they left behind (a graph kept alive by a
+reference cycle until the next collection), and the two allocators' runs
+hand tests to their workers in different orders."""
 import argparse
 import sys
 import xml.etree.ElementTree as ET
@@ -36,6 +41,8 @@ def main():
     p.add_argument("--known")
     p.add_argument("--common", action="store_true",
                    help="compare only the tests that both runs reached")
+    p.add_argument("--unexplained", metavar="FILE",
+                   help="write the unexplained native-only passes here (Class::test a line)")
     a = p.parse_args()
     n, t = outcomes(a.native), outcomes(a.tidalloc)
     if a.common:  # runs cut short: compare the tests both ran
@@ -62,6 +69,10 @@ def main():
     unexplained = [x for x in only_native if x.split("::")[-1] not in known and x not in known]
     print("pass under native only: %d (%d named as inspecting native internals, %d not)"
           % (len(only_native), len(only_native) - len(unexplained), len(unexplained)))
+    if a.unexplained:
+        with open(a.unexplained, "w") as f:
+            for name in unexplained:
+                f.write("%s::%s\n" % (name.split("::")[0].rsplit(".", 1)[-1], name.split("::")[-1]))
     return 1 if unexplained else 0
 
 
