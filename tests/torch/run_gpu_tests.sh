@@ -77,7 +77,10 @@ run_test() {
 # The shim builds for this torch (python -m tidalloc build-shim), and a
 # process started now would get it (python -m tidalloc info).
 run_test build_shim "$py" -m tidalloc build-shim
-run_test info_says_shim bash -c '"$1" -m tidalloc info | tee /dev/stderr | grep -q "^bridge: shim"' _ "$py"
+# (Printed, then matched: `tee /dev/stderr` would reopen a log file that
+# stderr points to, truncating what was written before.)
+run_test info_says_shim bash -c 'info=$("$1" -m tidalloc info) || exit 1
+  echo "$info"; grep -q "^bridge: shim" <<<"$info"' _ "$py"
 # With the shim built, `run` says nothing on stderr and runs on the shim.
 run_test quiet_shim_launch bash -c 'err=$("$1" -m tidalloc run tests/torch/bridge_check.py 2>&1 >/dev/null) &&
   { [[ -z $err ]] || { echo "stderr: $err"; false; }; }' _ "$py"
