@@ -21,6 +21,12 @@
 #                   (STREAM_CONFIGS) (stream_eager.csv, stream_eager.txt);
 #                   STREAM_WARMUP_FRAMES=N makes each worker's untimed first
 #                   run N frames long
+#   stream_profile  bench/torch/stream_gct.py with torch.cat and with KVCache
+#                   (--growable), under expandable segments, one process each:
+#                   STREAM_PROFILE_FRAMES frames (default 160), the device's
+#                   kernels over steps STREAM_PROFILE_STEPS (default 100:110,
+#                   the window full) by kind: where a step's time goes for
+#                   each cache (stream_profile.txt)
 #   stream_compile  the same with the hot modules compiled
 #                   (mode="reduce-overhead"), STREAM_COMPILE_ROUNDS rounds
 #                   (default 1) of STREAM_COMPILE_CONFIGS (default: torch.cat and
@@ -139,6 +145,16 @@ if want stream && enough 120 stream; then
   # shellcheck disable=SC2086
   paired stream_eager stream_gct "${STREAM_ROUNDS:-2}" \
     ${STREAM_CONFIGS:-expandable native expandable@stream_gct_growable native@stream_gct_growable}
+fi
+if want stream_profile && enough 90 stream_profile; then
+  for cache in cat growable; do
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "$(left)" "$py" \
+      bench/torch/stream_gct.py --frame-counts "${STREAM_PROFILE_FRAMES:-160}" \
+      --profile-frames "${STREAM_PROFILE_STEPS:-100:110}" \
+      $([[ $cache == growable ]] && echo --growable) >>"$out/stream_profile.txt" 2>&1
+    note "stream_profile $cache (rc $?):"
+    grep '^stream_gct: \|frames  ok\|frames  oom' "$out/stream_profile.txt" | tail -14 | tee -a "$summary"
+  done
 fi
 if want hf; then
   hf_runs "${HF_RUNS:-gpt2:8:2048 llama1b:8:2048 gpt2:1:2048 llama1b:1:2048}"

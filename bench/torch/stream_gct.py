@@ -807,6 +807,81 @@ class FrameLog:
         return self.rows
 
 
+# Kernel names by what they do, for --profile-frames' summary (the first
+# kind whose word a name holds).
+KERNEL_KINDS = (("attention", ("fmha", "flash", "attention", "attn", "sdpa")),
+                ("copy", ("cat", "copy", "memcpy", "memset")),
+                ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "wgmma")))
+
+
+def kernel_kind(name):
+    low = name.lower()
+    for kind, words in KERNEL_KINDS:
+        if any(w in low for w in words):
+            return kind
+    return "other"
+
+
+def kernel_summary(kernels, steps, top=12):
+    """Lines summing device time by kind of kernel, per step, then the
+    `top` kernels; kernels: (name, total microseconds) pairs."""
+    by_kind = {}
+    for name, us in kernels:
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + us
+    total = sum(by_kind.values())
+    lines = ["device time per step over %d steps: %.3f ms (%s)"
+             % (steps, total / 1e3 / steps, ", ".join(
+                 "%s %.3f" % (k, v / 1e3 / steps) for k, v in sorted(by_kind.items(),
+                                                                    key=lambda kv: -kv[1])))]
+    for name, us in sorted(kernels, key=lambda kv: -kv[1])[:top]:
+        lines.append("  %9.3f ms/step  %-9s %s" % (us / 1e3 / steps, kernel_kind(name), name[:110]))
+    return lines
+
+
+class StepProfiler:
+    """--profile-frames A:B: the device's kernels over steps A to B-1 of a
+    run (torch.profiler, CUDA activity only), summed by kind (attention,
+    copies, matmuls, other) and printed per step to stderr, so that two
+    caches' runs show where their steps differ. The profiled steps run a
+    little slower; their run's time is not comparable to others."""
+
+    def __init__(self, first, last, device):
+        self.first, self.last, self.steps, self.prof = first, last, 0, None
+        self.on_gpu = torch.device(device).type == "cuda"
+        self.device = device
+
+    def __call__(self, batch):
+        self.steps += 1
+        if not self.on_gpu:
+            return
+        if self.steps == self.first:
+            from torch.profiler import ProfilerActivity, profile
+            synchronize(self.device)
+            self.prof = profile(activities=[ProfilerActivity.CUDA])
+            self.prof.__enter__()
+        elif self.steps == self.last and self.prof is not None:
+            synchronize(self.device)
+            self.prof.__exit__(None, None, None)
+            kernels = []
+            for e in self.prof.key_averages():
+                us = getattr(e, "self_device_time_total", None)
+                if us is None:
+                    us = getattr(e, "self_cuda_time_total", 0)
+                if us > 0:
+                    kernels.append((e.key, us))
+            for line in kernel_summary(kernels, self.last - self.first):
+                print("stream_gct: %s" % line, file=sys.stderr, flush=True)
+            self.prof = None
+
+
+def each(*callbacks):
+    """One on_step callback calling those given (None ones left out)."""
+    callbacks = [c for c in callbacks if c is not None]
+    if not callbacks:
+        return None
+    return lambda batch: [c(batch) for c in callbacks]
+
+
 def run_frames(model, frames, args, frame_rows):
     """One row of the sweep: a fresh state, `frames` frames, timed."""
     device = args.device
@@ -818,9 +893,11 @@ def run_frames(model, frames, args, frame_rows):
         state = StreamState(model.shape, device, frames, args.growable, args.map_ahead_frames,
                             args.kv_dtype)
         log = FrameLog(device, frames, state) if args.per_frame_csv else None
+        profiler = (StepProfiler(*args.profile_frames, device=device)
+                    if args.profile_frames else None)
         synchronize(device)
         start = time.perf_counter()
-        stream(model, state, frames, device, generator, args.compile, log)
+        stream(model, state, frames, device, generator, args.compile, each(log, profiler))
         synchronize(device)
         row["seconds"] = "%.3f" % (time.perf_counter() - start)
         if log:
@@ -957,8 +1034,19 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, help="most recent frames the KV cache keeps")
     p.add_argument("--warmup-frames", type=int, help="untimed frames before the sweep "
                    "(default: the scale frames and 2 more; 0: none)")
+    p.add_argument("--profile-frames", metavar="A:B",
+                   help="the device's kernels over steps A to B-1 of each run, by kind, on "
+                   "stderr (those runs' times are perturbed)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.profile_frames:
+        try:
+            first, last = (int(x) for x in args.profile_frames.split(":"))
+        except ValueError:
+            p.error("--profile-frames takes A:B, two step numbers")
+        if not 1 <= first < last:
+            p.error("--profile-frames A:B needs 1 <= A < B")
+        args.profile_frames = (first, last)
     if any(n < 1 for n in args.frame_counts):
         p.error("--frame-counts must be positive")
     if args.map_ahead_frames < 0:

@@ -188,6 +188,35 @@ def test_map_ahead_frames_must_not_be_negative():
     assert r.returncode == 2 and "--map-ahead-frames must be 0 or more" in r.stderr
 
 
+def test_profile_frames_sums_kernels_by_kind():
+    assert sg.kernel_kind("void pytorch_flash::flash_fwd_kernel<...>") == "attention"
+    assert sg.kernel_kind("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
+    assert sg.kernel_kind("void at::native::(anonymous)::CatArrayBatchedCopy<...>") == "copy"
+    assert sg.kernel_kind("Memcpy DtoD (Device -> Device)") == "copy"
+    assert sg.kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul"
+    assert sg.kernel_kind("void at::native::vectorized_layer_norm_kernel") == "other"
+    lines = sg.kernel_summary([("flash_fwd", 3000.0), ("CatArrayBatchedCopy", 1000.0),
+                               ("gemm_a", 500.0), ("layer_norm", 500.0)], steps=2)
+    assert lines[0] == ("device time per step over 2 steps: 2.500 ms (attention 1.500, "
+                        "copy 0.500, matmul 0.250, other 0.250)")
+    assert "flash_fwd" in lines[1] and len(lines) == 5
+
+
+def test_profile_frames_takes_two_steps_in_order():
+    for bad in ("3", "4:2", "0:2", "a:b"):
+        r = subprocess.run([sys.executable, SCRIPT, "--tiny", "--device", "cpu",
+                            "--profile-frames", bad], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "--profile-frames" in r.stderr, (bad, r.stderr)
+
+
+def test_step_callbacks_run_together():
+    seen = []
+    both = sg.each(lambda b: seen.append(("a", b)), None, lambda b: seen.append(("b", b)))
+    both(3)
+    assert seen == [("a", 3), ("b", 3)]
+    assert sg.each(None, None) is None
+
+
 # What a check run in its own process starts with: the script as module sg.
 CHECK_PRELUDE = r"""
 import hashlib, importlib.util, sys
