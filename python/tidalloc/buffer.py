@@ -100,6 +100,11 @@ class _View:
                                          "version": 3, "strides": None, "stream": None}
 
 
+def _itemsize(torch, dtype):
+    """Bytes per element of `dtype`."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def _typestr(torch, dtype):
     name = str(dtype).replace("torch.", "")
     if name not in _TYPESTR:
@@ -133,7 +138,7 @@ class GrowableTensor:
         self.dtype = dtype
         self.device = device
         self.capacity_rows = capacity_rows
-        self.row_bytes = torch.empty((), dtype=dtype).element_size()
+        self.row_bytes = _itemsize(torch, dtype)
         for d in self.row_shape:
             self.row_bytes *= d
         if capacity_rows <= 0 or self.row_bytes <= 0:

@@ -38,7 +38,7 @@ converted to those dtypes as copy_ converts."""
 import ctypes
 
 from . import _lib
-from .buffer import Buffer, GrowableTensor, _typestr, _View
+from .buffer import Buffer, GrowableTensor, _itemsize, _typestr, _View
 
 __all__ = ["KVCache"]
 
@@ -107,7 +107,7 @@ class _Rows:
         self.row_elems = 1
         for d in self.row_shape:
             self.row_elems *= d
-        self.row_bytes = self.row_elems * torch.empty((), dtype=dtype).element_size()
+        self.row_bytes = self.row_elems * _itemsize(torch, dtype)
         self.window = window
         self.length = 0     # steps held
         self.head = 0       # ring: the element where the next step goes
@@ -188,10 +188,6 @@ class _Rows:
             self.buf.close()
 
 
-def _itemsize(dtype):
-    return _torch().empty((), dtype=dtype).element_size()
-
-
 def _steps_major(t):
     """[B, H, t, D] -> [t, B, H, D] (a view)."""
     return t.permute(2, 0, 1, 3)
@@ -251,7 +247,7 @@ class KVCache:
         for t in (k, v):
             dtype = self.dtype or t.dtype
             row_shape = (t.shape[0], t.shape[1], t.shape[3])
-            row_bytes = t.shape[0] * t.shape[1] * t.shape[3] * _itemsize(dtype)
+            row_bytes = t.shape[0] * t.shape[1] * t.shape[3] * _itemsize(torch, dtype)
             ahead, fraction = self.map_ahead_steps, 0.0
             if ahead is None:
                 ahead = max(1, -(-DEFAULT_MAP_AHEAD_BYTES // max(1, row_bytes)))
