@@ -20,7 +20,6 @@ the device's.
 Columns: cache, batch, heads, head_dim, layers, tokens (the length at the
 window's end), host_us_per_step, wall_us_per_step, sdpa, source, device."""
 import argparse
-import contextlib
 import csv
 import os
 import sys
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+from hf_generate import SDPA_KERNELS, sdpa_context  # noqa: E402 (bench/torch, beside this file)
 
 COLUMNS = ("cache", "batch", "heads", "head_dim", "layers", "tokens", "host_us_per_step",
            "wall_us_per_step", "sdpa", "source", "device")
@@ -58,15 +58,6 @@ def make_cache(kind, max_len):
         return CatCache()
     from tidalloc.kv import KVCache
     return KVCache(max_len=max_len)
-
-
-def kernel_context(name):
-    if name == "default":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION,
-                        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                        "math": SDPBackend.MATH}[name])
 
 
 def synchronize(device):
@@ -101,7 +92,7 @@ def run(kind, args, device, dtype):
     for c in caches:
         c.append(prompt, prompt)
     rows = []
-    with torch.no_grad(), kernel_context(args.sdpa):
+    with torch.no_grad(), sdpa_context(args.sdpa):
         done = 0
         while done < args.tokens:
             n = min(args.window, args.tokens - done)
@@ -136,7 +127,7 @@ def main():
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--tokens", type=int, default=8192, help="decode steps (default 8192)")
     p.add_argument("--window", type=int, default=1024, help="steps per row (default 1024)")
-    p.add_argument("--sdpa", choices=("default", "flash", "efficient", "math"),
+    p.add_argument("--sdpa", choices=SDPA_KERNELS,
                    default="default")
     p.add_argument("--caches", default="cat,kvcache", help="kinds, in order (cat, kvcache)")
     p.add_argument("--source", choices=("projection", "contiguous", "strided"),
