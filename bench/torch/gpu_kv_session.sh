@@ -22,11 +22,14 @@
 #                   STREAM_WARMUP_FRAMES=N makes each worker's untimed first
 #                   run N frames long
 #   stream_profile  bench/torch/stream_gct.py with torch.cat and with KVCache
-#                   (--growable), under expandable segments, one process each:
+#                   (--growable), under expandable segments, one process each
+#                   per attention kernel of STREAM_PROFILE_SDPA (default
+#                   "default", PyTorch's choice; stream_gct.py --sdpa):
 #                   STREAM_PROFILE_FRAMES frames (default 160), the device's
 #                   kernels over steps STREAM_PROFILE_STEPS (default 100:110,
-#                   the window full) by kind: where a step's time goes for
-#                   each cache (stream_profile.txt)
+#                   the window full) by kind, and those steps' wall time:
+#                   where a step's time goes for each cache
+#                   (stream_profile.txt)
 #   stream_compile  the same with the hot modules compiled
 #                   (mode="reduce-overhead"), STREAM_COMPILE_ROUNDS rounds
 #                   (default 1) of STREAM_COMPILE_CONFIGS (default: torch.cat and
@@ -147,13 +150,19 @@ if want stream && enough 120 stream; then
     ${STREAM_CONFIGS:-expandable native expandable@stream_gct_growable native@stream_gct_growable}
 fi
 if want stream_profile && enough 90 stream_profile; then
-  for cache in cat growable; do
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "$(left)" "$py" \
-      bench/torch/stream_gct.py --frame-counts "${STREAM_PROFILE_FRAMES:-160}" \
-      --profile-frames "${STREAM_PROFILE_STEPS:-100:110}" \
-      $([[ $cache == growable ]] && echo --growable) >>"$out/stream_profile.txt" 2>&1
-    note "stream_profile $cache (rc $?):"
-    grep '^stream_gct: \|frames  ok\|frames  oom' "$out/stream_profile.txt" | tail -14 | tee -a "$summary"
+  for sdpa in ${STREAM_PROFILE_SDPA:-default}; do
+    for cache in cat growable; do
+      enough 30 "stream_profile $cache $sdpa" || break 2
+      echo "== $cache, --sdpa $sdpa" >>"$out/stream_profile.txt"
+      growable=()
+      [[ $cache == growable ]] && growable=(--growable)
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "$(left)" "$py" \
+        bench/torch/stream_gct.py --frame-counts "${STREAM_PROFILE_FRAMES:-160}" \
+        --profile-frames "${STREAM_PROFILE_STEPS:-100:110}" --sdpa "$sdpa" \
+        "${growable[@]}" >>"$out/stream_profile.txt" 2>&1
+      note "stream_profile $cache, --sdpa $sdpa (rc $?):"
+      grep '^stream_gct: \|frames  ok\|frames  oom' "$out/stream_profile.txt" | tail -15 | tee -a "$summary"
+    done
   done
 fi
 if want hf; then

@@ -69,6 +69,9 @@ import torch
 
 # The package of this source tree, also when PYTHONPATH does not name it.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+# sdpa.py beside this file, also when this file is loaded by its path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sdpa import SDPA_KERNELS, sdpa_context  # noqa: E402
 
 COLUMNS = ("model", "params_m", "batch", "prompt", "new_tokens", "cache", "max_cache_len",
            "device", "dtype", "transformers", "torch", "status", "seconds", "ms_per_token",
@@ -78,10 +81,10 @@ COLUMNS = ("model", "params_m", "batch", "prompt", "new_tokens", "cache", "max_c
            "cat_ms_last10", "gpu_tail_ms_last10", "sdpa", "ids_file", "torch_device_allocs",
            "torch_alloc_retries", "profiled_steps")
 CACHES = ("growable", "dynamic", "static")
-# --sdpa: the kernel scaled_dot_product_attention is held to, or PyTorch's own
-# choice ("default"), which can differ between a contiguous cache and
-# GrowableCache's strided views (tests/torch/kv_cache_gpu.py names both).
-SDPA_KERNELS = ("default", "flash", "efficient", "cudnn", "math")
+# --sdpa (SDPA_KERNELS): the kernel scaled_dot_product_attention is held to,
+# or PyTorch's own choice ("default"), which can differ between a contiguous
+# cache and GrowableCache's strided views (tests/torch/kv_cache_gpu.py names
+# both).
 GiB = float(1 << 30)
 
 
@@ -212,18 +215,6 @@ class StepProfiler:
 
     def windows_done(self):
         return [t for t in self.tables if ", by host time" in t.split("\n", 1)[0]]
-
-
-def sdpa_context(kernel):
-    """A context holding scaled_dot_product_attention to `kernel`."""
-    import contextlib
-    if kernel == "default":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([{"flash": SDPBackend.FLASH_ATTENTION,
-                         "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                         "cudnn": SDPBackend.CUDNN_ATTENTION,
-                         "math": SDPBackend.MATH}[kernel]])
 
 
 def generate(model, ids, cache, new_tokens, clock=None, profiler=None):

@@ -29,7 +29,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
-from hf_generate import SDPA_KERNELS, sdpa_context  # noqa: E402 (bench/torch, beside this file)
+# sdpa.py beside this file, also when this file is loaded by its path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sdpa import SDPA_KERNELS, sdpa_context  # noqa: E402
 
 COLUMNS = ("cache", "batch", "heads", "head_dim", "layers", "tokens", "host_us_per_step",
            "wall_us_per_step", "sdpa", "source", "device")

@@ -54,6 +54,9 @@ import torch.nn.functional as F
 
 # The package of this source tree, also when PYTHONPATH does not name it.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+# sdpa.py beside this file, also when this file is loaded by its path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sdpa import SDPA_KERNELS, sdpa_context  # noqa: E402
 
 CSV_COLUMNS = ("frames", "status", "requested_height", "requested_width", "effective_height",
                "effective_width", "backend", "dtype", "seconds", "peak_allocated_gib",
@@ -230,11 +233,27 @@ class Tail(nn.Module):
         return x + self.ls2(self.mlp(self.norm(x)))
 
 
+# The kernel attend() holds scaled_dot_product_attention to (--sdpa):
+# "default" leaves the choice to PyTorch. The camera head's fp32 attention
+# keeps PyTorch's choice either way (flash takes no fp32).
+ATTENTION_KERNEL = "default"
+
+
+def set_attention_kernel(kernel):
+    """attend()'s kernel from now on, one of sdpa.SDPA_KERNELS."""
+    global ATTENTION_KERNEL
+    if kernel not in SDPA_KERNELS:
+        raise ValueError("stream_gct: no attention kernel %r (one of %s)"
+                         % (kernel, ", ".join(SDPA_KERNELS)))
+    ATTENTION_KERNEL = kernel
+
+
 def attend(q, k, v):
     """SDPA in the compute dtype (autocast's casts, made explicit so that
     the CPU path allocates the same); [B, H, T, D] -> [B, T, H * D]."""
-    out = F.scaled_dot_product_attention(q.to(COMPUTE_DTYPE), k.to(COMPUTE_DTYPE),
-                                         v.to(COMPUTE_DTYPE))
+    with sdpa_context(ATTENTION_KERNEL):
+        out = F.scaled_dot_product_attention(q.to(COMPUTE_DTYPE), k.to(COMPUTE_DTYPE),
+                                             v.to(COMPUTE_DTYPE))
     return out.transpose(1, 2).flatten(2)
 
 
@@ -822,9 +841,10 @@ def kernel_kind(name):
     return "other"
 
 
-def kernel_summary(kernels, steps, top=12):
-    """Lines summing device time by kind of kernel, per step, then the
-    `top` kernels; kernels: (name, total microseconds) pairs."""
+def kernel_summary(kernels, steps, top=12, wall_s=None):
+    """Lines summing device time by kind of kernel, per step (and the
+    steps' wall time, when given), then the `top` kernels; kernels: (name,
+    total microseconds) pairs."""
     by_kind = {}
     for name, us in kernels:
         by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + us
@@ -833,6 +853,8 @@ def kernel_summary(kernels, steps, top=12):
              % (steps, total / 1e3 / steps, ", ".join(
                  "%s %.3f" % (k, v / 1e3 / steps) for k, v in sorted(by_kind.items(),
                                                                     key=lambda kv: -kv[1])))]
+    if wall_s is not None:
+        lines.append("wall time per step over the same steps: %.3f ms" % (wall_s * 1e3 / steps))
     for name, us in sorted(kernels, key=lambda kv: -kv[1])[:top]:
         lines.append("  %9.3f ms/step  %-9s %s" % (us / 1e3 / steps, kernel_kind(name), name[:110]))
     return lines
@@ -841,9 +863,11 @@ def kernel_summary(kernels, steps, top=12):
 class StepProfiler:
     """--profile-frames A:B: the device's kernels over steps A to B-1 of a
     run (torch.profiler, CUDA activity only), summed by kind (attention,
-    copies, matmuls, other) and printed per step to stderr, so that two
-    caches' runs show where their steps differ. The profiled steps run a
-    little slower; their run's time is not comparable to others."""
+    copies, matmuls, other) and printed per step to stderr with the steps'
+    wall time, so that two caches' runs show where their steps differ, and
+    a wall time well above the device's shows steps waiting for the host
+    (a kernel's plan being built, say). The profiled steps run a little
+    slower; their run's time is not comparable to others."""
 
     def __init__(self, first, last, device):
         self.first, self.last, self.steps, self.prof = first, last, 0, None
@@ -859,8 +883,10 @@ class StepProfiler:
             synchronize(self.device)
             self.prof = profile(activities=[ProfilerActivity.CUDA])
             self.prof.__enter__()
+            self.started = time.perf_counter()
         elif self.steps == self.last and self.prof is not None:
             synchronize(self.device)
+            wall_s = time.perf_counter() - self.started
             self.prof.__exit__(None, None, None)
             kernels = []
             for e in self.prof.key_averages():
@@ -869,7 +895,7 @@ class StepProfiler:
                     us = getattr(e, "self_cuda_time_total", 0)
                 if us > 0:
                     kernels.append((e.key, us))
-            for line in kernel_summary(kernels, self.last - self.first):
+            for line in kernel_summary(kernels, self.last - self.first, wall_s=wall_s):
                 print("stream_gct: %s" % line, file=sys.stderr, flush=True)
             self.prof = None
 
@@ -1025,6 +1051,10 @@ def parse_args(argv=None):
                    "attention reads (default), or fp32 as it comes")
     p.add_argument("--compile", action="store_true",
                    help='hot modules under torch.compile(mode="reduce-overhead")')
+    p.add_argument("--sdpa", choices=SDPA_KERNELS, default="default",
+                   help="hold the bf16 attention (encoder, frame and global blocks) to one "
+                   "kernel (default: PyTorch's choice; cuDNN's builds a plan for every new "
+                   "cache length)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true",
                    help="a reduced model (2+4+4 blocks, width 64, 56x70 image, window 2+4)")
@@ -1068,6 +1098,7 @@ def main(argv=None):
     if args.warmup_frames is None:
         args.warmup_frames = shape.scale_frames + 2
     check_environment(args)
+    set_attention_kernel(args.sdpa)
     if torch.device(args.device).type == "cuda":
         torch.cuda.set_device(device_index(args.device))
     model = build_model(shape, args.device, args.seed, args.compile)
@@ -1105,17 +1136,18 @@ def main(argv=None):
 # ---------------------------------------------------------------------------
 
 def paired_runner(device, frames, growable=False, tiny=False, seed=0, compiled=False,
-                  kv_dtype="attention"):
+                  kv_dtype="attention", sdpa="default"):
     """A function run(digest, frames=frames) that streams `frames` frames
     through one model built here, with fresh caches every call, and adds the
     outputs (every pose, the last depth and confidence) to `digest`. compiled: the hot
     modules under torch.compile(mode="reduce-overhead"), as --compile;
-    kv_dtype as --kv-dtype.
+    kv_dtype as --kv-dtype, sdpa as --sdpa.
     run.segments(digest, every, frames=frames) is the same run as a
     generator that pauses after each `every` frames (at the first step
     boundary past them), so that a pairing can interleave two processes'
     runs segment by segment; the outputs go to `digest` in its last one."""
     shape = make_shape(tiny)
+    set_attention_kernel(sdpa)
     model = build_model(shape, device, seed, compile_hot=compiled)
 
     def segments(digest, every, frames=frames):

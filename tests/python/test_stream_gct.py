@@ -200,6 +200,8 @@ def test_profile_frames_sums_kernels_by_kind():
     assert lines[0] == ("device time per step over 2 steps: 2.500 ms (attention 1.500, "
                         "copy 0.500, matmul 0.250, other 0.250)")
     assert "flash_fwd" in lines[1] and len(lines) == 5
+    timed = sg.kernel_summary([("flash_fwd", 3000.0)], steps=2, wall_s=0.009)
+    assert timed[1] == "wall time per step over the same steps: 4.500 ms"
 
 
 def test_profile_frames_takes_two_steps_in_order():
@@ -207,6 +209,29 @@ def test_profile_frames_takes_two_steps_in_order():
         r = subprocess.run([sys.executable, SCRIPT, "--tiny", "--device", "cpu",
                             "--profile-frames", bad], capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "--profile-frames" in r.stderr, (bad, r.stderr)
+
+
+def test_attention_kernel_is_held_for_the_bf16_attention(monkeypatch):
+    # --sdpa: attend() calls scaled_dot_product_attention with only the
+    # chosen kernel enabled, and "default" leaves PyTorch's flags alone.
+    flags = torch.backends.cuda
+    seen = []
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled(),
+                     flags.math_sdp_enabled()))
+        return torch.zeros_like(q)
+    monkeypatch.setattr(sg.F, "scaled_dot_product_attention", spy)
+    q = torch.randn(1, 2, 3, 8)
+    try:
+        for kernel in ("flash", "math", "default"):
+            sg.set_attention_kernel(kernel)
+            assert sg.attend(q, q, q).shape == (1, 3, 16)
+    finally:
+        sg.set_attention_kernel("default")
+    assert seen == [(True, False, False), (False, False, True), (True, True, True)]
+    with pytest.raises(ValueError, match="no attention kernel 'fast'"):
+        sg.set_attention_kernel("fast")
 
 
 def test_step_callbacks_run_together():

@@ -30,7 +30,8 @@ model, built once per worker, --frames frames with fresh caches each run;
 stream_gct_growable: its caches in tidalloc.kv.KVCaches, K in bf16 as attention
 reads it (stream_gct_growable_fp32k: in fp32 as it comes); stream_gct_compile: its
 hot modules under torch.compile(mode="reduce-overhead"), and
-stream_gct_growable_compile with KVCaches too; compile_kv: the
+stream_gct_growable_compile with KVCaches too; stream_gct_flash and
+stream_gct_growable_flash: the bf16 attention held to the flash kernel; compile_kv: the
 growing-KV decoder compiled so, --frames decoding steps per run; lingbot:
 LingBot-Map's own benchmark loop, from the checkout LINGBOT_MAP names, through
 bench/torch/lingbot_stream.py).

@@ -27,8 +27,11 @@ seconds,repeats,median_seconds,min_seconds,max_seconds,peak_reserved_all_mib
         the hot modules under torch.compile(mode="reduce-overhead") (the
         first run, untimed, compiles and records the CUDA graphs), and
         stream_gct_growable_compile the same with the caches in KVCaches
-        (the cache work stays eager in both). The output is every
-        frame's pose and the last frame's depth and confidence.
+        (the cache work stays eager in both); stream_gct_flash and
+        stream_gct_growable_flash: stream_gct and stream_gct_growable with
+        the bf16 attention held to the flash kernel (stream_gct.py --sdpa
+        flash). The output is every frame's pose and the last frame's depth
+        and confidence.
   compile_kv: tests/torch/native_shim.py's growing-KV decoder (16 layers,
         width 1024, batch 8) under torch.compile(mode="reduce-overhead"),
         --frames decoding steps per run, its K and V caches grown by
@@ -57,7 +60,7 @@ streaming programs) also takes "begin", answered "begun", and then
 "segment" until the run ends: each streams the next N frames, answered
 "segment SECONDS", and the last "end SECONDS" and the run's line.
 
-    python tests/torch/validate.py gpt2|vit|stream_gct[_growable][_compile]|compile_kv|lingbot
+    python tests/torch/validate.py gpt2|vit|stream_gct[_growable][_compile|_flash]|compile_kv|lingbot
                                    native|tidalloc
                                    [--repeats N] [--frames N] [--trace-csv FILE.csv.gz]
                                    [--serve [--cold] [--label NAME] [--warmup-frames N]
@@ -117,9 +120,11 @@ def bench_torch_module(name):
     return module
 
 
-def stream_gct(torch, dev, frames, growable=False, compiled=False, kv_dtype="attention"):
+def stream_gct(torch, dev, frames, growable=False, compiled=False, kv_dtype="attention",
+               sdpa="default"):
     return bench_torch_module("stream_gct").paired_runner(dev, frames, growable=growable,
-                                                          compiled=compiled, kv_dtype=kv_dtype)
+                                                          compiled=compiled, kv_dtype=kv_dtype,
+                                                          sdpa=sdpa)
 
 
 def compile_kv(torch, dev, steps, layers=16, width=1024, batch=8):
@@ -135,15 +140,16 @@ def compile_kv(torch, dev, steps, layers=16, width=1024, batch=8):
     return run
 
 
-PROGRAMS = ("gpt2", "vit", "stream_gct", "stream_gct_growable", "stream_gct_growable_fp32k",
-            "stream_gct_compile", "stream_gct_growable_compile", "compile_kv", "lingbot")
+EAGER_STREAM_PROGRAMS = ("stream_gct", "stream_gct_growable", "stream_gct_growable_fp32k",
+                         "stream_gct_flash", "stream_gct_growable_flash")
+PROGRAMS = (("gpt2", "vit") + EAGER_STREAM_PROGRAMS
+            + ("stream_gct_compile", "stream_gct_growable_compile", "compile_kv", "lingbot"))
 # The programs whose first run may be a shorter stream (--warmup-frames): a
 # compiled program's first runs record the graphs its timed runs replay.
-SHORT_WARMUP_PROGRAMS = ("stream_gct", "stream_gct_growable", "stream_gct_growable_fp32k",
-                         "lingbot")
+SHORT_WARMUP_PROGRAMS = EAGER_STREAM_PROGRAMS + ("lingbot",)
 # The programs that stream frames, and can be timed in segments (--segment-frames).
-STREAMING_PROGRAMS = ("stream_gct", "stream_gct_growable", "stream_gct_growable_fp32k",
-                      "stream_gct_compile", "stream_gct_growable_compile", "lingbot")
+STREAMING_PROGRAMS = EAGER_STREAM_PROGRAMS + ("stream_gct_compile", "stream_gct_growable_compile",
+                                              "lingbot")
 
 
 def make_program(name, torch, dev, frames):
@@ -151,7 +157,8 @@ def make_program(name, torch, dev, frames):
     if name.startswith("stream_gct"):
         return stream_gct(torch, dev, frames, growable="growable" in name,
                           compiled=name.endswith("_compile"),
-                          kv_dtype="appended" if name.endswith("_fp32k") else "attention")
+                          kv_dtype="appended" if name.endswith("_fp32k") else "attention",
+                          sdpa="flash" if name.endswith("_flash") else "default")
     if name == "compile_kv":
         return compile_kv(torch, dev, frames)
     if name == "lingbot":
