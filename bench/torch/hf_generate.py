@@ -322,7 +322,8 @@ def run(args):
     cache = make_cache(args.cache, model, max_cache_len)
     reset_peaks(args.device)
     clock = StepClock(args.device)
-    profiler = StepProfiler(args.new_tokens, args.profile_steps, args.device) if args.profile_steps else None
+    profiler = (StepProfiler(args.new_tokens, args.profile_steps, args.device)
+                if args.profile_steps else None)
     try:
         synchronize(args.device)
         start = time.perf_counter()

@@ -597,7 +597,8 @@ def run_set(args, rounds, budget_s, emit, on_segment=None):
             # autotuning passes for one between allocators.
             workers.append(Worker(args.program, args.configs[0], program_args=extra))
             workers[0].wait_ready()
-        workers += [Worker(args.program, c, program_args=extra) for c in args.configs[len(workers):]]
+        workers += [Worker(args.program, c, program_args=extra)
+                    for c in args.configs[len(workers):]]
         for w in workers[1 if compiled else 0:]:
             w.wait_ready()
         done = run_rounds(workers, rounds, budget_s, emit=emit,

@@ -60,7 +60,8 @@ streaming programs) also takes "begin", answered "begun", and then
 "segment" until the run ends: each streams the next N frames, answered
 "segment SECONDS", and the last "end SECONDS" and the run's line.
 
-    python tests/torch/validate.py gpt2|vit|stream_gct[_growable][_compile|_flash]|compile_kv|lingbot
+    python tests/torch/validate.py gpt2|vit|stream_gct[_growable][_compile|_flash]|compile_kv
+                                   |lingbot
                                    native|tidalloc
                                    [--repeats N] [--frames N] [--trace-csv FILE.csv.gz]
                                    [--serve [--cold] [--label NAME] [--warmup-frames N]
