@@ -6,6 +6,11 @@
 #   kernels         tests/torch/kv_cache_gpu.py: which SDPA kernels take
 #                   tidalloc.kv.KVCache's views, and a CUDA graph replayed over
 #                   a bucket of lengths (kv_kernels.csv, kv_cache_gpu.txt)
+#   attention       bench/torch/attention_cost.py: one attention call's time by
+#                   kernel, over contiguous keys and over KVCache's layout, at
+#                   one key length and at a new length every call (cuDNN's
+#                   plans), for a streaming frame and a decoding step
+#                   (attention_cost.csv; not in the default stages)
 #   decode          bench/torch/kv_decode.py: a decode step's appends and
 #                   attention alone (GPT-2's 12 layers of 12 heads), host and
 #                   wall time per step as the cache grows, torch.cat against
@@ -93,6 +98,13 @@ if want kernels && enough 30 kernels; then
     >"$out/kv_cache_gpu.txt" 2>&1
   note "kernels (rc $?): $(tail -1 "$out/kv_cache_gpu.txt")"
   grep '^FAIL' "$out/kv_cache_gpu.txt" | tee -a "$summary"
+fi
+
+if want attention && enough 30 attention; then
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "$(left)" "$py" \
+    bench/torch/attention_cost.py --csv "$out/attention_cost.csv" >"$out/attention_cost.txt" 2>&1
+  note "attention (rc $?):"
+  tee -a "$summary" <"$out/attention_cost.txt"
 fi
 
 if want decode; then
