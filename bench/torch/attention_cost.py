@@ -25,7 +25,6 @@ both for a CPU.
 Columns: shape, kernel, layout, lengths, calls, batch, heads, query_len,
 key_len, head_dim, ms_per_call, status, error."""
 import argparse
-import csv
 import os
 import sys
 import time
@@ -33,8 +32,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-# sdpa.py beside this file, also when this file is loaded by its path.
+# sdpa.py and results_csv.py beside this file, also when this file is loaded by its path.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_csv import append_rows  # noqa: E402
 from sdpa import SDPA_KERNELS, sdpa_context  # noqa: E402
 
 COLUMNS = ("shape", "kernel", "layout", "lengths", "calls", "batch", "heads", "query_len",
@@ -141,12 +141,7 @@ def main(argv=None):
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
     if args.csv:
-        new = not os.path.exists(args.csv) or os.path.getsize(args.csv) == 0
-        with open(args.csv, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            if new:
-                w.writeheader()
-            w.writerows(rows)
+        append_rows(args.csv, COLUMNS, rows)
     return 0
 
 

@@ -69,8 +69,9 @@ import torch
 
 # The package of this source tree, also when PYTHONPATH does not name it.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
-# sdpa.py beside this file, also when this file is loaded by its path.
+# sdpa.py and results_csv.py beside this file, also when this file is loaded by its path.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_csv import append_rows  # noqa: E402
 from sdpa import SDPA_KERNELS, sdpa_context  # noqa: E402
 
 COLUMNS = ("model", "params_m", "batch", "prompt", "new_tokens", "cache", "max_cache_len",
@@ -370,15 +371,6 @@ def run(args):
     return row
 
 
-def append_row(path, row):
-    new = not os.path.exists(path) or os.path.getsize(path) == 0
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        if new:
-            w.writeheader()
-        w.writerow({k: row.get(k, "") for k in COLUMNS})
-
-
 def summarize(path, out=sys.stdout):
     """Per (model, batch, new tokens): each cache's time per token and peak
     against DynamicCache's, and whether its ids equal DynamicCache's.
@@ -494,7 +486,7 @@ def main(argv=None):
         sys.exit("hf_generate: no CUDA device; use --device cpu --tiny")
     row = run(args)
     if args.csv:
-        append_row(args.csv, row)
+        append_rows(args.csv, COLUMNS, [row])
     print(" ".join("%s=%s" % (k, row.get(k, "")) for k in COLUMNS if row.get(k, "") != ""),
           flush=True)
     return 0 if row["status"] == "ok" else 2

@@ -20,7 +20,6 @@ the device's.
 Columns: cache, batch, heads, head_dim, layers, tokens (the length at the
 window's end), host_us_per_step, wall_us_per_step, sdpa, source, device."""
 import argparse
-import csv
 import os
 import sys
 import time
@@ -29,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
-# sdpa.py beside this file, also when this file is loaded by its path.
+# sdpa.py and results_csv.py beside this file, also when this file is loaded by its path.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_csv import append_rows  # noqa: E402
 from sdpa import SDPA_KERNELS, sdpa_context  # noqa: E402
 
 COLUMNS = ("cache", "batch", "heads", "head_dim", "layers", "tokens", "host_us_per_step",
@@ -153,12 +153,7 @@ def main():
         print("%-8s %7s %10s %10s" % (r["cache"], r["tokens"], r["host_us_per_step"],
                                       r["wall_us_per_step"]))
     if args.csv:
-        new = not os.path.exists(args.csv) or os.path.getsize(args.csv) == 0
-        with open(args.csv, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            if new:
-                w.writeheader()
-            w.writerows(rows)
+        append_rows(args.csv, COLUMNS, rows)
 
 
 if __name__ == "__main__":

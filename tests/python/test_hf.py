@@ -253,7 +253,7 @@ def test_tail_floor_saves_at_most_the_devices_tail(tmp_path):
             dict(base, cache="growable", ms_per_token_last10="11.6")]
     path = tmp_path / "hf.csv"
     for r in rows:
-        hf.append_row(str(path), r)
+        hf.append_rows(str(path), hf.COLUMNS, [r])
     import io
     out = io.StringIO()
     assert hf.summarize(str(path), out) == 0
@@ -280,7 +280,7 @@ def test_summary_names_the_first_token_that_differs_per_kernel(tmp_path):
                 dict(base, cache="growable", ids_sha256="b", ids_file="grow.pt"),
                 dict(base, cache="dynamic", ids_sha256="c", sdpa="flash"),
                 dict(base, cache="growable", ids_sha256="c", sdpa="flash")):
-        hf.append_row(path, row)
+        hf.append_rows(path, hf.COLUMNS, [row])
     import io
     out = io.StringIO()
     assert hf.summarize(path, out) == 1
