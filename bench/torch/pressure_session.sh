@@ -4,7 +4,9 @@
 # shim built once, then bench/torch/frontier.py for each of PROGRAMS under
 # CAPS, and, where TWO_PROCESS names a program, bench/torch/two_process.py at
 # each margin of MARGIN (default 1.06), the second process STAGGER seconds
-# after the first (default 0).
+# after the first (default 0), TWO_PROCESS_ROUNDS rounds (default 1; the
+# allocators' order reversed every other round), summarized in
+# two_process_summary.txt.
 # Everything lands in $OUT (default out/pressure): frontier.csv and .png,
 # two_process.csv, machine.txt, logs. SESSION_SECONDS (default 540) bounds
 # the frontier: no run starts after it.
@@ -90,7 +92,9 @@ fi
 if [[ -n ${TWO_PROCESS:-} ]]; then
   # shellcheck disable=SC2086
   "$py" bench/torch/two_process.py --program "$TWO_PROCESS" --margins ${MARGIN:-1.06} \
-    --stagger "${STAGGER:-0}" \
+    --stagger "${STAGGER:-0}" --rounds "${TWO_PROCESS_ROUNDS:-1}" \
     --csv "$out/two_process.csv" 2>&1 | tee "$out/two_process.log"
+  "$py" bench/torch/two_process.py --summarize "$out/two_process.csv" |
+    tee "$out/two_process_summary.txt"
 fi
 echo "session: $((SECONDS - start)) s"
