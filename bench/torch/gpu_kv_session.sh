@@ -30,10 +30,11 @@
 #                   (--growable), under expandable segments, one process each
 #                   per attention kernel of STREAM_PROFILE_SDPA (default
 #                   "default", PyTorch's choice; stream_gct.py --sdpa):
-#                   STREAM_PROFILE_FRAMES frames (default 160), the device's
-#                   kernels over steps STREAM_PROFILE_STEPS (default 100:110,
-#                   the window full) by kind, and those steps' wall time:
-#                   where a step's time goes for each cache
+#                   a run of each frame count of STREAM_PROFILE_FRAMES
+#                   (default "160 160": a first run, then one over lengths
+#                   seen), the device's kernels over steps STREAM_PROFILE_STEPS
+#                   (default 100:110, the window full) by kind, and those
+#                   steps' wall time: where a step's time goes for each cache
 #                   (stream_profile.txt)
 #   stream_compile  the same with the hot modules compiled
 #                   (mode="reduce-overhead"), STREAM_COMPILE_ROUNDS rounds
@@ -168,12 +169,14 @@ if want stream_profile && enough 90 stream_profile; then
       echo "== $cache, --sdpa $sdpa" >>"$out/stream_profile.txt"
       growable=()
       [[ $cache == growable ]] && growable=(--growable)
+      # shellcheck disable=SC2086
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "$(left)" "$py" \
-        bench/torch/stream_gct.py --frame-counts "${STREAM_PROFILE_FRAMES:-160}" \
+        bench/torch/stream_gct.py --frame-counts ${STREAM_PROFILE_FRAMES:-160 160} \
         --profile-frames "${STREAM_PROFILE_STEPS:-100:110}" --sdpa "$sdpa" \
         "${growable[@]}" >>"$out/stream_profile.txt" 2>&1
       note "stream_profile $cache, --sdpa $sdpa (rc $?):"
-      grep '^stream_gct: \|frames  ok\|frames  oom' "$out/stream_profile.txt" | tail -15 | tee -a "$summary"
+      sed -n '/^== '"$cache, --sdpa $sdpa"'$/,$p' "$out/stream_profile.txt" |
+        grep '^stream_gct: \|frames  ok\|frames  oom' | tee -a "$summary"
     done
   done
 fi
