@@ -315,7 +315,13 @@ typedef struct tide_stats {
    * pressure"). The cached path makes no such call. */
   uint64_t device_queries;
   uint64_t device_query_ns;
-  uint64_t reserved_u64[2]; /* for future use; zero */
+  /* Nanoseconds allocations the device could not hold spent waiting for
+   * others (another process, another allocator of the device) to give
+   * memory back, before they succeeded or failed for lack of memory (summed
+   * over threads; docs/design.md, "Memory by pressure"). 0 where no other
+   * held memory beyond the device's low-water mark when one failed. */
+  uint64_t others_wait_ns;
+  uint64_t reserved_u64[1]; /* for future use; zero */
 } tide_stats;
 
 TIDE_NODISCARD TIDE_API tide_status tide_get_stats(tide_allocator *alloc, tide_stats *out);

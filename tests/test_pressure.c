@@ -99,6 +99,10 @@ static void test_cache_given_back_to_another(void **state) {
   assert_non_null(mine);
   assert_int_equal(device_free(b), 2 * TU_MiB);
   assert_null(tide_malloc(b, 6 * TU_MiB, NULL)); /* a holds the rest, cached */
+  /* b waited for a to give memory back before it failed (half a second of
+   * 5 ms naps, a not allocating meanwhile), and its stats say how long. */
+  assert_true(tu_stats(b).others_wait_ns >= 250 * 1000 * 1000ull);
+  assert_int_equal(tu_stats(a).others_wait_ns, 0);
   int64_t cached = tu_stats(a).reserved_bytes[TIDE_POOL_ALL].current;
   churn(a, 600, 2 * TU_MiB); /* large blocks from a's cache: no growth of its own */
   int64_t after = tu_stats(a).reserved_bytes[TIDE_POOL_ALL].current;
@@ -128,6 +132,7 @@ static void test_own_growth_recycles_near_the_mark(void **state) {
   assert_non_null(z);
   tide_stats st = tu_stats(a);
   assert_true(st.unmappings > 0);
+  assert_int_equal(st.others_wait_ns, 0);       /* nobody else to wait for */
   assert_int_equal(device_free(a), 4 * TU_MiB); /* x's pages recycled down to the mark */
   tu_assert_ok(tide_free(a, z, NULL));
   uint64_t unmapped = tu_stats(a).unmappings;

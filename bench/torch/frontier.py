@@ -16,7 +16,9 @@ and, for programs with caches that can grow in place, tidalloc-growable
 CSV columns: program,allocator,cap,status,wall_s,peak_allocated_gib,
 peak_reserved_gib,limit_gib,unmappings,stream_waits,mappings,order,error,
 device_queries,device_query_ms (tidalloc's queries of the device's free
-memory, and their time).
+memory, and their time),alloc_retries (allocations that gave the cache back
+and tried again),others_wait_ms (the time failed allocations waited for
+other processes to give memory back).
 wall_s is the program's own timed section: the frame loop of the streaming
 model and of LingBot-Map's benchmark; for GPT-2 and ViT, from the model's
 move to the device (its weights' allocations) to the end of the work, from a
@@ -55,7 +57,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
 COLUMNS = ("program", "allocator", "cap", "status", "wall_s", "peak_allocated_gib",
            "peak_reserved_gib", "limit_gib", "unmappings", "stream_waits", "mappings", "order",
-           "error", "device_queries", "device_query_ms")
+           "error", "device_queries", "device_query_ms", "alloc_retries", "others_wait_ms")
 DEFAULT_CAPS = ("none", "1.00", "1.01", "1.02", "1.03", "1.05", "1.10")
 ALLOCATORS = ("expandable", "native", "tidalloc")
 GIB = float(1 << 30)
@@ -191,14 +193,16 @@ def split_program(program):
 
 def tidalloc_counts():
     """tidalloc's driver work over the process: unmappings, stream waits,
-    mappings, queries of the device's free memory and their milliseconds."""
+    mappings, queries of the device's free memory and their milliseconds,
+    allocations retried after giving the cache back, and milliseconds spent
+    waiting for other processes to give memory back."""
     try:
         import tidalloc
         st = tidalloc.stats(0)
         return (st.unmappings, st.stream_waits, st.mappings, st.device_queries,
-                st.device_query_ns / 1e6)
+                st.device_query_ns / 1e6, st.num_alloc_retries, st.others_wait_ns / 1e6)
     except Exception:  # not tidalloc's process
-        return "", "", "", "", ""
+        return "", "", "", "", "", "", ""
 
 
 def child(args):
@@ -230,7 +234,8 @@ def child(args):
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
     (result["unmappings"], result["stream_waits"], result["mappings"], result["device_queries"],
-     result["device_query_ms"]) = tidalloc_counts()
+     result["device_query_ms"], result["alloc_retries"],
+     result["others_wait_ms"]) = tidalloc_counts()
     if args.trace:
         try:
             from tidalloc import viz

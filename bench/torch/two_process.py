@@ -21,8 +21,9 @@ their makespans (the later process's wall time).
 
 CSV columns: allocator,process,status,wall_s,peak_allocated_gib,
 peak_reserved_gib,room_gib,error,margin,stagger_s,round,unmappings,
-stream_waits,mappings,device_queries (the last four tidalloc's, as
-frontier.py counts them).
+stream_waits,mappings,device_queries,alloc_retries,others_wait_ms (the last
+six tidalloc's, as frontier.py counts them: others_wait_ms is the time its
+failed allocations waited for the other process to give memory back).
 
     python bench/torch/two_process.py --program stream_gct:64 --csv out/two_process.csv
     python bench/torch/two_process.py --program stream_gct:64 --margins 1.0 1.02 --stagger 5 \
@@ -45,7 +46,7 @@ import frontier  # noqa: E402
 GIB = float(1 << 30)
 COLUMNS = ("allocator", "process", "status", "wall_s", "peak_allocated_gib", "peak_reserved_gib",
            "room_gib", "error", "margin", "stagger_s", "round", "unmappings", "stream_waits",
-           "mappings", "device_queries")
+           "mappings", "device_queries", "alloc_retries", "others_wait_ms")
 BALLAST = """
 import sys, time, torch
 keep = int(sys.argv[1])

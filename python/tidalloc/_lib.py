@@ -22,13 +22,13 @@ _COUNTERS = ("num_allocs", "num_frees", "pages_mapped", "pages_unmapped", "segme
              "segments_released", "num_alloc_retries", "num_ooms", "num_sync_all_streams",
              "num_device_alloc", "num_device_free", "oversize_allocations", "memory_limit",
              "mappings", "unmappings", "stream_waits", "mapping_ns", "device_queries",
-             "device_query_ns")
+             "device_query_ns", "others_wait_ns")
 
 
 class Stats(ctypes.Structure):
     _fields_ = ([(name, Stat * _KINDS) for name in _STAT_FIELDS] +
                 [(name, ctypes.c_uint64) for name in _COUNTERS] +
-                [("reserved_u64", ctypes.c_uint64 * 2)])
+                [("reserved_u64", ctypes.c_uint64 * 1)])
 
 
 class BufOptions(ctypes.Structure):
@@ -252,6 +252,8 @@ def memory_stats(index=0):
     # Not PyTorch's: the queries of the device's free memory, and their time.
     result["num_device_queries"] = st.device_queries
     result["device_query_ns"] = st.device_query_ns
+    # Not PyTorch's: time failed allocations waited for other processes.
+    result["others_wait_ns"] = st.others_wait_ns
     return result
 
 

@@ -360,6 +360,7 @@ static void *malloc_failed(tide_allocator *a, _tide_arena *arena, size_t size, s
   }
   _tide_reclaim_for_retry(a);
   void *ptr = NULL;
+  uint64_t waiting_since = 0;
   for (unsigned tries = 0;; tries++) {
     _tide_lock_acquire(&arena->lock);
     rc = _tide_arena_malloc(arena, size, rounded, &ptr);
@@ -370,8 +371,12 @@ static void *malloc_failed(tide_allocator *a, _tide_arena *arena, size_t size, s
     if ((size_t)reserved + rounded > atomic_load(&a->limit) || !_tide_device_free(a, &free_bytes) ||
         _tide_others_hold(a, free_bytes) <= (int64_t)_tide_low_water(a))
       break;
+    if (!waiting_since) waiting_since = _tide_now_ns();
     nanosleep(&(struct timespec){.tv_nsec = OTHERS_WAIT_NS}, NULL);
   }
+  if (waiting_since)
+    atomic_fetch_add_explicit(&a->others_wait_ns, _tide_now_ns() - waiting_since,
+                              memory_order_relaxed);
   if (rc == TIDE_OK) return ptr;
   if (rc != TIDE_ERR_OOM) return NULL;
   char cause[512], b[7][32], on_stream[48];

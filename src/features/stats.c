@@ -83,6 +83,7 @@ int _tide_stats_collect(tide_allocator *a, tide_stats *out) {
   out->mapping_ns = atomic_load(&a->mapping_ns);
   out->device_queries = atomic_load(&a->device_queries);
   out->device_query_ns = atomic_load(&a->device_query_ns);
+  out->others_wait_ns = atomic_load(&a->others_wait_ns);
   out->memory_limit = atomic_load(&a->limit);
   return TIDE_OK;
 }
