@@ -234,6 +234,23 @@ def test_attention_kernel_is_held_for_the_bf16_attention(monkeypatch):
         sg.set_attention_kernel("fast")
 
 
+def test_paired_runner_holds_its_attention_kernel():
+    # The kernel reaches attend(): the math kernel rounds differently from
+    # PyTorch's choice on the CPU (its flash kernel), so the outputs differ.
+    torch.set_num_threads(1)
+    digests = {}
+    try:
+        for kernel in ("default", "math"):
+            run = sg.paired_runner("cpu", frames=4, tiny=True, sdpa=kernel)
+            assert sg.ATTENTION_KERNEL == kernel
+            digest = hashlib.sha256()
+            run(digest)
+            digests[kernel] = digest.hexdigest()
+    finally:
+        sg.set_attention_kernel("default")
+    assert digests["default"] != digests["math"]
+
+
 def test_step_callbacks_run_together():
     seen = []
     both = sg.each(lambda b: seen.append(("a", b)), None, lambda b: seen.append(("b", b)))
