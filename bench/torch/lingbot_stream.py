@@ -17,7 +17,8 @@ outputs.
         ...
 
 LINGBOT_ARGS adds arguments to the script's own (e.g. "--sliding-window
-128")."""
+128"). paired_runner(..., kvcache=True) runs the model with its attention
+caches in tidalloc.kv.KVCache (bench/torch/lingbot_kvcache.py)."""
 import importlib.util
 import os
 import shlex
@@ -48,13 +49,19 @@ def script_args(script, extra=()):
         sys.argv = argv
 
 
-def paired_runner(device, frames, extra_args=(), seed=0):
+def paired_runner(device, frames, extra_args=(), seed=0, kvcache=False):
     """run(digest, frames=frames): one stream through one model built here,
     as the script's run_streaming_once streams it, adding every frame's pose
     to digest; run.segments(digest, every, frames) the same, pausing after
-    every `every` frames."""
+    every `every` frames. kvcache: the attention's caches in KVCaches (for
+    every model of the process; run.uninstall() undoes it)."""
     import torch
     script = load_script()
+    uninstall = None
+    if kvcache:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import lingbot_kvcache
+        uninstall = lingbot_kvcache.install(max_frames=frames + 100)
     args = script_args(script, extra_args)
     device = str(device)
     dtype = (torch.float32 if torch.device(device).type == "cpu"
@@ -109,4 +116,5 @@ def paired_runner(device, frames, extra_args=(), seed=0):
         for _ in segments(digest, frames, frames):
             pass
     run.segments = segments
+    run.uninstall = uninstall  # with kvcache: puts LingBot-Map's own attention back
     return run

@@ -34,7 +34,8 @@ stream_gct_growable_compile with KVCaches too; stream_gct_flash and
 stream_gct_growable_flash: the bf16 attention held to the flash kernel; compile_kv: the
 growing-KV decoder compiled so, --frames decoding steps per run; lingbot:
 LingBot-Map's own benchmark loop, from the checkout LINGBOT_MAP names, through
-bench/torch/lingbot_stream.py).
+bench/torch/lingbot_stream.py; lingbot_kvcache: the same with its caches in
+tidalloc.kv.KVCache, bench/torch/lingbot_kvcache.py).
 
 Configurations as in run_validation.sh: native, expandable
 (expandable_segments:True), tidalloc (tidalloc.torch.install(), capture

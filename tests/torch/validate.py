@@ -37,6 +37,10 @@ seconds,repeats,median_seconds,min_seconds,max_seconds,peak_reserved_all_mib
         --frames decoding steps per run, its K and V caches grown by
         torch.cat every step from empty; the first two runs, untimed, warm up
         and record a graph per length; the output is each step's first 8 features.
+  lingbot: LingBot-Map's own benchmark loop (bench/torch/lingbot_stream.py,
+        the checkout LINGBOT_MAP names); lingbot_kvcache: the same with its
+        attention caches in tidalloc.kv.KVCache (bench/torch/lingbot_kvcache.py).
+        The output is every frame's pose.
 
 The allocator: native (PyTorch's default; PYTORCH_CUDA_ALLOC_CONF is the
 caller's, e.g. expandable_segments:True), or tidalloc (installed before CUDA
@@ -61,7 +65,7 @@ streaming programs) also takes "begin", answered "begun", and then
 "segment SECONDS", and the last "end SECONDS" and the run's line.
 
     python tests/torch/validate.py gpt2|vit|stream_gct[_growable][_compile|_flash]|compile_kv
-                                   |lingbot
+                                   |lingbot[_kvcache]
                                    native|tidalloc
                                    [--repeats N] [--frames N] [--trace-csv FILE.csv.gz]
                                    [--serve [--cold] [--label NAME] [--warmup-frames N]
@@ -144,13 +148,14 @@ def compile_kv(torch, dev, steps, layers=16, width=1024, batch=8):
 EAGER_STREAM_PROGRAMS = ("stream_gct", "stream_gct_growable", "stream_gct_growable_fp32k",
                          "stream_gct_flash", "stream_gct_growable_flash")
 PROGRAMS = (("gpt2", "vit") + EAGER_STREAM_PROGRAMS
-            + ("stream_gct_compile", "stream_gct_growable_compile", "compile_kv", "lingbot"))
+            + ("stream_gct_compile", "stream_gct_growable_compile", "compile_kv", "lingbot",
+               "lingbot_kvcache"))
 # The programs whose first run may be a shorter stream (--warmup-frames): a
 # compiled program's first runs record the graphs its timed runs replay.
-SHORT_WARMUP_PROGRAMS = EAGER_STREAM_PROGRAMS + ("lingbot",)
+SHORT_WARMUP_PROGRAMS = EAGER_STREAM_PROGRAMS + ("lingbot", "lingbot_kvcache")
 # The programs that stream frames, and can be timed in segments (--segment-frames).
 STREAMING_PROGRAMS = EAGER_STREAM_PROGRAMS + ("stream_gct_compile", "stream_gct_growable_compile",
-                                              "lingbot")
+                                              "lingbot", "lingbot_kvcache")
 
 
 def make_program(name, torch, dev, frames):
@@ -162,8 +167,9 @@ def make_program(name, torch, dev, frames):
                           sdpa="flash" if name.endswith("_flash") else "default")
     if name == "compile_kv":
         return compile_kv(torch, dev, frames)
-    if name == "lingbot":
-        return bench_torch_module("lingbot_stream").paired_runner(dev, frames)
+    if name in ("lingbot", "lingbot_kvcache"):
+        return bench_torch_module("lingbot_stream").paired_runner(
+            dev, frames, kvcache=name == "lingbot_kvcache")
     return {"gpt2": gpt2, "vit": vit}[name](torch, dev)
 
 
