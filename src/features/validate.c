@@ -835,9 +835,10 @@ static bool check_allocator(checker *c, _tide_arena *const *arenas, size_t n) {
   }
   c->arena = NULL;
   if (!check_disjoint(c, arenas, n)) return false;
-  int64_t held = atomic_load(&a->reserved.cur);
-  CHECK(c, held == reserved, "the allocator counts %lld reserved bytes, its arenas %lld",
-        (long long)held, (long long)reserved);
+  int64_t held = atomic_load(&a->reserved.cur), claimed = atomic_load(&a->claimed);
+  CHECK(c, held == reserved + claimed,
+        "the allocator counts %lld reserved bytes, its arenas %lld and waiting claims %lld",
+        (long long)held, (long long)reserved, (long long)claimed);
   CHECK(c, atomic_load(&a->reserved.peak) >= held, "the reserved peak is below current");
   if (atomic_load(&a->shared_peak)) {
     int64_t shared = atomic_load(&a->allocated.cur);

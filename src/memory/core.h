@@ -668,6 +668,11 @@ struct tide_allocator {
   _Atomic uint64_t device_queries;  /* tide_stats.device_queries (device_memory.c) */
   _Atomic uint64_t device_query_ns; /* tide_stats.device_query_ns */
   _Atomic uint64_t others_wait_ns;  /* tide_stats.others_wait_ns (allocator.c) */
+  /* Bytes that waiting allocations hold as claims on the device's free
+   * memory (allocator.c), reserved but in no arena: taken and given back
+   * under an arena's lock, so that tide_check sees both counts move
+   * together. */
+  _Atomic int64_t claimed;
   /* The last reading of what others hold of the device, and when
    * (_tide_now_ns); others_seen_ns 0 before the first (device_memory.c). */
   _Atomic int64_t others_seen;
