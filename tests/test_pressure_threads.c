@@ -22,6 +22,7 @@
 
 #define SHARED "backend:host,host_capacity:256MiB,host_shared:True,load_handles:False"
 
+/* A thread's allocator, its stop flag and the failures it met. */
 typedef struct worker {
   tide_allocator *a;
   atomic_bool stop;
@@ -52,15 +53,9 @@ static void *churn(void *arg) {
   return NULL;
 }
 
-typedef struct checker {
-  tide_allocator *a;
-  atomic_bool stop;
-  atomic_int failures;
-} checker;
-
 /* tide_check in a loop: the counts agree at every moment, claims included. */
 static void *check_loop(void *arg) {
-  checker *c = arg;
+  worker *c = arg;
   while (!atomic_load(&c->stop)) {
     if (tide_check(c->a) != TIDE_OK) atomic_fetch_add(&c->failures, 1);
     nanosleep(&(struct timespec){.tv_nsec = 200000}, NULL);
@@ -78,7 +73,7 @@ static void b_waits_for_a(size_t first_mib, size_t each_mib, int count) {
   assert_non_null(big);
   tu_assert_ok(tide_free(w.a, big, NULL)); /* 200 MiB cached by a */
   pthread_t t, tc;
-  checker c = {.a = b};
+  worker c = {.a = b}; /* the thread that checks b */
   assert_int_equal(pthread_create(&t, NULL, churn, &w), 0);
   assert_int_equal(pthread_create(&tc, NULL, check_loop, &c), 0);
   void *first = tide_malloc(b, first_mib * TU_MiB, NULL);
