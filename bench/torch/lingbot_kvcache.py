@@ -31,7 +31,13 @@ eviction, the non-fused path) go to LingBot-Map's own code.
     import lingbot_kvcache
     uninstall = lingbot_kvcache.install(max_frames=1100)   # before the first frame
 """
+import os
+import sys
+
 import torch
+
+# The package of this source tree, also when PYTHONPATH does not name it.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
 
 # The dict key under which a layer's cache lives beside LingBot-Map's keys.
 CACHE_KEY = "_tidalloc_kv_%d"
