@@ -6,9 +6,10 @@ skipped without them. Runs a small image size on the CPU."""
 import hashlib
 import importlib.util
 import os
+import sys
 
 import pytest
-from repo_module import load
+from repo_module import ROOT, load
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get("LINGBOT_MAP") or any(importlib.util.find_spec(m) is None
@@ -58,6 +59,7 @@ class Poses:
 
 
 def library_found():
+    sys.path.insert(0, os.path.join(ROOT, "python"))
     try:
         import tidalloc
         return os.path.exists(tidalloc.library_path())
