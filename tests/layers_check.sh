@@ -48,7 +48,8 @@ KNOWN = {}
 ORDER = {
     "memory": ["trace.c", "ptrmap.c", "bins.c", "device_memory.c", "stream_events.c", "segment.c",
                "arena.c", "arena_table.c"],
-    "features": ["stats.c", "pinned.c", "graph_reuse.c", "pool.c", "checkpoint.c", "buffer.c",
+    "features": ["stats.c", "pinned.c", "graph_reuse.c", "pool.c", "checkpoint.c", "others.c",
+                 "buffer.c",
                  "share.c", "snapshot.c", "validate.c"],
 }
 

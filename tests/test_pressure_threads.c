@@ -118,6 +118,37 @@ static void test_large_requests_wait_for_another_to_give_back(void **state) {
   b_waits_for_a(20, 60, 2); /* 36 MiB free, requests of 60 */
 }
 
+/* A growable buffer (a KV cache's storage) grows as tide_malloc allocates:
+ * beside a's cache, b's buffer reaches 52 MiB, then grows by 12 MiB (three
+ * marks, with the device at its mark), which it gets by waiting for a. */
+static void test_growable_buffer_waits_for_another_to_give_back(void **state) {
+  (void)state;
+  worker w = {.a = tu_create(SHARED)};
+  tide_allocator *b = tu_create(SHARED);
+  void *big = tide_malloc(w.a, 200 * TU_MiB, NULL);
+  assert_non_null(big);
+  tu_assert_ok(tide_free(w.a, big, NULL)); /* 200 MiB cached by a */
+  pthread_t t;
+  assert_int_equal(pthread_create(&t, NULL, churn, &w), 0);
+  tide_buf_options o;
+  tide_buf_options_init(&o);
+  o.capacity = 128 * TU_MiB;
+  tide_buf *buf = NULL;
+  tu_assert_ok(tide_buf_create(b, &o, &buf));
+  tu_assert_ok(tide_buf_resize(buf, 52 * TU_MiB, NULL));
+  tide_status grown = tide_buf_resize(buf, 64 * TU_MiB, NULL);
+  if (grown != TIDE_OK) fail_msg("b's buffer did not grow: %s", tide_last_error());
+  atomic_store(&w.stop, true);
+  assert_int_equal(pthread_join(t, NULL), 0);
+  assert_int_equal(atomic_load(&w.failures), 0);
+  assert_true(tu_stats(b).others_wait_ns > 0);
+  tu_assert_ok(tide_check(w.a));
+  tu_assert_ok(tide_check(b));
+  tu_assert_ok(tide_buf_destroy(buf));
+  tu_assert_ok(tide_destroy(w.a));
+  tu_assert_ok(tide_destroy(b));
+}
+
 /* With nobody to give memory back, the error comes at once: no wait when
  * the allocator's own limit, not the device, stands in the way. */
 static void test_own_limit_fails_without_waiting(void **state) {
@@ -132,6 +163,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_allocation_waits_for_another_to_give_back),
       cmocka_unit_test(test_large_requests_wait_for_another_to_give_back),
+      cmocka_unit_test(test_growable_buffer_waits_for_another_to_give_back),
       cmocka_unit_test(test_own_limit_fails_without_waiting),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);

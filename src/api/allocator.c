@@ -17,7 +17,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "features/features.h"
 #include "features/pinned.h"
@@ -325,84 +324,6 @@ static void *malloc_locked(tide_allocator *a, _tide_arena *arena, size_t size, s
   return malloc_failed(a, arena, size, rounded, stream, rc);
 }
 
-/* How long an allocation the device cannot hold waits for others to give
- * memory back: many of their device checks (each after 256 of their
- * allocations), so that a second process whose growth meets the first
- * one's cache gets the pages instead of an error; a real out-of-memory
- * error still comes within half a second. */
-#define OTHERS_TRIES 100
-#define OTHERS_WAIT_NS 5000000L
-
-/* A claim: while an allocation waits for others, it holds the device's free
- * memory above the low-water mark as one handle, reserved like any memory
- * (the limit counts it). Others give pages back only when they see the
- * device below the mark and others grown since their last look; a failed
- * growth is rolled back and shows neither, so without a claim a request
- * larger than the device's free memory waits in vain beside a cache that
- * could hold it. The claim takes the device to a page below the mark and
- * no further, leaving a third process the mark's worth; each time others
- * give back, the next claim is larger, and they see the growth again. It
- * goes back before each try, which can then use its memory. */
-typedef struct claim {
-  _tide_handle handle;
-  size_t bytes; /* 0: none held */
-} claim;
-
-/* The bytes to claim with `free_bytes` free on the device: none below the
- * mark (others see the device low already), else down to a page under it,
- * within the limit. */
-static size_t claim_bytes(tide_allocator *a, size_t free_bytes) {
-  size_t low = _tide_low_water(a), page = a->page_size;
-  if (free_bytes < low) return 0;
-  size_t want = (free_bytes - low) / page * page + page;
-  if (want > free_bytes) want = free_bytes / page * page;
-  int64_t room = (int64_t)atomic_load(&a->limit) -
-                 atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
-  if (room < (int64_t)want) want = room > 0 ? (size_t)room / page * page : 0;
-  return want;
-}
-
-/* Take a claim (none where the device or the limit refuses it); the
- * caller's error stays. */
-static void claim_take(tide_allocator *a, _tide_arena *arena, size_t free_bytes, claim *c) {
-  c->bytes = claim_bytes(a, free_bytes);
-  if (!c->bytes) return;
-  _tide_saved_error saved;
-  _tide_error_save(&saved);
-  _tide_lock_acquire(&arena->lock);
-  if (_tide_budget_take(a, c->bytes, c->bytes) != TIDE_OK) {
-    c->bytes = 0;
-  } else if (_tide_mem_create(a, c->bytes, &c->handle) != TIDE_OK) {
-    _tide_budget_give(a, c->bytes);
-    c->bytes = 0;
-  } else {
-    atomic_fetch_add(&a->claimed, (int64_t)c->bytes);
-  }
-  _tide_lock_release(&arena->lock);
-  _tide_error_restore(&saved);
-}
-
-/* Give a claim back. A handle the backend refuses to release becomes an
- * orphan of the arena (its bytes stay reserved there), released with the
- * arena's other orphans. The caller's error stays. */
-static void claim_drop(tide_allocator *a, _tide_arena *arena, claim *c) {
-  if (!c->bytes) return;
-  _tide_saved_error saved;
-  _tide_error_save(&saved);
-  _tide_lock_acquire(&arena->lock);
-  if (_tide_mem_release(a, c->handle) == TIDE_OK) {
-    _tide_budget_give(a, c->bytes);
-  } else {
-    _tide_stat_add(&arena->stats, _TIDE_ST_RESERVED, _TIDE_LARGE, (int64_t)c->bytes);
-    arena->stats.counters[_TIDE_CT_DEVICE_ALLOC]++;
-    _tide_orphan(arena, _TIDE_LARGE, 0, 0, c->handle, c->bytes, 0, 0);
-  }
-  atomic_fetch_sub(&a->claimed, (int64_t)c->bytes);
-  _tide_lock_release(&arena->lock);
-  _tide_error_restore(&saved);
-  c->bytes = 0;
-}
-
 /* The one place a failed allocation goes, holding no lock; `rc` is the
  * arena's status. A failure other than a lack of memory gets its message
  * prefixed. A lack of memory climbs a ladder before it is an error:
@@ -414,7 +335,7 @@ static void claim_drop(tide_allocator *a, _tide_arena *arena, claim *c) {
  *      low-water mark, wait for them: an allocator holding memory it
  *      caches gives it back when it sees the device low, within a few of
  *      its allocations (arena.c, yield_to_device), and between tries
- *      the allocation holds a claim that lets them see it (claim_take).
+ *      the allocation holds a claim that lets them see it (others.c).
  *      The device's free memory alone does not say: a growth maps whole
  *      pages, and what others gave back since the failure is what the
  *      next try takes;
@@ -432,26 +353,15 @@ static void *malloc_failed(tide_allocator *a, _tide_arena *arena, size_t size, s
   }
   _tide_reclaim_for_retry(a);
   void *ptr = NULL;
-  uint64_t waiting_since = 0;
-  for (unsigned tries = 0;; tries++) {
+  _tide_others_wait wait = {0};
+  for (;;) {
     _tide_lock_acquire(&arena->lock);
     rc = _tide_arena_malloc(arena, size, rounded, &ptr);
     _tide_lock_release(&arena->lock);
-    if (rc != TIDE_ERR_OOM || tries == OTHERS_TRIES) break;
-    size_t free_bytes;
-    int64_t reserved = atomic_load_explicit(&a->reserved.cur, memory_order_relaxed);
-    if ((size_t)reserved + rounded > atomic_load(&a->limit) || !_tide_device_free(a, &free_bytes) ||
-        _tide_others_hold(a, free_bytes) <= (int64_t)_tide_low_water(a))
-      break;
-    if (!waiting_since) waiting_since = _tide_now_ns();
-    claim held;
-    claim_take(a, arena, free_bytes, &held);
-    nanosleep(&(struct timespec){.tv_nsec = OTHERS_WAIT_NS}, NULL);
-    claim_drop(a, arena, &held);
+    if (rc != TIDE_ERR_OOM || !_tide_others_wait_more(a, &wait, rounded)) break;
+    _tide_others_nap(a, arena, &wait);
   }
-  if (waiting_since)
-    atomic_fetch_add_explicit(&a->others_wait_ns, _tide_now_ns() - waiting_since,
-                              memory_order_relaxed);
+  _tide_others_wait_end(a, &wait);
   if (rc == TIDE_OK) return ptr;
   if (rc != TIDE_ERR_OOM) return NULL;
   char cause[512], b[7][32], on_stream[48];

@@ -281,19 +281,30 @@ static int ensure_mapped(tide_buf *b, size_t pages) {
   return rc;
 }
 
-/* ensure_mapped, and when memory runs out, once more after the allocator
- * gave its cached memory back, as tide_malloc does before it fails: free
- * blocks of the segments must not make a buffer's growth fail. The mutex is
- * let go meanwhile: giving the cache back takes the arena table's mutex,
- * which comes before the buffers' (tide_check holds it while it waits for
- * them). Under the mutex. */
+/* ensure_mapped, and when memory runs out, again after the allocator gave
+ * its cached memory back, and while others hold the device, after waiting
+ * for them (others.c), as tide_malloc does before it fails: free blocks of
+ * the segments, or another process's cache, must not make a buffer's
+ * growth fail. The mutex is let go meanwhile: giving the cache back takes
+ * the arena table's mutex, which comes before the buffers' (tide_check
+ * holds it while it waits for them). Under the mutex. */
 static int ensure_mapped_or_reclaim(tide_buf *b, size_t pages) {
   int rc = ensure_mapped(b, pages);
   if (rc != TIDE_ERR_OOM) return rc;
   pthread_mutex_unlock(&b->mutex);
   _tide_reclaim_for_retry(b->alloc);
   pthread_mutex_lock(&b->mutex);
-  return ensure_mapped(b, pages);
+  _tide_others_wait wait = {0};
+  while ((rc = ensure_mapped(b, pages)) == TIDE_ERR_OOM) {
+    size_t more = (pages > b->mapped ? pages - b->mapped : 1) * b->page;
+    pthread_mutex_unlock(&b->mutex);
+    bool again = _tide_others_wait_more(b->alloc, &wait, more);
+    if (again) _tide_others_nap(b->alloc, b->arena, &wait);
+    pthread_mutex_lock(&b->mutex);
+    if (!again) break;
+  }
+  _tide_others_wait_end(b->alloc, &wait);
+  return rc;
 }
 
 /* ------------------------------------------------------------------------ */

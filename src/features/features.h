@@ -1,6 +1,7 @@
 /* features.h: what is built on the memory layer (memory/core.h) and
  * called by the API (api/) and by the features' own files: capture pools
- * and checkpoints (pool.c, checkpoint.c), growable buffers (buffer.c),
+ * and checkpoints (pool.c, checkpoint.c), waiting for others' memory
+ * (others.c), growable buffers (buffer.c),
  * sharing between processes (share.c), statistics (stats.c), the snapshot
  * (snapshot.c) and the consistency check (validate.c); the pinned host pool
  * has its own header (pinned.h). Nothing below includes this. */
@@ -155,6 +156,29 @@ size_t _tide_bufs_destroy_all(struct tide_allocator *a);
  * it gives up), counted as a retry. Takes the arena locks and the buffers':
  * call it holding none. */
 void _tide_reclaim_for_retry(struct tide_allocator *a);
+
+/* ------------------------------------------------------------------------ */
+/* Waiting for others to give memory back (others.c)                        */
+/* ------------------------------------------------------------------------ */
+
+/* One allocation's wait: its tries, when it began, the last reading of the
+ * device's free memory. Zeroed before the first try. */
+typedef struct _tide_others_wait {
+  unsigned tries;
+  uint64_t since_ns; /* 0: not waiting yet */
+  size_t free_bytes;
+} _tide_others_wait;
+/* After a try that failed for lack of memory: whether to nap and try again,
+ * which holds while the device, not the limit, stands in the way of `bytes`
+ * more and others hold more than the low-water mark, for up to half a
+ * second. Holding no lock. */
+bool _tide_others_wait_more(struct tide_allocator *a, _tide_others_wait *w, size_t bytes);
+/* Nap before the next try, holding a claim on the device's free memory
+ * meanwhile (under `arena`'s lock when taken and given back) so that the
+ * others see the need. Holding no lock. */
+void _tide_others_nap(struct tide_allocator *a, _tide_arena *arena, const _tide_others_wait *w);
+/* The wait is over: its time goes to tide_stats.others_wait_ns. */
+void _tide_others_wait_end(struct tide_allocator *a, const _tide_others_wait *w);
 
 /* ------------------------------------------------------------------------ */
 /* Sharing (share.c)                                                         */
