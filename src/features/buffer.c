@@ -295,13 +295,11 @@ static int ensure_mapped_or_reclaim(tide_buf *b, size_t pages) {
   _tide_reclaim_for_retry(b->alloc);
   pthread_mutex_lock(&b->mutex);
   _tide_others_wait wait = {0};
-  while ((rc = ensure_mapped(b, pages)) == TIDE_ERR_OOM) {
-    size_t more = (pages > b->mapped ? pages - b->mapped : 1) * b->page;
+  while ((rc = ensure_mapped(b, pages)) == TIDE_ERR_OOM &&
+         _tide_others_wait_more(b->alloc, &wait, (pages - b->mapped) * b->page)) {
     pthread_mutex_unlock(&b->mutex);
-    bool again = _tide_others_wait_more(b->alloc, &wait, more);
-    if (again) _tide_others_nap(b->alloc, b->arena, &wait);
+    _tide_others_nap(b->alloc, b->arena, &wait);
     pthread_mutex_lock(&b->mutex);
-    if (!again) break;
   }
   _tide_others_wait_end(b->alloc, &wait);
   return rc;

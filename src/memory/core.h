@@ -667,9 +667,9 @@ struct tide_allocator {
   _Atomic uint64_t mapping_ns;      /* tide_stats.mapping_ns (device_memory.c) */
   _Atomic uint64_t device_queries;  /* tide_stats.device_queries (device_memory.c) */
   _Atomic uint64_t device_query_ns; /* tide_stats.device_query_ns */
-  _Atomic uint64_t others_wait_ns;  /* tide_stats.others_wait_ns (allocator.c) */
+  _Atomic uint64_t others_wait_ns;  /* tide_stats.others_wait_ns (features/others.c) */
   /* Bytes that waiting allocations hold as claims on the device's free
-   * memory (allocator.c), reserved but in no arena: taken and given back
+   * memory (features/others.c), reserved but in no arena: taken and given back
    * under an arena's lock, so that tide_check sees both counts move
    * together. */
   _Atomic int64_t claimed;
