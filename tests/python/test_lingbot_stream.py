@@ -6,10 +6,9 @@ skipped without them. Runs a small image size on the CPU."""
 import hashlib
 import importlib.util
 import os
-import sys
 
 import pytest
-from repo_module import ROOT, load
+from repo_module import library_found, load
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get("LINGBOT_MAP") or any(importlib.util.find_spec(m) is None
@@ -56,15 +55,6 @@ class Poses:
     def update(self, data):
         import numpy as np
         self.parts.append(np.frombuffer(data, dtype=np.float32).copy())
-
-
-def library_found():
-    sys.path.insert(0, os.path.join(ROOT, "python"))
-    try:
-        import tidalloc
-        return os.path.exists(tidalloc.library_path())
-    except (ImportError, OSError):
-        return False
 
 
 def test_kvcache_conversion_computes_lingbot_maps_poses():

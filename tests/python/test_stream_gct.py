@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from repo_module import ROOT, load
+from repo_module import ROOT, library_found, load
 
 torch = pytest.importorskip("torch", reason="stream_gct.py needs torch (not installed here)")
 
@@ -141,15 +141,6 @@ def test_paired_runner_in_segments_gives_the_whole_runs_outputs():
     assert list(run.segments(pieces, 3)) == [3, 6]
     assert pieces.hexdigest() == whole.hexdigest()
     assert list(run.segments(hashlib.sha256(), FRAMES)) == []
-
-
-def library_found():
-    sys.path.insert(0, os.path.join(ROOT, "python"))
-    try:
-        import tidalloc
-        return os.path.exists(tidalloc.library_path())
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("growable", [False, True], ids=["cat", "growable"])
