@@ -13,8 +13,8 @@ with an all-True mask). install() replaces the cached branch of both
 forwards with the same rule in a KVCache per layer:
 [scale frames][a ring of `window` frame slots][special tokens], a frame past
 the window taking the slot of the frame it evicts once that frame's special
-tokens are appended (bench/torch/stream_gct.py's GrowableKVCache, the same
-rule). Nothing is rebuilt or cloned, and the attention reads the cache where
+tokens are appended (bench/torch/frame_cache.py, which stream_gct.py's
+--growable uses too). Nothing is rebuilt or cloned, and the attention reads the cache where
 it is. The keys are held in the dtype the attention reads (bf16 under
 autocast) rather than as they come (fp32 from the qk norm), as autocast
 would cast them anyway.
@@ -36,56 +36,18 @@ import sys
 
 import torch
 
-# The package of this source tree, also when PYTHONPATH does not name it.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+# frame_cache.py beside this file, also when this file is loaded by its path.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from frame_cache import FrameCache  # noqa: E402
 
 # The dict key under which a layer's cache lives beside LingBot-Map's keys.
 CACHE_KEY = "_tidalloc_kv_%d"
 
 
-class FrameCache:
-    """One layer's cache of one stream: whole frames of `tokens` tokens in a
-    KVCache, evicted as LingBot-Map evicts them (caches of one token a frame,
-    the camera head's, never evict)."""
-
-    def __init__(self, scale_frames, window, tokens, special, max_frames, dtype):
-        from tidalloc.kv import KVCache
-        self.scale_frames, self.window, self.tokens, self.special = (scale_frames, window, tokens,
-                                                                     special)
-        self.evicting = tokens > 1
-        held = scale_frames + window
-        if self.evicting:
-            rows = held * tokens + special * max(0, max_frames - held)
-        else:
-            rows = max_frames * tokens
-        self.kv = KVCache(max_len=max(rows, tokens), dtype=dtype)
-        self.frames = 0     # frames held whole (scale frames and ring)
-        self.appended = 0   # frames ever appended: the ring's clock
-
-    def append(self, k, v):
-        """k, v: [B, H, n, tokens, D], n new frames."""
-        for i in range(k.shape[2]):
-            self._append_frame(k[:, :, i], v[:, :, i])
-
-    def _append_frame(self, k, v):
-        s, w, t = self.scale_frames, self.window, self.tokens
-        if not self.evicting or self.frames < s + w:
-            self.kv.append(k, v)
-            self.frames += 1
-        else:
-            slot = s + (self.appended - s) % w
-            special = slice(slot * t, slot * t + self.special)
-            self.kv.append(self.kv.keys[:, :, special], self.kv.values[:, :, special])
-            self.kv.put(slot * t, k, v)
-        self.appended += 1
-
-    def frames_view(self):
-        """The frames held, [B, H, frames, tokens, D] (a view)."""
-        return self.kv.keys[:, :, :self.frames * self.tokens].unflatten(2, (self.frames,
-                                                                           self.tokens))
-
-    def close(self):
-        self.kv.close()
+def frames_view(tensor, cache):
+    """The frames `cache` holds whole, of its keys or values `tensor`, as
+    [B, H, frames, tokens, D] (a view): what LingBot-Map keeps in k_{i}."""
+    return tensor[:, :, :cache.frames * cache.tokens].unflatten(2, (cache.frames, cache.tokens))
 
 
 def covered(attn, kv_cache):
@@ -161,10 +123,11 @@ def cached_forward(self, x, masked, max_frames, lingbot_attention, kv_cache, pos
         kv_cache[key] = cache
     frames = N // cache.tokens
     shape = (B, self.num_heads, frames, cache.tokens, self.head_dim)
-    cache.append(k.reshape(shape), v.reshape(shape))
-    kv_cache["k_%d" % global_idx] = cache.frames_view()
-    kv_cache["v_%d" % global_idx] = cache.kv.values[:, :, :cache.frames * cache.tokens].unflatten(
-        2, (cache.frames, cache.tokens))
+    k, v = k.reshape(shape), v.reshape(shape)
+    for i in range(frames):
+        cache.append_frame(k[:, :, i], v[:, :, i])
+    kv_cache["k_%d" % global_idx] = frames_view(cache.kv.keys, cache)
+    kv_cache["v_%d" % global_idx] = frames_view(cache.kv.values, cache)
 
     keys, values = cache.kv.keys, cache.kv.values
     mask = (torch.ones(B, 1, q.shape[2], keys.shape[2], dtype=torch.bool, device=q.device)

@@ -54,8 +54,9 @@ import torch.nn.functional as F
 
 # The package of this source tree, also when PYTHONPATH does not name it.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
-# sdpa.py beside this file, also when this file is loaded by its path.
+# sdpa.py and frame_cache.py beside this file, also when this file is loaded by its path.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from frame_cache import FrameCache  # noqa: E402
 from sdpa import SDPA_KERNELS, sdpa_context  # noqa: E402
 
 CSV_COLUMNS = ("frames", "status", "requested_height", "requested_width", "effective_height",
@@ -332,28 +333,33 @@ class CatKVCache:
 
 
 class GrowableKVCache:
-    """The same cache in a tidalloc.kv.KVCache (the package's [B, H, T, D]
-    cache, appended in place): [scale frames][a ring of `window` frame
-    slots][special tokens of evicted frames], one step a token. A frame past
-    the window takes the slot of the oldest frame in the ring (KVCache.put),
-    whose special tokens are appended at the end first: nothing is rebuilt,
-    and attention reads the cache where it is (the order of keys does not
-    change attention's result). kv_dtype "attention": K and V stored in the
-    compute dtype, which attend() converts them to anyway (the same values,
-    converted once a step's keys instead of the whole cache every step);
-    "appended": K in fp32 and V in the compute dtype, as they come."""
+    """The same cache in place (frame_cache.FrameCache: the package's
+    [B, H, T, D] tidalloc.kv.KVCache, [scale frames][a ring of `window` frame
+    slots][special tokens of evicted frames], nothing rebuilt, attention
+    reading the cache where it is). kv_dtype "attention": K and V stored in
+    the compute dtype, which attend() converts them to anyway (the same
+    values, converted once a step's keys instead of the whole cache every
+    step); "appended": K in fp32 and V in the compute dtype, as they come."""
 
     def __init__(self, shape, device, total_frames, map_ahead_frames=1, kv_dtype="attention"):
-        from tidalloc.kv import KVCache
-        t = shape.tokens
-        held = shape.scale_frames + shape.window
-        rows = held * t + shape.special * max(0, total_frames - held)
-        self.shape = shape
-        self.kv = KVCache(max_len=rows, map_ahead_steps=map_ahead_frames * t,
-                          dtype=COMPUTE_DTYPE if kv_dtype == "attention" else None)
-        self.frames = 0       # frames held (scale frames and ring)
-        self.appended = 0     # frames ever appended: the ring's clock
-        self.special_tokens = 0
+        self.cache = FrameCache(shape.scale_frames, shape.window, shape.tokens, shape.special,
+                                total_frames,
+                                dtype=COMPUTE_DTYPE if kv_dtype == "attention" else None,
+                                map_ahead_steps=map_ahead_frames * shape.tokens)
+
+    @property
+    def kv(self):
+        """The KVCache itself."""
+        return self.cache.kv
+
+    @property
+    def frames(self):
+        """Frames held whole (scale frames and ring)."""
+        return self.cache.frames
+
+    @property
+    def special_tokens(self):
+        return self.cache.special_tokens
 
     def append(self, k, v):
         """k, v: [B, H, T, D] of B new frames, appended a frame at a time."""
@@ -361,27 +367,13 @@ class GrowableKVCache:
             # K in fp32 and V in the compute dtype, as the first append brings them.
             k, v = k.float(), v.to(COMPUTE_DTYPE)
         for i in range(k.shape[0]):
-            self._append_frame(k[i:i + 1], v[i:i + 1])
-
-    def _append_frame(self, k, v):
-        """k, v: [1, H, T, D] (views; copied into the cache)."""
-        s, w, t = self.shape.scale_frames, self.shape.window, self.shape.tokens
-        if self.frames < s + w:
-            self.kv.append(k, v)
-            self.frames += 1
-        else:
-            slot = s + (self.appended - s) % w
-            special = slice(slot * t, slot * t + self.shape.special)
-            self.kv.append(self.kv.keys[:, :, special], self.kv.values[:, :, special])
-            self.kv.put(slot * t, k, v)
-            self.special_tokens += self.shape.special
-        self.appended += 1
+            self.cache.append_frame(k[i:i + 1], v[i:i + 1])
 
     def attention(self, q):
         return attend(q, self.kv.keys, self.kv.values)
 
     def close(self):
-        self.kv.close()
+        self.cache.close()
 
 
 class CatCameraCache:

@@ -78,15 +78,15 @@ def test_kvcache_conversion_computes_lingbot_maps_poses():
         converted, again = Poses(), Poses()
         import lingbot_kvcache  # as the runner imported it
         frames, evicted = [], []
-        real = lingbot_kvcache.FrameCache._append_frame
+        real = lingbot_kvcache.FrameCache.append_frame
 
         def counted(cache, k, v):
             frames.append(cache.tokens)
             evicted.append(cache.evicting and cache.frames == cache.scale_frames + cache.window)
             return real(cache, k, v)
-        lingbot_kvcache.FrameCache._append_frame = counted
+        lingbot_kvcache.FrameCache.append_frame = counted
         run(converted)
-        lingbot_kvcache.FrameCache._append_frame = real
+        lingbot_kvcache.FrameCache.append_frame = real
         run(again)  # a second stream: fresh caches after clean_kv_cache
     finally:
         run.uninstall()
