@@ -839,7 +839,8 @@ def kernel_summary(kernels, steps, top=12, wall_s=None):
     total microseconds) pairs."""
     by_kind = {}
     for name, us in kernels:
-        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + us
+        kind = kernel_kind(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + us
     total = sum(by_kind.values())
     lines = ["device time per step over %d steps: %.3f ms (%s)"
              % (steps, total / 1e3 / steps, ", ".join(
